@@ -1,0 +1,234 @@
+"""Decode benchmark: STANDARD vs SOFT vs FUSED tokens/s side by side, against the matmul bound and HF generate.
+
+Every variant of one (dtype, batch) cell runs in the same process, interleaved (A B C A B C ...), and the
+median is reported, so ratios hold on a noisy shared machine. The matmul bound is the time of the decode
+step's weight matrix-vector products alone (one token's worth, same shapes and dtype, timed in the same
+loop): the ceiling for batch-1 decoding on this hardware.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from fullband.decode.generate import generate, stream
+from fullband.model.config import ModelConfig
+from fullband.model.decoder import FullbandLM
+
+
+@dataclass
+class Row:
+    dtype: str
+    batch: int
+    variant: str
+    tokens_per_s: float  # tokens/s summed over the batch rows
+    ms_per_step: float  # per decode step (per generated token for end-to-end rows)
+    prefill_ms: float | None = None
+    note: str = ""
+
+
+def _decode_timer(model, prompts, new_tokens: int, mode: str, prefill_passes: int, compile: bool = False):
+    """A callable timing one generation: returns (prefill s, decode s for the new_tokens - 1 decode steps)."""
+
+    def run() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        it = stream(model, prompts, new_tokens, mode=mode, prefill_passes=prefill_passes, compile=compile)
+        next(it).tokens.tolist()
+        t1 = time.perf_counter()
+        for step in it:
+            step.tokens.tolist()
+        return t1 - t0, time.perf_counter() - t1
+
+    return run
+
+
+def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Callable[[], float]:
+    """The decode step's weight matrix-vector products alone, one token's worth: per block wqkv, wo, w_in,
+    w_down, then the LM head. `split` times the Llama-style sequence instead (q, k, v, o, gate, up, down as
+    seven matrices of the same total size). The callable returns seconds per token (median of 5)."""
+    weights: list[torch.Tensor] = []
+    for block in model.blocks:
+        a, m = block.attn, block.mlp
+        if split:
+            H, Hk, Dh = a.n_heads, a.n_kv_heads, a.head_dim
+            mats = [*a.wqkv.weight.split([H * Dh, Hk * Dh, Hk * Dh]), a.wo.weight, *m.w_in.weight.chunk(2), m.w_down.weight]
+            weights += [w.contiguous() for w in mats]
+        else:
+            weights += [a.wqkv.weight, a.wo.weight, m.w_in.weight, m.w_down.weight]
+    weights.append(model.embed.weight)
+    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+
+    def once() -> None:
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
+
+    def run() -> float:
+        times = []
+        with torch.inference_mode():
+            for _ in range(5):
+                t0 = time.perf_counter()
+                once()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return run
+
+
+def theory_overhead(cfg: ModelConfig) -> float:
+    """SOFT's extra weight reads per token over STANDARD's: 2 D^2 / (matmul weights of one decode step)."""
+    qkvo = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    per_token = cfg.n_layers * (qkvo + 3 * cfg.d_model * cfg.d_ff) + cfg.vocab_size * cfg.d_model
+    return 2 * cfg.d_model**2 / per_token
+
+
+def hf_llama_generate(model: FullbandLM, prompt_len: int, new_tokens: int) -> Callable[[], None] | None:
+    """HF LlamaForCausalLM of the same shape (random weights), greedy, batch 1; None when transformers is missing."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    cfg = model.config
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=True, rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+    )).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len))
+
+    def run() -> None:
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    return run
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_decode_bench(
+    cfg: ModelConfig,
+    *,
+    batches: list[int] = (1, 8),
+    dtypes: list[str] = ("float32", "bfloat16"),
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    prefill_passes: int = 1,
+    repeats: int = 5,
+    hf: bool = True,
+    compile: bool = False,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict:
+    torch.manual_seed(seed)
+    base = FullbandLM(cfg).eval()
+    fused = f"fused(k={prefill_passes})"
+    rows: list[Row] = []
+    for dtype_name in dtypes:
+        model = copy.deepcopy(base).to(getattr(torch, dtype_name))
+        for batch in batches:
+            prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len))
+            decoders = {
+                "standard": _decode_timer(model, prompts, new_tokens, "standard", 0),
+                "soft": _decode_timer(model, prompts, new_tokens, "soft", 0),
+                fused: _decode_timer(model, prompts, new_tokens, "fused", prefill_passes),
+            }
+            if compile:
+                decoders["standard compiled"] = _decode_timer(model, prompts, new_tokens, "standard", 0, True)
+                decoders["soft compiled"] = _decode_timer(model, prompts, new_tokens, "soft", 0, True)
+            chain, chain7 = matmul_chain(model, batch), matmul_chain(model, batch, split=True)
+            e2e = (lambda: generate(model, prompts, new_tokens, mode="standard")) if batch == 1 else None
+            hf_run = hf_llama_generate(model, prompt_len, new_tokens) if hf and batch == 1 and dtype_name == "float32" else None
+            log(f"[bench] {dtype_name} batch {batch}: warm-up" + (" (compiling)" if compile else ""))
+            for fn in [*decoders.values(), chain, chain7, e2e, hf_run]:
+                if fn is not None:
+                    fn()
+            times: dict[str, list] = {name: [] for name in [*decoders, "chain", "chain7", "e2e", "hf"]}
+            for r in range(repeats):
+                for name, fn in decoders.items():
+                    times[name].append(fn())
+                times["chain"].append(chain())
+                times["chain7"].append(chain7())
+                if e2e is not None:
+                    times["e2e"].append(_timed(e2e))
+                if hf_run is not None:
+                    times["hf"].append(_timed(hf_run))
+                log(f"[bench] {dtype_name} batch {batch}: repetition {r + 1}/{repeats}")
+            steps = new_tokens - 1
+            for name in decoders:
+                pre = statistics.median(p for p, _ in times[name])
+                dec = statistics.median(d for _, d in times[name])
+                rows.append(Row(dtype_name, batch, name, batch * steps / dec, 1000 * dec / steps, 1000 * pre))
+            for name, note in (("chain", "weights only: wqkv, wo, w_in, w_down, head"),
+                               ("chain7", "weights only: q, k, v, o, gate, up, down, head")):
+                t = statistics.median(times[name])
+                rows.append(Row(dtype_name, batch, "matmul bound" if name == "chain" else "matmul bound (7/layer)",
+                                batch / t, 1000 * t, note=note))
+            for name, variant, note in (("e2e", "standard end-to-end", "generate(): prefill + decode"),
+                                        ("hf", "HF Llama generate", "same shape, greedy, end-to-end")):
+                if times[name]:
+                    t = statistics.median(times[name])
+                    rows.append(Row(dtype_name, batch, variant, new_tokens / t, 1000 * t / new_tokens, note=note))
+    return {
+        "rows": [asdict(r) for r in rows],
+        "params": base.num_params(),
+        "params_fusion": base.num_params() - base.num_params(fusion=False),
+        "threads": torch.get_num_threads(),
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "theory_soft_overhead": theory_overhead(cfg),
+        **_summary(rows, fused),
+    }
+
+
+def _summary(rows: list[Row], fused: str) -> dict:
+    get = {(r.dtype, r.batch, r.variant): r.tokens_per_s for r in rows}
+    out: dict = {}
+    for dtype, batch, variant in list(get):
+        if variant != "standard":
+            continue
+        key = f"{dtype}/b{batch}"
+        std = get[(dtype, batch, "standard")]
+        out[f"soft_overhead/{key}"] = std / get[(dtype, batch, "soft")] - 1
+        out[f"fused_decode_overhead/{key}"] = std / get[(dtype, batch, fused)] - 1
+        out[f"standard_vs_bound/{key}"] = std / get[(dtype, batch, "matmul bound")]
+        if (dtype, batch, "standard compiled") in get:
+            comp = get[(dtype, batch, "standard compiled")]
+            out[f"compiled_vs_bound/{key}"] = comp / get[(dtype, batch, "matmul bound")]
+            out[f"compiled_soft_overhead/{key}"] = comp / get[(dtype, batch, "soft compiled")] - 1
+        if (dtype, batch, "HF Llama generate") in get:
+            out[f"e2e_vs_hf/{key}"] = get[(dtype, batch, "standard end-to-end")] / get[(dtype, batch, "HF Llama generate")]
+        if dtype == "bfloat16" and ("float32", batch, "standard") in get:
+            out[f"bf16_vs_fp32/b{batch}"] = std / get[("float32", batch, "standard")]
+            out[f"bf16_vs_fp32_bound/b{batch}"] = (
+                get[(dtype, batch, "matmul bound")] / get[("float32", batch, "matmul bound")]
+            )
+    return out
+
+
+def format_report(result: dict) -> str:
+    lines = [
+        f"parameters {result['params'] / 1e6:.1f}M (fusion {result['params_fusion'] / 1e6:.2f}M), "
+        f"{result['threads']} threads, prompt {result['prompt_len']} tokens, {result['new_tokens']} new tokens",
+        f"{'dtype':<9} {'batch':>5}  {'variant':<22} {'tok/s':>9} {'ms/step':>8} {'prefill ms':>10}  note",
+    ]
+    for r in result["rows"]:
+        pre = f"{r['prefill_ms']:.1f}" if r["prefill_ms"] is not None else ""
+        lines.append(f"{r['dtype']:<9} {r['batch']:>5}  {r['variant']:<22} {r['tokens_per_s']:>9.1f} "
+                     f"{r['ms_per_step']:>8.2f} {pre:>10}  {r['note']}")
+    lines.append(f"theoretical SOFT overhead (2 D^2 / weights read per token): {100 * result['theory_soft_overhead']:.2f}%")
+    for key, value in result.items():
+        if "overhead/" in key:
+            lines.append(f"{key:<34} {100 * value:+.2f}%")
+        elif "/" in key:
+            lines.append(f"{key:<34} {value:.3f}x")
+    return "\n".join(lines)

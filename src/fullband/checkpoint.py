@@ -1,0 +1,154 @@
+"""Model checkpoints: a folder with `config.json` (the resolved ModelConfig) and `model.safetensors`.
+
+Written atomically (a temporary sibling folder renamed into place) so a crash never leaves half a
+checkpoint; the loader checks every file and says which one is missing, corrupted or inconsistent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fullband.errors import CheckpointError, ConfigError
+from fullband.model.config import ModelConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT = "fullband"
+FORMAT_VERSION = 1
+
+
+def _version() -> str:
+    from fullband import __version__
+
+    return __version__
+
+
+def save_model(model: torch.nn.Module, directory: str | Path, *, tokenizer: Any = None, metadata: dict | None = None) -> Path:
+    """Write model (and tokenizer) into `directory`, replacing what was there only once all is written."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    try:
+        config = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "fullband_version": _version(),
+            "model": model.config.to_dict(),
+            **(metadata or {}),
+        }
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        _replace_dir(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = dst.with_name(f".{dst.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(dst, old)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_config(directory: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint folder, with an error naming the folder and file on any problem."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint folder {str(directory)!r} does not exist (or is not a folder)")
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{str(directory)!r} is not a fullband checkpoint: {CONFIG_FILE} is missing "
+            f"(a checkpoint holds {CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is corrupted (not valid JSON): {err}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or "model" not in data:
+        raise CheckpointError(f"{path} is not a fullband config (expected format={FORMAT!r} and a 'model' section)")
+    if data.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format_version={data['format_version']}, newer than this fullband reads "
+            f"({FORMAT_VERSION}); upgrade fullband"
+        )
+    try:
+        return ModelConfig.from_dict(data["model"], source=str(path))
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: invalid model config: {err}") from None
+    except TypeError as err:
+        raise CheckpointError(f"{path}: invalid model config: {err}") from None
+
+
+def load_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(directory) / WEIGHTS_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{str(directory)!r} is incomplete: {WEIGHTS_FILE} is missing")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{path} is corrupted or truncated: {err}") from None
+
+
+def load_model(directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Rebuild the model a folder describes and load its weights, checking names and shapes first."""
+    from fullband.model.decoder import FullbandLM
+    from fullband.model.layers import Rotary
+
+    config = read_config(directory)
+    state = load_state(directory)
+    with torch.device("meta"):
+        model = FullbandLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = _compare(expected, {k: tuple(v.shape) for k, v in state.items()})
+    if problems:
+        raise CheckpointError(
+            f"{Path(directory) / WEIGHTS_FILE} does not match {CONFIG_FILE} "
+            f"(d_model={config.d_model}, n_layers={config.n_layers}, fusion={config.fusion!r}): " + "; ".join(problems)
+        )
+    model = model.to_empty(device=device)
+    model.rotary = Rotary(config.head_dim, config.max_seq_len, config.rope_theta).to(device)
+    model.load_state_dict(state, strict=True)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def _compare(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = [f"{k}: {found[k]} in file, {expected[k]} expected" for k in expected if k in found and found[k] != expected[k]]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {_few(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatch {_few(shapes)}")
+    return problems
+
+
+def _few(items: list[str], n: int = 4) -> str:
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more

@@ -1,0 +1,168 @@
+"""The `fullband` command: one entry point, one subcommand per job (init, generate, bench, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from fullband.errors import FullbandError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Write a randomly initialised checkpoint (config.json + model.safetensors + tokenizer.json)."""
+    import torch
+
+    from fullband.data.tokenizer import ByteTokenizer
+    from fullband.model.decoder import FullbandLM
+    from fullband.presets import load_model_config
+
+    cfg = load_model_config(args.config, args.set)
+    torch.manual_seed(args.seed)
+    model = FullbandLM(cfg)
+    tokenizer = ByteTokenizer() if cfg.vocab_size >= ByteTokenizer.vocab_size else None
+    model.save(args.out, tokenizer=tokenizer)
+    print(f"wrote {args.out}: {model.num_params() / 1e6:.2f}M parameters "
+          f"(fusion {(model.num_params() - model.num_params(fusion=False)) / 1e6:.3f}M), fusion={cfg.fusion}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream a continuation of --prompt to stdout, token by token."""
+    import torch
+
+    from fullband.data.tokenizer import load_tokenizer
+    from fullband.decode.generate import stream
+    from fullband.model.decoder import FullbandLM
+
+    model = FullbandLM.load(args.checkpoint, device=args.device, dtype=_dtype(args.dtype))
+    tokenizer = load_tokenizer(args.checkpoint)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise FullbandError(
+            f"the checkpoint's tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}"
+        )
+    prompt = tokenizer.encode(args.prompt, bos=True)
+    stops = [] if args.ignore_eos else [tokenizer.eos_id]
+    t0 = time.perf_counter()
+    steps = stream(
+        model, [prompt], args.max_new_tokens, mode=args.mode, prefill_passes=args.prefill_passes,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stops,
+        compile=args.compile,
+    )
+    out = sys.stdout
+    if args.echo:
+        out.write(args.prompt)
+    ids: list[int] = []
+    shown = ""
+    with torch.inference_mode():
+        for step in steps:
+            if bool(step.finished[0]):
+                break
+            ids.append(int(step.tokens[0]))
+            text = tokenizer.decode(ids)
+            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                out.write(text[len(shown):])
+                out.flush()
+                shown = text
+    out.write(tokenizer.decode(ids)[len(shown):] + "\n")
+    dt = time.perf_counter() - t0
+    print(f"[{len(ids)} tokens, {args.mode}, {len(ids) / dt:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from fullband.bench.decode import format_report, run_decode_bench
+    from fullband.presets import load_model_config
+
+    cfg = load_model_config(args.config, args.set)
+    result = run_decode_bench(
+        cfg, batches=args.batch_sizes, dtypes=args.dtypes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        prefill_passes=args.prefill_passes, repeats=args.repeats, hf=not args.no_hf, compile=args.compile,
+        log=lambda s: print(s, file=sys.stderr),
+    )
+    print(format_report(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fullband.demo import run_demo
+
+    return run_demo(args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fullband", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("init", help="write a randomly initialised checkpoint")
+    s.add_argument("--config", required=True, help="a preset name (tiny, bench-91m) or a .toml/.json file")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model field (repeatable)")
+    s.add_argument("--out", required=True, help="checkpoint folder to write")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=cmd_init)
+
+    s = sub.add_parser("generate", help="stream a continuation of a prompt")
+    s.add_argument("--checkpoint", required=True)
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--mode", default="soft", help="standard | soft | fused | exact (default soft)")
+    s.add_argument("--prefill-passes", type=int, default=1, help="extra fused passes over the prompt (fused mode)")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--dtype", choices=DTYPES, default="float32")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--compile", action="store_true", help="torch.compile the decode step (first call is slow)")
+    s.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    s.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
+    s = b.add_parser("decode", help="STANDARD vs SOFT vs FUSED decode tokens/s, matmul bound, HF generate")
+    s.add_argument("--config", default="bench-91m")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE")
+    s.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    s.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"])
+    s.add_argument("--prompt-len", type=int, default=32)
+    s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--prefill-passes", type=int, default=1)
+    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate comparison")
+    s.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
+    s.add_argument("--json", help="also write the results to this JSON file")
+    s.set_defaults(func=cmd_bench_decode)
+
+    s = sub.add_parser("demo", help="the embedded demo (what `make demo` runs)")
+    s.add_argument("--out", default="runs/demo")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FullbandError as err:
+        print(f"fullband {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Latent-feedback decoding: STANDARD, SOFT, FUSED and EXACT modes over one static KV cache.
+
+  standard  plain prefill; plain token embeddings while generating (an ordinary LM)
+  soft      plain prefill; each generated position t takes fuse(e_t, h_{t-1})
+  fused     prefill with 1 + prefill_passes Jacobi passes (the last one fills a fresh cache), then as soft
+  exact     the prompt itself runs through the exact recurrence, then as soft (the ground truth)
+
+Every mode is one prefill (model.forward or model.recurrent_forward writing the cache) followed by the
+same decode step (model.step). Ragged batches are right-padded; each row advances at its own position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fullband.decode.cache import KVCache
+from fullband.decode.sampling import sample
+from fullband.errors import InputError, closest
+
+MODES = ("standard", "soft", "fused", "exact")
+
+
+@dataclass
+class Step:
+    """One generated position for every row of the batch."""
+
+    tokens: Tensor  # (B,) the sampled token of each row
+    logits: Tensor  # (B, V) the logits it was sampled from
+    finished: Tensor  # (B,) bool: the row had already emitted a stop token (its token here is filler)
+
+
+def stream(
+    model,
+    prompts,
+    max_new_tokens: int,
+    *,
+    mode: str = "soft",
+    prefill_passes: int = 1,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    compile: bool = False,
+) -> Iterator[Step]:
+    """Yield one Step per generated position. Arguments are checked now, before the first step.
+
+    `compile=True` runs the decode step through torch.compile (static whole-cache attention; the first
+    call per batch size and cache length compiles for a while, later ones are faster than eager)."""
+    cfg = model.config
+    ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    if mode not in MODES:
+        hint = closest(mode, MODES) if isinstance(mode, str) else ""
+        raise InputError(f"mode={mode!r} is not a decoding mode{hint}; accepted: {', '.join(MODES)}")
+    _check_int("prefill_passes", prefill_passes, 0)
+    if mode != "standard" and not cfg.has_feedback:
+        raise InputError(f"mode={mode!r} needs feedback weights; this model has fusion='none' (use mode='standard')")
+    longest = int(lengths.max())
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise InputError(
+            f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} exceeds "
+            f"max_seq_len={cfg.max_seq_len}; shorten the prompt or ask for at most "
+            f"{max(cfg.max_seq_len - longest, 0)} new tokens"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
+        raise InputError(f"temperature={temperature!r} is invalid; accepted: a number >= 0 (0 = greedy)")
+    if top_k is not None:
+        _check_int("top_k", top_k, 1)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
+        raise InputError(f"top_p={top_p!r} is invalid; accepted: 0 < top_p <= 1")
+    stops = _check_stop_tokens(stop_tokens, cfg.vocab_size)
+    if seed is not None:
+        _check_int("seed", seed, 0)
+    passes = 1 + (prefill_passes if mode == "fused" else 0)
+    sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
+    return _decode(model, ids, lengths, max_new_tokens, mode, passes, sampling, seed, stops, bool(compile))
+
+
+def generate(model, prompts, max_new_tokens: int, **kwargs) -> list[list[int]]:
+    """Generated token ids of each prompt (a stop token, when hit, is the last id). See `stream`."""
+    out: list[list[int]] | None = None
+    for step in stream(model, prompts, max_new_tokens, **kwargs):
+        tokens, finished = step.tokens.tolist(), step.finished.tolist()
+        out = out if out is not None else [[] for _ in tokens]
+        for row, (tok, done) in enumerate(zip(tokens, finished)):
+            if not done:
+                out[row].append(tok)
+    return out
+
+
+def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes: int, sampling: dict,
+            seed: int | None, stops: Tensor | None, compile: bool) -> Iterator[Step]:
+    device = next(model.parameters()).device
+    ids, lengths = ids.to(device), lengths.to(device)
+    B = ids.shape[0]
+    longest, shortest = int(lengths.max()), int(lengths.min())
+    cache_len = longest + max_new - 1
+    if compile:  # a static cache length, rounded so that nearby requests share one compiled graph
+        cache_len = min(-(-cache_len // 64) * 64, model.config.max_seq_len)
+    cache = KVCache.for_model(model, B, cache_len)
+    step = _compiled_step(model, cache) if compile else _eager_step(model, cache, ragged=longest != shortest)
+    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    bos = model.config.bos_token_id
+    feed = mode != "standard"
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            if mode == "exact":
+                out = model.recurrent_forward(ids, cache=cache, return_logits=False)
+            else:
+                out = model(ids, passes=passes, cache=cache, return_logits=False)
+            rows, last = torch.arange(B, device=device), lengths - 1
+            state, logits = out.hidden[rows, last], model.head(out.top[rows, last])  # (B, D), (B, V)
+            del out
+            positions = lengths.clone()
+            finished = torch.zeros(B, dtype=torch.bool, device=device)
+            stops = None if stops is None else stops.to(device)
+            for s in range(max_new):
+                tokens = sample(logits, generator=generator, **sampling)
+                yield Step(tokens=tokens, logits=logits, finished=finished.clone())
+                if stops is not None:
+                    finished |= torch.isin(tokens, stops)
+                    if bool(finished.all()):
+                        return
+                if s == max_new - 1:
+                    return
+                plain = (tokens == bos) if (feed and bos is not None) else None
+                state, logits = step(tokens, positions, state if feed else None, plain, longest + s + 1)
+                positions += 1
+    finally:
+        model.train(was_training)
+
+
+def _eager_step(model, cache: KVCache, *, ragged: bool):
+    """Decode step attending to the first kv_len cache positions (masked per row only for ragged batches)."""
+
+    def step(tokens, positions, prev, plain, kv_len):
+        mask = cache.visible(positions, kv_len) if ragged else None
+        state, top = model.step(tokens, positions, cache, prev=prev, plain=plain, kv_len=kv_len, mask=mask)
+        return state, model.head(top)
+
+    return step
+
+
+def _static_step(model, ks: list[Tensor], vs: list[Tensor], tokens, positions, prev, plain):
+    """Decode step with static shapes (whole cache, masked) for torch.compile."""
+    cache = KVCache.wrap(ks, vs)
+    mask = cache.visible(positions, cache.max_len)
+    state, top = model.step(tokens, positions, cache, prev=prev, plain=plain, kv_len=cache.max_len, mask=mask)
+    return state, model.head(top)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled_step(model, cache: KVCache):
+    """torch.compile'd decode step; the cache tensors are graph inputs, so a new cache of the same shape
+    reuses the compiled graph (one compile per batch size, cache length and mode)."""
+    kind = next(model.parameters()).device.type
+    if kind not in _COMPILED:
+        # on CPU the C++ wrapper removes the Python call overhead between kernels (the batch-1 bottleneck)
+        options = {"cpp_wrapper": True} if kind == "cpu" else None
+        _COMPILED[kind] = torch.compile(_static_step, dynamic=False, fullgraph=True, options=options)
+    fn = _COMPILED[kind]
+
+    def step(tokens, positions, prev, plain, kv_len):
+        return fn(model, cache.k, cache.v, tokens, positions, prev, plain)
+
+    return step
+
+
+def _pack_prompts(prompts, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Prompts (a (B, T) / (T,) tensor, or a list of id sequences) -> right-padded (B, T_max) ids, lengths (B,)."""
+    if isinstance(prompts, Tensor):
+        if prompts.ndim == 1:
+            prompts = prompts[None]
+        if prompts.ndim != 2:
+            raise InputError(f"prompts tensor must be (T,) or (B, T); got shape {tuple(prompts.shape)}")
+        rows = list(prompts)
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, str | bytes):
+        rows = list(prompts)
+        if rows and all(isinstance(t, int) for t in rows):
+            raise InputError("prompts must be a list of token-id sequences; for one prompt pass [ids], not ids")
+    else:
+        raise InputError(f"prompts must be a list of token-id sequences or a tensor, got {type(prompts).__name__}")
+    if not rows:
+        raise InputError("prompts is empty; give at least one prompt")
+    seqs = []
+    for i, row in enumerate(rows):
+        try:
+            t = torch.as_tensor(row)
+        except (TypeError, ValueError) as err:
+            raise InputError(f"prompt {i} is not a sequence of token ids: {err}") from None
+        if t.numel() == 0:
+            raise InputError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+        if t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise InputError(
+                f"prompt {i} must be a 1-D sequence of integer token ids; got dtype {t.dtype}, shape {tuple(t.shape)}"
+            )
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= vocab_size:
+            raise InputError(
+                f"prompt {i} has token id {lo if lo < 0 else hi}; accepted: 0 <= id < vocab_size={vocab_size}"
+            )
+        seqs.append(t.long().cpu())
+    lengths = torch.tensor([len(t) for t in seqs])
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
+    for i, t in enumerate(seqs):
+        ids[i, : len(t)] = t
+    return ids, lengths
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(f"{name}={value!r} is invalid; accepted: an integer >= {minimum}")
+
+
+def _check_stop_tokens(stop_tokens, vocab_size: int) -> Tensor | None:
+    if stop_tokens is None:
+        return None
+    stops = list(stop_tokens) if not isinstance(stop_tokens, int) else [stop_tokens]
+    for t in stops:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InputError(f"stop token {t!r} is invalid; accepted: integer ids 0 <= id < vocab_size={vocab_size}")
+    return torch.tensor(stops, dtype=torch.long) if stops else None

@@ -1,0 +1,71 @@
+"""Grouped-query causal self-attention with optional QK-RMSNorm and RoPE, reading/writing a static KV cache.
+
+Shapes: B batch, T positions, H query heads, Hk key/value heads, Dh head dim, D model width, S cache length.
+q, k and v come from one (H + 2 Hk) * Dh x D matrix `wqkv`; q and k are normalised and rotated together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.torch_version import TorchVersion
+
+from fullband.model.config import ModelConfig
+from fullband.model.layers import apply_rotary, rms_norm
+
+_SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, mask: Tensor | None) -> Tensor:
+    if k.shape[1] != q.shape[1]:
+        if _SDPA_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.eps = cfg.norm_eps
+        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        # QK-RMSNorm over each head's Dh, with a gain per query head and per key head
+        self.qk_gain = nn.Parameter(torch.ones(cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv: tuple[Tensor, Tensor] | None = None,
+        slots: Tensor | None = None,
+        kv_len: int = 0,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """Full causal attention over x from position 0 (slots None; fills kv[:, :T] if given), or one decode
+        step per row (x (B, 1, D) written at cache `slots` (B,), attending to the cache's first kv_len positions
+        under `mask`)."""
+        B, T, _ = x.shape
+        H, Hk, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = F.linear(x, self.wqkv.weight).view(B, T, H + 2 * Hk, Dh)
+        qk, v = qkv.split([H + Hk, Hk], dim=2)
+        if self.qk_gain is not None:
+            qk = rms_norm(qk, None, self.eps) * self.qk_gain
+        qk = apply_rotary(qk, cos, sin)  # (B, T, H + Hk, Dh)
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:]
+        if slots is None:
+            if kv is not None:
+                kv[0][:, :T] = k
+                kv[1][:, :T] = v
+            y = _attend(q, k.transpose(1, 2), v.transpose(1, 2), causal=True, mask=None)
+        else:
+            kv[0].view(-1, Hk, Dh).index_copy_(0, slots, k[:, 0])
+            kv[1].view(-1, Hk, Dh).index_copy_(0, slots, v[:, 0])
+            keys, values = kv[0][:, :kv_len].transpose(1, 2), kv[1][:, :kv_len].transpose(1, 2)
+            y = _attend(q, keys, values, causal=False, mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, H * Dh)
+        return F.linear(y, self.wo.weight)

@@ -1,0 +1,150 @@
+"""ModelConfig: every architectural and multi-pass knob of a full-bandwidth model, validated on construction.
+
+The resolved config travels with every checkpoint (`config.json`), so a folder always describes itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from fullband.errors import ConfigError, closest
+
+FUSIONS = ("gated", "additive", "concat", "none")
+FEEDBACKS = ("final", "residual")
+
+
+def _default_d_ff(d_model: int) -> int:
+    # SwiGLU keeps the MLP's parameter count near a 4x GELU MLP with 8/3 * D, rounded up to a multiple of 64.
+    return -(-(8 * d_model // 3) // 64) * 64
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only full-bandwidth LM.
+
+    Fusion variants (METHOD.md section 2): `gated` (h W_U) * sigmoid(norm_in(e) W_G) (the paper's),
+    `additive` norm_in(e) + h W, `concat` [norm_in(e); h] W, and `none` (a standard transformer with no
+    feedback weights, usable only with one pass). `feedback` picks which top state is fed back:
+    `final` (after the final RMSNorm, the vector the tied LM head reads) or `residual` (before it).
+    """
+
+    vocab_size: int = 259
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = True
+    init_std: float = 0.02
+    fusion: str = "gated"
+    feedback: str = "final"
+    # Positions holding this token are document starts and always take the plain embedding.
+    bos_token_id: int | None = None
+    # Training-time behaviour of the multi-pass forward (all inactive in eval mode).
+    jitter: float = 0.02
+    prefix_mixin_prob: float = 0.5
+    detach_between_passes: bool = False
+    pass_loss_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        ints = ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
+        for name in ints:
+            _check_int(name, getattr(self, name), minimum=1)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _check_int("n_kv_heads", self.n_kv_heads, minimum=1)
+        if self.d_ff is None:
+            self.d_ff = _default_d_ff(self.d_model)
+        _check_int("d_ff", self.d_ff, minimum=1)
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"accepted: n_heads dividing d_model (e.g. {_divisors_hint(self.d_model)})"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                f"accepted: a divisor of n_heads (e.g. {_divisors_hint(self.n_heads)})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head_dim = d_model / n_heads = {self.head_dim} is odd; RoPE needs an even head_dim"
+            )
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            _check_float(name, getattr(self, name), positive=True)
+        for name in ("jitter", "pass_loss_weight"):
+            _check_float(name, getattr(self, name), positive=False)
+        _check_float("prefix_mixin_prob", self.prefix_mixin_prob, positive=False)
+        if self.prefix_mixin_prob > 1:
+            raise ConfigError(f"prefix_mixin_prob={self.prefix_mixin_prob} is a probability; accepted: 0 <= p <= 1")
+        for name in ("qk_norm", "detach_between_passes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+        _check_choice("fusion", self.fusion, FUSIONS)
+        _check_choice("feedback", self.feedback, FEEDBACKS)
+        if self.bos_token_id is not None:
+            _check_int("bos_token_id", self.bos_token_id, minimum=0)
+            if self.bos_token_id >= self.vocab_size:
+                raise ConfigError(
+                    f"bos_token_id={self.bos_token_id} is outside the vocabulary; "
+                    f"accepted: 0 <= bos_token_id < vocab_size={self.vocab_size}, or null"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def has_feedback(self) -> bool:
+        return self.fusion != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "ModelConfig":
+        """Build from a mapping; unknown keys are an error that names the key and the closest valid one."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of model fields, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in names:
+                raise ConfigError(
+                    f"{source}: unknown model field {key!r}{closest(key, names)}; accepted: {', '.join(names)}"
+                )
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return ModelConfig.from_dict({**self.to_dict(), **changes})
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} must be an integer (got {type(value).__name__})")
+    if value < minimum:
+        raise ConfigError(f"{name}={value} is out of range; accepted: an integer >= {minimum}")
+
+
+def _check_float(name: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name}={value!r} must be a number (got {type(value).__name__})")
+    if positive and not value > 0:
+        raise ConfigError(f"{name}={value} is out of range; accepted: a number > 0")
+    if not positive and not value >= 0:
+        raise ConfigError(f"{name}={value} is out of range; accepted: a number >= 0")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = closest(value, choices) if isinstance(value, str) else ""
+        raise ConfigError(f"{name}={value!r} is not supported{hint}; accepted: {', '.join(choices)}")
+
+
+def _divisors_hint(n: int) -> str:
+    divs = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in divs[-6:])

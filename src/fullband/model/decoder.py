@@ -1,0 +1,273 @@
+"""FullbandLM: a decoder-only LM whose input can fuse the previous position's top state (latent feedback).
+
+Three ways to run the same weights:
+  forward(ids, passes=k)   k time-parallel (Jacobi) passes; pass 1 is an ordinary transformer
+  recurrent_forward(ids)   the exact sequential recurrence, token by token (the ground truth)
+  step(tokens, ...)        one cached decode step, shared by every decoding mode
+
+Shapes: B batch, T positions, D model width, V vocabulary, k passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fullband.decode.cache import KVCache
+from fullband.errors import InputError
+from fullband.model.attention import Attention
+from fullband.model.config import ModelConfig
+from fullband.model.fusion import build_fusion
+from fullband.model.layers import RMSNorm, Rotary, SwiGLU
+
+
+@dataclass
+class ModelOutput:
+    """What a forward returns; everything is for the last pass unless named `pass_*`."""
+
+    logits: Tensor | None  # (B, T, V); None when return_logits=False
+    hidden: Tensor  # (B, T, D) the state that would be fed back to the next position
+    top: Tensor  # (B, T, D) the final-norm output the LM head reads (== hidden when feedback="final")
+    loss: Tensor | None = None  # the multi-pass objective, when targets were given
+    pass_losses: list[Tensor] = field(default_factory=list)  # NTP loss of every pass (targets given)
+    pass_logits: list[Tensor] = field(default_factory=list)  # every pass's logits (training, no targets)
+    pass_hidden: list[Tensor] = field(default_factory=list)  # every pass's fed-back state
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, **attn_kwargs) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, **attn_kwargs)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class FullbandLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise InputError(f"FullbandLM expects a ModelConfig, got {type(config).__name__}")
+        self.config = cfg = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)  # the paper's input_rmsnorm
+        self.fusion = build_fusion(cfg.fusion, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.reset_parameters()
+
+    # ---------------------------------------------------------------- initialisation
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual-branch outputs scaled by 1/sqrt(2L) so the top state's norm
+        stays O(1) as depth grows; fusion matrices at 1/sqrt(fan_in) (DECISION: the fused input starts at
+        unit scale, gates spread over sigmoid's range); every norm gain at 1."""
+        cfg = self.config
+        for name, p in self.named_parameters():
+            if p.ndim == 1 or name.endswith("qk_gain"):
+                nn.init.ones_(p)
+            elif name.startswith("fusion."):
+                nn.init.normal_(p, std=p.shape[1] ** -0.5)
+            elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+                nn.init.normal_(p, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+            else:
+                nn.init.normal_(p, std=cfg.init_std)
+
+    # ---------------------------------------------------------------- pieces
+    def plain_positions(self, input_ids: Tensor, plain_mask: Tensor | None = None, plain_prefix: int = 0) -> Tensor:
+        """(B, T) bool: positions that take the plain embedding (position 0, BOS, a plain prefix, a mask)."""
+        B, T = input_ids.shape
+        idx = torch.arange(T, device=input_ids.device)
+        plain = (idx < max(plain_prefix, 1)).expand(B, T)
+        if self.config.bos_token_id is not None:
+            plain = plain | (input_ids == self.config.bos_token_id)
+        if plain_mask is not None:
+            plain = plain | plain_mask.to(device=input_ids.device, dtype=torch.bool)
+        return plain
+
+    def fuse_inputs(self, e: Tensor, prev: Tensor | None, plain: Tensor | None = None) -> Tensor:
+        """Stack input: e = norm_in(embedding) (B, T, D); prev (B, T, D) the state each position reads
+        (already shifted). Positions in `plain` (B, T), or all when prev is None, keep e."""
+        if prev is None:
+            return e
+        fused = self.norm_in(self.fusion(e, prev.to(e.dtype)))
+        return fused if plain is None else torch.where(plain[..., None], e, fused)
+
+    def body(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, **step) -> tuple[Tensor, Tensor]:
+        """Run the blocks on stack inputs x (B, T, D) -> (fed-back state, final-norm output), both (B, T, D)."""
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, kv=None if cache is None else cache.layer(i), **step)
+        top = self.norm_out(x)
+        return (top if self.config.feedback == "final" else x), top
+
+    def head(self, top: Tensor) -> Tensor:
+        """Tied LM head: final-norm output (..., D) -> logits (..., V)."""
+        return F.linear(top, self.embed.weight)
+
+    # ---------------------------------------------------------------- time-parallel passes
+    def forward(
+        self,
+        input_ids: Tensor,
+        passes: int = 1,
+        *,
+        targets: Tensor | None = None,
+        plain_mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        cache: KVCache | None = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        """k Jacobi passes over all positions in parallel.
+
+        Pass 1 is the standard forward. Pass j > 1 feeds position t the state h_{t-1} of pass j-1; in
+        training mode that state gets uniform jitter and each sequence a random plain prefix. With
+        `targets` (B, T) (-100 = ignore) the output carries every pass's NTP loss and the objective
+        NTP(1) + pass_loss_weight * mean(NTP(2..k)). A `cache` receives the last pass's keys and values.
+        """
+        cfg = self.config
+        self.check_ids(input_ids)
+        passes = _check_passes(passes, cfg)
+        B, T = input_ids.shape
+        e = self.norm_in(self.embed(input_ids))  # (B, T, D)
+        plain = self.plain_positions(input_ids, plain_mask)
+        cos, sin = self.rotary.prefix(T, e.dtype)
+        out = ModelOutput(logits=None, hidden=e, top=e)
+        training = self.training
+        state = logits = None
+        for j in range(passes):
+            x = e
+            if j > 0:
+                prev = state.detach() if cfg.detach_between_passes else state
+                if training and cfg.jitter > 0:
+                    noise = torch.empty(prev.shape, dtype=prev.dtype, device=prev.device)
+                    prev = prev + noise.uniform_(-cfg.jitter, cfg.jitter, generator=generator)
+                prev = F.pad(prev, (0, 0, 1, 0))[:, :T]  # shift right: position t reads h_{t-1}
+                mask = plain
+                if training and cfg.prefix_mixin_prob > 0:
+                    mask = plain | self._prefix_mixin(B, T, input_ids.device, generator)
+                x = self.fuse_inputs(e, prev, mask)
+            last = j == passes - 1
+            state, top = self.body(x, cos, sin, cache=cache if last else None)
+            out.pass_hidden.append(state)
+            if targets is not None or training or (last and return_logits):
+                logits = self.head(top)
+                if targets is not None:
+                    out.pass_losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()))
+                elif training:
+                    out.pass_logits.append(logits)
+        out.hidden, out.top = state, top
+        out.logits = logits if return_logits else None
+        if targets is not None:
+            out.loss = out.pass_losses[0]
+            if passes > 1:
+                out.loss = out.loss + cfg.pass_loss_weight * torch.stack(out.pass_losses[1:]).mean()
+        return out
+
+    def _prefix_mixin(self, B: int, T: int, device: torch.device, generator: torch.Generator | None) -> Tensor:
+        """(B, T) bool: with probability prefix_mixin_prob a sequence reverts positions t <= p, p ~ U[0, T)."""
+        use = torch.rand(B, device=device, generator=generator) < self.config.prefix_mixin_prob
+        p = torch.randint(0, T, (B,), device=device, generator=generator)
+        return use[:, None] & (torch.arange(T, device=device)[None, :] <= p[:, None])
+
+    # ---------------------------------------------------------------- exact recurrence and decode step
+    @torch.no_grad()
+    def recurrent_forward(
+        self,
+        input_ids: Tensor,
+        plain_prefix: int = 0,
+        *,
+        plain_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        """The exact latent-feedback recurrence, one position at a time: position t takes
+        fuse(e_t, h_{t-1}) unless it is plain (t < plain_prefix, t = 0, BOS, or in plain_mask)."""
+        self.check_ids(input_ids)
+        B, T = input_ids.shape
+        plain = self.plain_positions(input_ids, plain_mask, plain_prefix)
+        if not self.config.has_feedback and not bool(plain.all()):
+            raise InputError("recurrent_forward needs feedback weights; this model has fusion='none'")
+        cache = cache if cache is not None else KVCache.for_model(self, B, T)
+        states, tops = [], []
+        state = None
+        for t in range(T):
+            positions = torch.full((B,), t, device=input_ids.device)
+            state, top = self.step(input_ids[:, t], positions, cache, prev=state, plain=plain[:, t], kv_len=t + 1)
+            states.append(state)
+            tops.append(top)
+        hidden, top = torch.stack(states, 1), torch.stack(tops, 1)
+        return ModelOutput(logits=self.head(top) if return_logits else None, hidden=hidden, top=top)
+
+    def step(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        *,
+        prev: Tensor | None = None,
+        plain: Tensor | None = None,
+        kv_len: int,
+        mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One cached position per row: tokens (B,) at positions (B,), fed the states prev (B, D) (none: plain)
+        -> (state (B, D), final-norm output (B, D)). `plain` (B,) marks rows that ignore prev."""
+        e = self.norm_in(self.embed(tokens[:, None]))  # (B, 1, D)
+        x = self.fuse_inputs(e, None if prev is None else prev[:, None], None if plain is None else plain[:, None])
+        cos, sin = self.rotary.at(positions, e.dtype)
+        slots = cache.slots(positions)
+        state, top = self.body(x, cos, sin, cache=cache, slots=slots, kv_len=kv_len, mask=mask)
+        return state[:, 0], top[:, 0]
+
+    # ---------------------------------------------------------------- checks and checkpoints
+    def check_ids(self, input_ids: Tensor) -> None:
+        """Raise InputError unless input_ids is an integer (B, T) tensor of in-vocabulary ids, T <= max_seq_len."""
+        cfg = self.config
+        if not isinstance(input_ids, Tensor):
+            raise InputError(f"input_ids must be a torch.Tensor of shape (B, T), got {type(input_ids).__name__}")
+        if input_ids.ndim != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise InputError(
+                f"input_ids must be an integer tensor of shape (B, T); got dtype {input_ids.dtype}, "
+                f"shape {tuple(input_ids.shape)}"
+            )
+        if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+            raise InputError(f"input_ids is empty (shape {tuple(input_ids.shape)}); need B >= 1 and T >= 1")
+        if input_ids.shape[1] > cfg.max_seq_len:
+            raise InputError(
+                f"sequence length {input_ids.shape[1]} exceeds max_seq_len={cfg.max_seq_len}"
+            )
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"token id {bad} is out of range; accepted: 0 <= id < vocab_size={cfg.vocab_size}")
+
+    def num_params(self, *, fusion: bool = True) -> int:
+        return sum(p.numel() for n, p in self.named_parameters() if fusion or not n.startswith("fusion."))
+
+    def save(self, directory: str | Path, **extra_files) -> Path:
+        from fullband.checkpoint import save_model
+
+        return save_model(self, directory, **extra_files)
+
+    @classmethod
+    def load(cls, directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "FullbandLM":
+        from fullband.checkpoint import load_model
+
+        return load_model(directory, device=device, dtype=dtype)
+
+
+def _check_passes(passes: int, cfg: ModelConfig) -> int:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise InputError(f"passes={passes!r} is invalid; accepted: an integer >= 1")
+    if passes > 1 and not cfg.has_feedback:
+        raise InputError(f"passes={passes} needs feedback weights; this model has fusion='none' (passes=1 only)")
+    return passes

@@ -1,0 +1,59 @@
+"""Model shapes by name, and reading a model config from a preset, a TOML/JSON file, and key=value overrides."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from fullband.errors import ConfigError, closest
+from fullband.model.config import ModelConfig
+
+BYTE = dict(vocab_size=259, bos_token_id=256)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # a few-second CPU model for tests and the demo
+    "tiny": dict(BYTE, d_model=128, n_layers=4, n_heads=4, max_seq_len=512),
+    # the decode benchmark's shape: 12 layers, D 768, vocab 8192, ~91M parameters
+    "bench-91m": dict(vocab_size=8192, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=2048),
+}
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """['d_model=256', 'fusion="additive"'] -> {'d_model': 256, 'fusion': 'additive'} (values parsed as TOML;
+    a bare word that is not TOML is taken as a string)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {pair!r} is not key=value (e.g. --set d_model=256)")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def load_model_config(spec: str, overrides: list[str] | None = None) -> ModelConfig:
+    """A preset name or a .toml/.json file (its [model] table, or the whole file), then overrides."""
+    path = Path(spec)
+    if spec in PRESETS:
+        data, source = dict(PRESETS[spec]), f"preset {spec!r}"
+    elif path.suffix in (".toml", ".json"):
+        if not path.is_file():
+            raise ConfigError(f"config file {spec!r} does not exist")
+        try:
+            text = path.read_text()
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError(f"{spec}: malformed {path.suffix[1:].upper()}: {err}") from None
+        data, source = dict(data.get("model", data)), spec
+    else:
+        raise ConfigError(
+            f"config {spec!r} is neither a preset{closest(spec, PRESETS)} nor a .toml/.json file; "
+            f"presets: {', '.join(PRESETS)}"
+        )
+    data.update(parse_overrides(overrides))
+    return ModelConfig.from_dict(data, source=source)

@@ -1,0 +1,70 @@
+"""The `fullband` command end to end: init a checkpoint, stream a generation, run the decode benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fullband.cli import main
+
+
+def test_init_and_generate_every_mode(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    assert main(["init", "--config", "tiny", "--set", "n_layers=2", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model"]["n_layers"] == 2
+    for mode in ("standard", "soft", "fused", "exact"):
+        capsys.readouterr()
+        code = main(["generate", "--checkpoint", str(out), "--prompt", "def f(x):", "--mode", mode,
+                     "--max-new-tokens", "12", "--ignore-eos", "--echo"])
+        assert code == 0
+        captured = capsys.readouterr()
+        assert captured.out.startswith("def f(x):")
+        assert f"12 tokens, {mode}" in captured.err
+
+
+def test_generate_sampling_is_seeded(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    main(["init", "--config", "tiny", "--out", str(out)])
+    texts = []
+    for _ in range(2):
+        capsys.readouterr()
+        main(["generate", "--checkpoint", str(out), "--prompt", "x", "--temperature", "1.0", "--top-k", "50",
+              "--seed", "3", "--max-new-tokens", "20", "--ignore-eos"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+
+
+def test_errors_are_one_line_messages(tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "does not exist" in err and "Traceback" not in err
+    out = tmp_path / "ckpt"
+    main(["init", "--config", "tiny", "--out", str(out)])
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "x", "--mode", "fast"]) == 2
+    assert "mode='fast'" in capsys.readouterr().err
+    assert main(["init", "--config", "tiny", "--set", "n_layer=3", "--out", str(tmp_path / "x")]) == 2
+    assert "did you mean 'n_layers'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert main(["init", "--config", "tyni", "--out", str(tmp_path / "y")]) == 2
+    assert "did you mean 'tiny'" in capsys.readouterr().err
+
+
+def test_bench_decode_smoke(tmp_path):
+    report = tmp_path / "bench.json"
+    code = main(["bench", "decode", "--config", "tiny", "--batch-sizes", "1", "2", "--dtypes", "float32",
+                 "--new-tokens", "6", "--prompt-len", "8", "--repeats", "1", "--no-hf", "--json", str(report)])
+    assert code == 0
+    result = json.loads(report.read_text())
+    variants = {(r["batch"], r["variant"]) for r in result["rows"]}
+    assert {(1, "standard"), (1, "soft"), (2, "fused(k=1)"), (1, "matmul bound"), (2, "matmul bound (7/layer)")} <= variants
+    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    assert 0 < result["theory_soft_overhead"] < 1
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["bench", "decode", "--help"]])
+def test_console_script_help(args):
+    done = subprocess.run([sys.executable, "-m", "fullband.cli", *args], capture_output=True, text=True)
+    assert done.returncode == 0 and "usage: fullband" in done.stdout
