@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fullband.decode.cache import KVCache
 from fullband.decode.generate import generate, stream
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
+from fullband.model.layers import linear
 
 
 @dataclass
@@ -48,8 +50,8 @@ def _decode_timer(model, prompts, new_tokens: int, mode: str, prefill_passes: in
 
 
 def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Callable[[], float]:
-    """The decode step's weight matrix-vector products alone, one token's worth: per block wqkv, wo, w_in,
-    w_down, then the LM head. `split` times the Llama-style sequence instead (q, k, v, o, gate, up, down as
+    """The decode step's weight matrix-vector products alone, one token's worth, with the model's own kernel
+    choice (`layers.linear`): per block wqkv, wo, w_in, w_down, then the LM head. `split` times the Llama-style sequence instead (q, k, v, o, gate, up, down as
     seven matrices of the same total size). The callable returns seconds per token (median of 5)."""
     weights: list[torch.Tensor] = []
     for block in model.blocks:
@@ -65,7 +67,7 @@ def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Calla
 
     def once() -> None:
         for x, w in zip(inputs, weights):
-            torch.nn.functional.linear(x, w)
+            linear(x, w)
 
     def run() -> float:
         times = []
@@ -77,6 +79,33 @@ def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Calla
         return statistics.median(times)
 
     return run
+
+
+def paired_soft_overhead(model: FullbandLM, prompts: torch.Tensor, pairs: int = 150) -> float:
+    """SOFT's per-step cost over STANDARD's, from decode steps of the two modes run alternately (one
+    STANDARD step, one SOFT step, ...) on two caches: median(SOFT) / median(STANDARD) - 1. Alternating single
+    steps cancels the machine's drift, which whole-generation timings cannot resolve at the 1% level."""
+    B, P = prompts.shape
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with torch.inference_mode():
+        runs = {}
+        for feed in (False, True):
+            cache = KVCache.for_model(model, B, P + pairs + 1)
+            out = model(prompts, cache=cache, return_logits=False)
+            runs[feed] = [cache, out.hidden[:, -1], out.top[:, -1]]
+        tokens = prompts[:, -1]
+        for i in range(pairs + 1):
+            positions = torch.full((B,), P + i, dtype=torch.long)
+            for feed in (False, True):
+                cache, state, _ = runs[feed]
+                t0 = time.perf_counter()
+                state, top = model.step(tokens, positions, cache, prev=state if feed else None, kv_len=P + i + 1)
+                logits = model.head(top)
+                tokens = logits.argmax(-1)
+                times[feed].append(time.perf_counter() - t0)
+                runs[feed][1] = state
+    # drop the first pair (warm-up)
+    return statistics.median(times[True][1:]) / statistics.median(times[False][1:]) - 1
 
 
 def theory_overhead(cfg: ModelConfig) -> float:
@@ -133,6 +162,7 @@ def run_decode_bench(
     base = FullbandLM(cfg).eval()
     fused = f"fused(k={prefill_passes})"
     rows: list[Row] = []
+    paired: dict[str, float] = {}
     for dtype_name in dtypes:
         model = copy.deepcopy(base).to(getattr(torch, dtype_name))
         for batch in batches:
@@ -163,6 +193,7 @@ def run_decode_bench(
                 if hf_run is not None:
                     times["hf"].append(_timed(hf_run))
                 log(f"[bench] {dtype_name} batch {batch}: repetition {r + 1}/{repeats}")
+            paired[f"{dtype_name}/b{batch}"] = paired_soft_overhead(model, prompts)
             steps = new_tokens - 1
             for name in decoders:
                 pre = statistics.median(p for p, _ in times[name])
@@ -187,6 +218,7 @@ def run_decode_bench(
         "new_tokens": new_tokens,
         "theory_soft_overhead": theory_overhead(cfg),
         **_summary(rows, fused),
+        **{f"soft_overhead_paired_steps/{k}": v for k, v in paired.items()},
     }
 
 

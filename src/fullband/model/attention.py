@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.torch_version import TorchVersion
 
 from fullband.model.config import ModelConfig
-from fullband.model.layers import apply_rotary, rms_norm
+from fullband.model.layers import apply_rotary, linear, rms_norm
 
 _SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)
 
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         under `mask`)."""
         B, T, _ = x.shape
         H, Hk, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = F.linear(x, self.wqkv.weight).view(B, T, H + 2 * Hk, Dh)
+        qkv = linear(x, self.wqkv.weight).view(B, T, H + 2 * Hk, Dh)
         qk, v = qkv.split([H + Hk, Hk], dim=2)
         if self.qk_gain is not None:
             qk = rms_norm(qk, None, self.eps) * self.qk_gain
@@ -68,4 +68,4 @@ class Attention(nn.Module):
             keys, values = kv[0][:, :kv_len].transpose(1, 2), kv[1][:, :kv_len].transpose(1, 2)
             y = _attend(q, keys, values, causal=False, mask=mask)
         y = y.transpose(1, 2).reshape(B, T, H * Dh)
-        return F.linear(y, self.wo.weight)
+        return linear(y, self.wo.weight)

@@ -22,7 +22,7 @@ from fullband.errors import InputError
 from fullband.model.attention import Attention
 from fullband.model.config import ModelConfig
 from fullband.model.fusion import build_fusion
-from fullband.model.layers import RMSNorm, Rotary, SwiGLU
+from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear
 
 
 @dataclass
@@ -113,7 +113,7 @@ class FullbandLM(nn.Module):
 
     def head(self, top: Tensor) -> Tensor:
         """Tied LM head: final-norm output (..., D) -> logits (..., V)."""
-        return F.linear(top, self.embed.weight)
+        return linear(top, self.embed.weight)
 
     # ---------------------------------------------------------------- time-parallel passes
     def forward(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from fullband.model.layers import linear
+
 
 class GatedFusion(nn.Module):
     """(h W_U) * sigmoid(e W_G): exactly 2 D^2 weights."""
@@ -21,7 +23,7 @@ class GatedFusion(nn.Module):
         self.w_g = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, e: Tensor, h: Tensor) -> Tensor:
-        return self.w_u(h) * torch.sigmoid(self.w_g(e))
+        return linear(h, self.w_u.weight) * torch.sigmoid(linear(e, self.w_g.weight))
 
 
 class AdditiveFusion(nn.Module):
@@ -32,7 +34,7 @@ class AdditiveFusion(nn.Module):
         self.w_h = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, e: Tensor, h: Tensor) -> Tensor:
-        return e + self.w_h(h)
+        return e + linear(h, self.w_h.weight)
 
 
 class ConcatFusion(nn.Module):
@@ -43,7 +45,7 @@ class ConcatFusion(nn.Module):
         self.w_cat = nn.Linear(2 * d_model, d_model, bias=False)
 
     def forward(self, e: Tensor, h: Tensor) -> Tensor:
-        return self.w_cat(torch.cat([e, h], dim=-1))
+        return linear(torch.cat([e, h], dim=-1), self.w_cat.weight)
 
 
 FUSION_TYPES: dict[str, type[nn.Module]] = {

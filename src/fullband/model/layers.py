@@ -12,6 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T. A single low-precision row on the CPU goes through torch.mv, which streams a bf16 weight
+    ~1.4x faster than F.linear's GEMM path on the machines we measured (fullband bench decode, batch 1)."""
+    if x.dtype != torch.float32 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
+        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm over the last dim, in float32 when x is in a lower precision."""
     if x.dtype == torch.float32:
@@ -66,5 +74,5 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.w_in.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w_down.weight)
+        gate, up = linear(x, self.w_in.weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w_down.weight)
