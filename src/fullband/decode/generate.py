@@ -49,8 +49,8 @@ def stream(
 ) -> Iterator[Step]:
     """Yield one Step per generated position. Arguments are checked now, before the first step.
 
-    `compile=True` runs the decode step through torch.compile (static whole-cache attention; the first
-    call per batch size and cache length compiles for a while, later ones are faster than eager)."""
+    `compile=True` runs the decode step through torch.compile (the first call compiles for a while; later
+    ones are faster than eager, on CPU mostly at batch 1)."""
     cfg = model.config
     ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
     _check_int("max_new_tokens", max_new_tokens, 1)
@@ -99,11 +99,8 @@ def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes
     ids, lengths = ids.to(device), lengths.to(device)
     B = ids.shape[0]
     longest, shortest = int(lengths.max()), int(lengths.min())
-    cache_len = longest + max_new - 1
-    if compile:  # a static cache length, rounded so that nearby requests share one compiled graph
-        cache_len = min(-(-cache_len // 64) * 64, model.config.max_seq_len)
-    cache = KVCache.for_model(model, B, cache_len)
-    step = _compiled_step(model, cache) if compile else _eager_step(model, cache, ragged=longest != shortest)
+    cache = KVCache.for_model(model, B, longest + max_new - 1)
+    step = _stepper(model, cache, ragged=longest != shortest, compile=compile)
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     bos = model.config.bos_token_id
     feed = mode != "standard"
@@ -137,40 +134,32 @@ def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes
         model.train(was_training)
 
 
-def _eager_step(model, cache: KVCache, *, ragged: bool):
-    """Decode step attending to the first kv_len cache positions (masked per row only for ragged batches)."""
-
-    def step(tokens, positions, prev, plain, kv_len):
-        mask = cache.visible(positions, kv_len) if ragged else None
-        state, top = model.step(tokens, positions, cache, prev=prev, plain=plain, kv_len=kv_len, mask=mask)
-        return state, model.head(top)
-
-    return step
-
-
-def _static_step(model, ks: list[Tensor], vs: list[Tensor], tokens, positions, prev, plain):
-    """Decode step with static shapes (whole cache, masked) for torch.compile."""
+def _step(model, ks: list[Tensor], vs: list[Tensor], tokens, positions, prev, plain, kv_len: int, mask):
+    """One decode step over the cache tensors ks, vs -> (state (B, D), logits (B, V))."""
     cache = KVCache.wrap(ks, vs)
-    mask = cache.visible(positions, cache.max_len)
-    state, top = model.step(tokens, positions, cache, prev=prev, plain=plain, kv_len=cache.max_len, mask=mask)
+    state, top = model.step(tokens, positions, cache, prev=prev, plain=plain, kv_len=kv_len, mask=mask)
     return state, model.head(top)
 
 
 _COMPILED: dict[str, object] = {}
 
 
-def _compiled_step(model, cache: KVCache):
-    """torch.compile'd decode step; the cache tensors are graph inputs, so a new cache of the same shape
-    reuses the compiled graph (one compile per batch size, cache length and mode)."""
-    kind = next(model.parameters()).device.type
-    if kind not in _COMPILED:
-        # on CPU the C++ wrapper removes the Python call overhead between kernels (the batch-1 bottleneck)
-        options = {"cpp_wrapper": True} if kind == "cpu" else None
-        _COMPILED[kind] = torch.compile(_static_step, dynamic=False, fullgraph=True, options=options)
-    fn = _COMPILED[kind]
+def _stepper(model, cache: KVCache, *, ragged: bool, compile: bool):
+    """The decode step the loop calls: attends to the first kv_len cache positions, masked per row only for
+    ragged batches. Compiled, the cache tensors and kv_len are dynamic graph inputs, so one compile serves
+    every batch size, cache and length."""
+    fn = _step
+    if compile:
+        kind = next(model.parameters()).device.type
+        if kind not in _COMPILED:
+            # on CPU the C++ wrapper removes the Python overhead between kernels (the batch-1 bottleneck)
+            options = {"cpp_wrapper": True} if kind == "cpu" else None
+            _COMPILED[kind] = torch.compile(_step, dynamic=True, fullgraph=True, options=options)
+        fn = _COMPILED[kind]
 
     def step(tokens, positions, prev, plain, kv_len):
-        return fn(model, cache.k, cache.v, tokens, positions, prev, plain)
+        mask = cache.visible(positions, kv_len) if ragged else None
+        return fn(model, cache.k, cache.v, tokens, positions, prev, plain, kv_len, mask)
 
     return step
 
