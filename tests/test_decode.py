@@ -38,10 +38,12 @@ def _uncached_logits(model, prompt: list[int], new: list[int], mode: str, k: int
             plain = model.plain_positions(seq)
             x_prompt = model.fuse_inputs(e[:, :P], None if k == 0 else shift(prompt_state), plain[:, :P])
             cos, sin = model.rotary.prefix(P + n, e.dtype)
+            pos = torch.arange(P + n)
+            local = model._window_mask(pos, pos, P + n)
             state = torch.zeros_like(e)
             for _ in range(n + 1):
                 x_gen = model.fuse_inputs(e[:, P:], shift(state)[:, P:], plain[:, P:])
-                state, top = model.body(torch.cat([x_prompt, x_gen], 1), cos, sin)
+                state, top = model.body(torch.cat([x_prompt, x_gen], 1), cos, sin, window_mask=local)
             logits = model.head(top)
     return logits[0, P - 1 : P + n - 1]
 
@@ -101,8 +103,17 @@ def test_standard_mode_is_the_network_without_fusion():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_cached_decode_with_sliding_window_and_head_gates(mode):
+    model = tiny_model(sliding_window=6, global_every=2, attn_gate=True)
+    prompt = random_ids(1, PROMPT_LEN, seed=12)[0].tolist()
+    tokens, logits = _steps(model, prompt, mode, 2)
+    ref = _uncached_logits(model, prompt, tokens, mode, 2)
+    assert (logits - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_ragged_batch_equals_one_prompt_at_a_time(mode):
-    model = tiny_model()
+    model = tiny_model(sliding_window=5, global_every=2)
     prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (3, 17, 9, 1)]
     batch = generate(model, prompts, 8, mode=mode, prefill_passes=2)
     alone = [generate(model, [p], 8, mode=mode, prefill_passes=2)[0] for p in prompts]

@@ -17,8 +17,9 @@ from fullband import FullbandLM, ModelConfig
         {"fusion": "concat"},
         {"feedback": "residual"},
         {"qk_norm": False, "n_kv_heads": 4},
+        {"sliding_window": 8, "global_every": 2, "attn_gate": True},
     ],
-    ids=["gated", "additive", "concat", "residual-state", "no-qk-norm-mha"],
+    ids=["gated", "additive", "concat", "residual-state", "no-qk-norm-mha", "window-gate"],
 )
 def test_jacobi_fixed_point_equals_exact_recurrence(changes):
     model = tiny_model(**changes)
@@ -186,3 +187,17 @@ def test_config_defaults_and_roundtrip():
     assert cfg.n_kv_heads == 12 and cfg.d_ff == 2048 and cfg.head_dim == 64
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     assert tiny_config().replace(fusion="concat").fusion == "concat"
+
+
+def test_sliding_window_limits_what_local_layers_see():
+    """Changing a token more than `window` positions back changes nothing in an all-local one-layer model."""
+    model = tiny_model(n_layers=1, sliding_window=4)
+    ids = random_ids(1, 20)
+    other = ids.clone()
+    other[0, 3] = (other[0, 3] + 1) % 256
+    with torch.no_grad():
+        a, b = model(ids).hidden, model(other).hidden
+    assert torch.equal(a[0, :3], b[0, :3]) and not torch.allclose(a[0, 3:7], b[0, 3:7])
+    assert torch.equal(a[0, 7:], b[0, 7:])  # positions >= 3 + 4 no longer see position 3
+    glob = tiny_model(n_layers=2, sliding_window=4, global_every=2)
+    assert [blk.attn.window for blk in glob.blocks] == [4, None]

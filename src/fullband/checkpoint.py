@@ -30,26 +30,32 @@ def _version() -> str:
     return __version__
 
 
-def save_model(model: torch.nn.Module, directory: str | Path, *, tokenizer: Any = None, metadata: dict | None = None) -> Path:
-    """Write model (and tokenizer) into `directory`, replacing what was there only once all is written."""
+def write_model_files(directory: Path, config: Any, state: dict[str, torch.Tensor], *, tokenizer: Any = None,
+                      metadata: dict | None = None) -> None:
+    """config.json + model.safetensors (+ tokenizer.json) into an existing folder (no atomicity here)."""
     from safetensors.torch import save_file
 
+    data = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "fullband_version": _version(),
+        "model": config.to_dict(),
+        **(metadata or {}),
+    }
+    (directory / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(directory)
+
+
+def save_model(model: torch.nn.Module, directory: str | Path, *, tokenizer: Any = None, metadata: dict | None = None) -> Path:
+    """Write model (and tokenizer) into `directory`, replacing what was there only once all is written."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
     try:
-        config = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "fullband_version": _version(),
-            "model": model.config.to_dict(),
-            **(metadata or {}),
-        }
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save(tmp)
+        write_model_files(tmp, model.config, model.state_dict(), tokenizer=tokenizer, metadata=metadata)
         _replace_dir(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

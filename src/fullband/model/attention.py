@@ -26,15 +26,24 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, mask: Tensor | Non
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
+def window_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """Bool mask, True where key position k is visible from query position q: k <= q and q - k < window."""
+    diff = q_pos[..., :, None] - k_pos[..., None, :]
+    return (diff >= 0) & (diff < window)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.eps = cfg.norm_eps
+        self.window = cfg.sliding_window if cfg.is_local(layer) else None
         self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         # QK-RMSNorm over each head's Dh, with a gain per query head and per key head
         self.qk_gain = nn.Parameter(torch.ones(cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)) if cfg.qk_norm else None
+        # per-head output gate (one scalar per head and position), as in the paper's 1B model
+        self.w_gate = nn.Linear(cfg.d_model, cfg.n_heads, bias=False) if cfg.attn_gate else None
 
     def forward(
         self,
@@ -45,10 +54,11 @@ class Attention(nn.Module):
         slots: Tensor | None = None,
         kv_len: int = 0,
         mask: Tensor | None = None,
+        window_mask: Tensor | None = None,
     ) -> Tensor:
         """Full causal attention over x from position 0 (slots None; fills kv[:, :T] if given), or one decode
         step per row (x (B, 1, D) written at cache `slots` (B,), attending to the cache's first kv_len positions
-        under `mask`)."""
+        under `mask`). Sliding-window layers use `window_mask` instead (None: the window covers everything)."""
         B, T, _ = x.shape
         H, Hk, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = linear(x, self.wqkv.weight).view(B, T, H + 2 * Hk, Dh)
@@ -57,15 +67,19 @@ class Attention(nn.Module):
             qk = rms_norm(qk, None, self.eps) * self.qk_gain
         qk = apply_rotary(qk, cos, sin)  # (B, T, H + Hk, Dh)
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:]
+        if self.window is not None and window_mask is not None:
+            mask = window_mask
         if slots is None:
             if kv is not None:
                 kv[0][:, :T] = k
                 kv[1][:, :T] = v
-            y = _attend(q, k.transpose(1, 2), v.transpose(1, 2), causal=True, mask=None)
+            y = _attend(q, k.transpose(1, 2), v.transpose(1, 2), causal=mask is None, mask=mask)
         else:
             kv[0].view(-1, Hk, Dh).index_copy_(0, slots, k[:, 0])
             kv[1].view(-1, Hk, Dh).index_copy_(0, slots, v[:, 0])
             keys, values = kv[0][:, :kv_len].transpose(1, 2), kv[1][:, :kv_len].transpose(1, 2)
             y = _attend(q, keys, values, causal=False, mask=mask)
+        if self.w_gate is not None:
+            y = y * torch.sigmoid(linear(x, self.w_gate.weight)).transpose(1, 2)[..., None]  # (B, H, T, 1)
         y = y.transpose(1, 2).reshape(B, T, H * Dh)
         return linear(y, self.wo.weight)

@@ -40,6 +40,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     qk_norm: bool = True
+    attn_gate: bool = False  # per-head output gate sigmoid(x W) on each head's attention output (paper 1B)
+    sliding_window: int | None = None  # local attention span (positions) for layers that are not global
+    global_every: int = 0  # with sliding_window: every Nth layer (N, 2N, ...) attends to everything
     init_std: float = 0.02
     fusion: str = "gated"
     feedback: str = "final"
@@ -82,7 +85,10 @@ class ModelConfig:
         _check_float("prefix_mixin_prob", self.prefix_mixin_prob, positive=False)
         if self.prefix_mixin_prob > 1:
             raise ConfigError(f"prefix_mixin_prob={self.prefix_mixin_prob} is a probability; accepted: 0 <= p <= 1")
-        for name in ("qk_norm", "detach_between_passes"):
+        if self.sliding_window is not None:
+            _check_int("sliding_window", self.sliding_window, minimum=1)
+        _check_int("global_every", self.global_every, minimum=0)
+        for name in ("qk_norm", "attn_gate", "detach_between_passes"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         _check_choice("fusion", self.fusion, FUSIONS)
@@ -98,6 +104,12 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def is_local(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) uses sliding-window attention."""
+        if self.sliding_window is None:
+            return False
+        return not (self.global_every and (layer + 1) % self.global_every == 0)
 
     @property
     def has_feedback(self) -> bool:

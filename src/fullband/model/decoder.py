@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from fullband.decode.cache import KVCache
 from fullband.errors import InputError
-from fullband.model.attention import Attention
+from fullband.model.attention import Attention, window_mask
 from fullband.model.config import ModelConfig
 from fullband.model.fusion import build_fusion
 from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear
@@ -36,15 +36,16 @@ class ModelOutput:
     pass_losses: list[Tensor] = field(default_factory=list)  # NTP loss of every pass (targets given)
     pass_logits: list[Tensor] = field(default_factory=list)  # every pass's logits (training, no targets)
     pass_hidden: list[Tensor] = field(default_factory=list)  # every pass's fed-back state
+    pass_z: list[Tensor] = field(default_factory=list)  # every pass's mean logsumexp^2 (z_loss > 0)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
@@ -62,9 +63,10 @@ class FullbandLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)  # the paper's input_rmsnorm
         self.fusion = build_fusion(cfg.fusion, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self._has_local = any(cfg.is_local(i) for i in range(cfg.n_layers))
         self.reset_parameters()
 
     # ---------------------------------------------------------------- initialisation
@@ -126,13 +128,15 @@ class FullbandLM(nn.Module):
         generator: torch.Generator | None = None,
         cache: KVCache | None = None,
         return_logits: bool = True,
+        z_loss: float = 0.0,
     ) -> ModelOutput:
         """k Jacobi passes over all positions in parallel.
 
         Pass 1 is the standard forward. Pass j > 1 feeds position t the state h_{t-1} of pass j-1; in
         training mode that state gets uniform jitter and each sequence a random plain prefix. With
         `targets` (B, T) (-100 = ignore) the output carries every pass's NTP loss and the objective
-        NTP(1) + pass_loss_weight * mean(NTP(2..k)). A `cache` receives the last pass's keys and values.
+        NTP(1) + pass_loss_weight * mean(NTP(2..k)), each pass's term plus z_loss * mean(logsumexp(logits)^2)
+        when z_loss > 0. A `cache` receives the last pass's keys and values.
         """
         cfg = self.config
         self.check_ids(input_ids)
@@ -141,6 +145,7 @@ class FullbandLM(nn.Module):
         e = self.norm_in(self.embed(input_ids))  # (B, T, D)
         plain = self.plain_positions(input_ids, plain_mask)
         cos, sin = self.rotary.prefix(T, e.dtype)
+        local = self._window_mask(torch.arange(T, device=e.device), torch.arange(T, device=e.device), T)
         out = ModelOutput(logits=None, hidden=e, top=e)
         training = self.training
         state = logits = None
@@ -157,21 +162,34 @@ class FullbandLM(nn.Module):
                     mask = plain | self._prefix_mixin(B, T, input_ids.device, generator)
                 x = self.fuse_inputs(e, prev, mask)
             last = j == passes - 1
-            state, top = self.body(x, cos, sin, cache=cache if last else None)
+            state, top = self.body(x, cos, sin, cache=cache if last else None, window_mask=local)
             out.pass_hidden.append(state)
             if targets is not None or training or (last and return_logits):
                 logits = self.head(top)
                 if targets is not None:
-                    out.pass_losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()))
+                    flat = logits.flatten(0, 1).float()
+                    out.pass_losses.append(F.cross_entropy(flat, targets.flatten()))
+                    if z_loss > 0:
+                        out.pass_z.append(flat.logsumexp(-1).pow(2).mean())
                 elif training:
                     out.pass_logits.append(logits)
         out.hidden, out.top = state, top
         out.logits = logits if return_logits else None
         if targets is not None:
-            out.loss = out.pass_losses[0]
+            terms = out.pass_losses
+            if z_loss > 0:
+                terms = [ce + z_loss * z for ce, z in zip(out.pass_losses, out.pass_z)]
+            out.loss = terms[0]
             if passes > 1:
-                out.loss = out.loss + cfg.pass_loss_weight * torch.stack(out.pass_losses[1:]).mean()
+                out.loss = out.loss + cfg.pass_loss_weight * torch.stack(terms[1:]).mean()
         return out
+
+    def _window_mask(self, q_pos: Tensor, k_pos: Tensor, span: int) -> Tensor | None:
+        """Sliding-window visibility for the local layers; None when there are none or the window covers `span`."""
+        window = self.config.sliding_window
+        if not self._has_local or window >= span:
+            return None
+        return window_mask(q_pos, k_pos, window)
 
     def _prefix_mixin(self, B: int, T: int, device: torch.device, generator: torch.Generator | None) -> Tensor:
         """(B, T) bool: with probability prefix_mixin_prob a sequence reverts positions t <= p, p ~ U[0, T)."""
@@ -225,7 +243,10 @@ class FullbandLM(nn.Module):
         x = self.fuse_inputs(e, None if prev is None else prev[:, None], None if plain is None else plain[:, None])
         cos, sin = self.rotary.at(positions, e.dtype)
         slots = cache.slots(positions)
-        state, top = self.body(x, cos, sin, cache=cache, slots=slots, kv_len=kv_len, mask=mask)
+        local = self._window_mask(positions[:, None], torch.arange(kv_len, device=positions.device), kv_len)
+        if local is not None:  # (B, 1, kv_len) -> (B, 1, 1, kv_len)
+            local = local[:, None]
+        state, top = self.body(x, cos, sin, cache=cache, slots=slots, kv_len=kv_len, mask=mask, window_mask=local)
         return state[:, 0], top[:, 0]
 
     # ---------------------------------------------------------------- checks and checkpoints
