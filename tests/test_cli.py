@@ -68,3 +68,20 @@ def test_bench_decode_smoke(tmp_path):
 def test_console_script_help(args):
     done = subprocess.run([sys.executable, "-m", "fullband.cli", *args], capture_output=True, text=True)
     assert done.returncode == 0 and "usage: fullband" in done.stdout
+
+
+def test_tokenizer_train_command(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"m{i}.py").write_text(f"def function_{i}(value):\n    return value * {i} + len('text')\n" * 20)
+    out = tmp_path / "tok"
+    code = main(["tokenizer", "train", "--corpus", str(corpus), "--vocab-size", "300", "--out", str(out),
+                 "--no-progress", "--val-percent", "20"])
+    assert code == 0
+    from fullband import load_tokenizer
+
+    tok = load_tokenizer(out)
+    assert tok.kind == "bpe" and tok.vocab_size <= 300
+    assert tok.decode(tok.encode("def function_3(value):")) == "def function_3(value):"
+    assert "BPE" in capsys.readouterr().out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -97,6 +98,32 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train from a recipe TOML; --resume continues a run exactly where its last checkpoint left it."""
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import train
+
+    cfg = load_run_config(args.config, args.set)
+    result = train(cfg, resume=args.resume)
+    if result.get("eval") and int(os.environ.get("RANK", "0")) == 0:
+        losses = "  ".join(f"passes={k}: {v:.4f}" for k, v in result["eval"].items())
+        print(f"done: {result['steps']} steps, {result['tokens'] / 1e6:.2f}M tokens, {result['elapsed']:.0f}s; "
+              f"val loss {losses}; run dir {result['run_dir']}")
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from fullband.data.tokenizer import train_tokenizer_cli
+
+    corpus = args.corpus[0] if len(args.corpus) == 1 else args.corpus
+    tok = train_tokenizer_cli(corpus, args.vocab_size, args.out, text_field=args.text_field,
+                              val_percent=args.val_percent, min_frequency=args.min_frequency,
+                              max_chars=args.max_chars, progress=not args.no_progress)
+    print(f"wrote {Path(args.out) / 'tokenizer.json'}: BPE with {tok.vocab_size} ids "
+          f"(use it with data.tokenizer = {str(args.out)!r})")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fullband.demo import run_demo
 
@@ -145,6 +172,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     s.add_argument("--json", help="also write the results to this JSON file")
     s.set_defaults(func=cmd_bench_decode)
+
+    s = sub.add_parser("train", help="train a model from a recipe (configs/*.toml); torchrun for several GPUs")
+    s.add_argument("config", help="recipe TOML, e.g. configs/tiny.toml")
+    s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting (repeatable)")
+    s.add_argument("--resume", metavar="DIR", help="a run directory (its latest checkpoint) or a step_NNNNNN folder")
+    s.set_defaults(func=cmd_train)
+
+    t = sub.add_parser("tokenizer", help="tokenizers").add_subparsers(dest="tokenizer", required=True, metavar="CMD")
+    s = t.add_parser("train", help="train a byte-level BPE (Hugging Face tokenizers) on a corpus")
+    s.add_argument("--corpus", action="append", required=True, help="stdlib, a path, a glob, a .jsonl or hf:NAME")
+    s.add_argument("--vocab-size", type=int, required=True)
+    s.add_argument("--out", required=True, help="folder for tokenizer.json")
+    s.add_argument("--text-field", default="text")
+    s.add_argument("--val-percent", type=float, default=1.0, help="held-out share never seen by the tokenizer")
+    s.add_argument("--min-frequency", type=int, default=2)
+    s.add_argument("--max-chars", type=int, default=None, help="stop reading after this many characters")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_tokenizer_train)
 
     s = sub.add_parser("demo", help="the embedded demo (what `make demo` runs)")
     s.add_argument("--out", default="runs/demo")

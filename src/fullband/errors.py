@@ -18,6 +18,10 @@ class InputError(FullbandError, ValueError):
     """An argument to a public function (prompt, mode, token ids, ...) is invalid."""
 
 
+class DataError(FullbandError, ValueError):
+    """A corpus, token cache or data sampler setting is missing, malformed or does not match."""
+
+
 class CheckpointError(FullbandError, OSError):
     """A checkpoint folder is missing, incomplete, corrupted or does not match its config."""
 

@@ -1,17 +1,31 @@
-"""Tokenizers: a byte-level one (256 byte ids + BOS/EOS/PAD) that needs no training, saved next to a model.
-
-A checkpoint folder holds `tokenizer.json`; a file written by ByteTokenizer says so in its
-`fullband_tokenizer` field.
+"""Tokenizers: bytes (256 ids + BOS/EOS/PAD, no training) and a trained byte-level BPE (Hugging Face `tokenizers`).
+A checkpoint's `tokenizer.json` is our small JSON (`"fullband_tokenizer": "byte"`) or a standard HF tokenizer.json.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from fullband.errors import CheckpointError, InputError
 
 TOKENIZER_FILE = "tokenizer.json"
+SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
+INSTALL_HINT = "pip install 'fullband[data]'"
+
+
+def _short_hash(payload: Any) -> str:
+    """16 hex digits of sha256 over canonical JSON, so key order and whitespace never change it."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _check_text(text: Any) -> None:
+    if not isinstance(text, str):
+        raise InputError(f"text must be a str, got {type(text).__name__}")
 
 
 class ByteTokenizer:
@@ -21,11 +35,20 @@ class ByteTokenizer:
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
 
+    @property
+    def fingerprint(self) -> str:
+        return _short_hash(self._payload())
+
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
-        if not isinstance(text, str):
-            raise InputError(f"text must be a str, got {type(text).__name__}")
+        _check_text(text)
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text, without BOS/EOS (the fast path used to build token shards)."""
+        for text in texts:
+            _check_text(text)
+        return [list(text.encode("utf-8")) for text in texts]
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         """Text of the byte ids (invalid UTF-8 becomes U+FFFD); special ids are dropped or shown as <bos> etc."""
@@ -42,21 +65,177 @@ class ByteTokenizer:
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
+    def _payload(self) -> dict:
+        return {"fullband_tokenizer": self.kind, "version": 1, "vocab_size": self.vocab_size}
+
     def save(self, directory: str | Path) -> None:
-        payload = {"fullband_tokenizer": self.kind, "version": 1, "vocab_size": self.vocab_size}
-        (Path(directory) / TOKENIZER_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+        (Path(directory) / TOKENIZER_FILE).write_text(json.dumps(self._payload(), indent=2) + "\n")
 
 
-def load_tokenizer(directory: str | Path) -> ByteTokenizer:
+def _hf_tokenizers():
+    """The `tokenizers` package, imported only when BPE is used so the byte path needs no extra install."""
+    try:
+        import tokenizers
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            f"BPE tokenizers need the Hugging Face 'tokenizers' package; install it with {INSTALL_HINT}"
+        ) from None
+    return tokenizers
+
+
+class BPETokenizer:
+    """Byte-level BPE (Hugging Face `tokenizers`) with the same interface as ByteTokenizer.
+
+    Special tokens are only ever added by `encode(bos=..., eos=...)`: text that happens to contain
+    "<bos>" is encoded as plain text, because the model reads every BOS id as a document start.
+    """
+
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer: Any, *, source: str = "the given tokenizer") -> None:
+        ids = [hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+        if None in ids:
+            missing = [t for t, i in zip(SPECIAL_TOKENS, ids) if i is None]
+            raise InputError(
+                f"{source} lacks the special tokens {missing}; accepted: a BPE with {list(SPECIAL_TOKENS)}"
+            )
+        self._tok = hf_tokenizer
+        # Not saved in tokenizer.json by the library, so set on every construction.
+        self._tok.encode_special_tokens = True
+        self.bos_id, self.eos_id, self.pad_id = ids
+        self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        self._fingerprint = _short_hash(json.loads(hf_tokenizer.to_str()))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "BPETokenizer":
+        tokenizers = _hf_tokenizers()
+        return cls(tokenizers.Tokenizer.from_file(str(path)), source=str(path))
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._tok
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
+        _check_text(text)
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text, without BOS/EOS; runs in the library's Rust thread pool."""
+        for text in texts:
+            _check_text(text)
+        # encode_batch_fast skips offset tracking, which we never read.
+        encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def save(self, directory: str | Path) -> None:
+        self._tok.save(str(Path(directory) / TOKENIZER_FILE))
+
+
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, show_progress: bool = True
+) -> BPETokenizer:
+    """A byte-level BPE trained on `texts` by the `tokenizers` library; ids 0..2 are <bos>, <eos>, <pad>."""
+    # 256 byte symbols + 3 specials are always in the vocabulary, so anything smaller cannot be honoured.
+    floor = 256 + len(SPECIAL_TOKENS)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < floor:
+        raise InputError(
+            f"vocab_size={vocab_size!r} is too small; accepted: an integer >= {floor} (256 bytes + 3 specials)"
+        )
+    if not isinstance(min_frequency, int) or min_frequency < 1:
+        raise InputError(f"min_frequency={min_frequency!r}; accepted: an integer >= 1")
+    tk = _hf_tokenizers()
+    tok = tk.Tokenizer(tk.models.BPE())
+    # add_prefix_space=False keeps decode(encode(x)) == x exactly.
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return BPETokenizer(tok, source="the trained tokenizer")
+
+
+def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer:
     """The tokenizer saved in a checkpoint folder; a folder without one gets the byte tokenizer."""
     path = Path(directory) / TOKENIZER_FILE
     if not path.exists():
         return ByteTokenizer()
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path} is corrupted: {err}") from None
-    kind = data.get("fullband_tokenizer") if isinstance(data, dict) else None
-    if kind == "byte":
-        return ByteTokenizer()
-    raise CheckpointError(f"{path}: unknown tokenizer kind {kind!r}; accepted: 'byte'")
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}; accepted: a tokenizer JSON object")
+    if "fullband_tokenizer" in data:
+        kind = data["fullband_tokenizer"]
+        if kind == "byte":
+            return ByteTokenizer()
+        raise CheckpointError(
+            f"{path}: unknown tokenizer kind {kind!r}; accepted: 'byte' (or a Hugging Face BPE tokenizer.json)"
+        )
+    model_type = data.get("model", {}).get("type") if isinstance(data.get("model"), dict) else None
+    if model_type != "BPE":
+        raise CheckpointError(
+            f"{path}: unrecognised tokenizer file (model type {model_type!r}); "
+            "accepted: a fullband byte tokenizer or a Hugging Face BPE tokenizer.json"
+        )
+    tk = _hf_tokenizers()
+    try:
+        hf = tk.Tokenizer.from_str(text)
+    except Exception as err:  # the Rust side raises a plain Exception on any schema problem
+        raise CheckpointError(f"{path} is not a valid Hugging Face tokenizer.json: {err}") from None
+    try:
+        return BPETokenizer(hf, source=str(path))
+    except InputError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def train_tokenizer_cli(
+    corpus: str | list[str],
+    vocab_size: int,
+    out: str | Path,
+    *,
+    text_field: str = "text",
+    val_percent: float = 1.0,
+    min_frequency: int = 2,
+    max_chars: int | None = None,
+    progress: bool = True,
+) -> BPETokenizer:
+    """`fullband tokenizer train`: train a BPE on the train split of `corpus` and save it to `out`/tokenizer.json.
+
+    `max_chars` stops reading documents once that many characters were taken (BPE training time grows
+    with the text); the held-out split is never seen, so validation loss stays honest.
+    """
+    from fullband.data.corpus import resolve_corpus
+
+    source = resolve_corpus(corpus, text_field=text_field, val_percent=val_percent)
+    if max_chars is not None and (not isinstance(max_chars, int) or max_chars < 1):
+        raise InputError(f"max_chars={max_chars!r}; accepted: a positive integer or None")
+    tok = train_bpe(_capped(source.documents("train"), max_chars), vocab_size,
+                    min_frequency=min_frequency, show_progress=progress)
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(directory)
+    return tok
+
+
+def _capped(texts: Iterable[str], max_chars: int | None) -> Iterable[str]:
+    taken = 0
+    for text in texts:
+        if max_chars is not None and taken >= max_chars:
+            return
+        taken += len(text)
+        yield text

@@ -1,0 +1,149 @@
+"""Training batches: windows of a token stream in a seeded per-epoch order, split over ranks and micro-batches.
+Each batch is a pure function of (seed, step, micro, rank, world_size), so a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from fullband.errors import ConfigError, DataError
+
+FORMAT = "fullband-window-sampler"
+VERSION = 1
+# Fields that must match on resume; micro_batch and world_size may change (the global order does not depend on them).
+STATE_FIELDS = ("format", "version", "seed", "seq_len", "global_batch", "n_windows", "stream_fingerprint", "n_tokens")
+
+
+class StreamLike(Protocol):
+    def __len__(self) -> int: ...
+    def slice(self, start: int, stop: int) -> np.ndarray: ...
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name}={value!r}; accepted: an integer >= 1")
+    return int(value)
+
+
+def count_windows(stream: StreamLike, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens starting every seq_len tokens (consecutive windows share one token)."""
+    n = (len(stream) - 1) // seq_len
+    if n < 1:
+        raise DataError(
+            f"the token stream has {len(stream)} tokens, fewer than one window needs "
+            f"({seq_len + 1} for seq_len={seq_len}); "
+            "use a larger corpus (or a larger val_percent for validation) or a smaller seq_len"
+        )
+    return n
+
+
+def read_windows(stream: StreamLike, windows: np.ndarray, seq_len: int) -> Batch:
+    """(inputs, targets), each int64 (len(windows), seq_len): targets are inputs shifted left by one token."""
+    rows = np.stack([stream.slice(int(w) * seq_len, int(w) * seq_len + seq_len + 1) for w in windows]).astype(np.int64)
+    tokens = torch.from_numpy(rows)  # (B, T + 1)
+    # Contiguous copies: the model may .view() its inputs, which a strided slice would refuse.
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class WindowSampler:
+    """Global sample j of step s is window perm_e[(s * global_batch + j) % n_windows], e = its epoch.
+
+    Rank r's micro-batch a takes j in [(a * world_size + r) * micro_batch, ... + micro_batch).
+    """
+
+    def __init__(
+        self,
+        stream: StreamLike,
+        seq_len: int,
+        global_batch: int,
+        micro_batch: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.stream = stream
+        self.seq_len = _positive("seq_len", seq_len)
+        self.global_batch = _positive("global_batch", global_batch)
+        self.micro_batch = _positive("micro_batch", micro_batch)
+        self.world_size = _positive("world_size", world_size)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ConfigError(f"seed={seed!r}; accepted: an integer >= 0")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank={rank!r}; accepted: an integer in [0, world_size={self.world_size})")
+        self.seed, self.rank = int(seed), int(rank)
+        per_step = self.micro_batch * self.world_size
+        if self.global_batch % per_step:
+            nearest = max(per_step, global_batch // per_step * per_step)
+            raise ConfigError(
+                f"global_batch={global_batch} is not divisible by micro_batch * world_size = {micro_batch} * "
+                f"{world_size} = {per_step}; accepted: a multiple of {per_step}, e.g. {nearest}"
+            )
+        self.accum_steps = self.global_batch // per_step
+        self.n_windows = count_windows(stream, self.seq_len)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The window order of `epoch`; the latest two epochs are cached (a step may straddle a boundary)."""
+        if epoch not in self._perms:
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
+            self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}
+            self._perms[epoch] = rng.permutation(self.n_windows)
+        return self._perms[epoch]
+
+    def windows(self, step: int, micro: int) -> np.ndarray:
+        """Window indices of this rank's micro-batch `micro` of optimizer step `step`."""
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise DataError(f"step={step!r}; accepted: an integer >= 0")
+        if isinstance(micro, bool) or not isinstance(micro, (int, np.integer)) or not 0 <= micro < self.accum_steps:
+            raise DataError(f"micro={micro!r}; accepted: an integer in [0, accum_steps={self.accum_steps})")
+        first = (int(micro) * self.world_size + self.rank) * self.micro_batch
+        sample = int(step) * self.global_batch + first + np.arange(self.micro_batch)
+        epochs, slots = np.divmod(sample, self.n_windows)
+        return np.array([self.permutation(int(e))[s] for e, s in zip(epochs, slots)], dtype=np.int64)
+
+    def epoch(self, step: int) -> float:
+        """Fraction of passes over the data made before `step` (for logging)."""
+        return step * self.global_batch / self.n_windows
+
+    def batch(self, step: int, micro: int) -> Batch:
+        """(inputs, targets), int64 tensors of shape (micro_batch, seq_len)."""
+        return read_windows(self.stream, self.windows(step, micro), self.seq_len)
+
+    def state_dict(self) -> dict:
+        return {
+            "format": FORMAT, "version": VERSION, "seed": self.seed, "seq_len": self.seq_len,
+            "global_batch": self.global_batch, "n_windows": self.n_windows,
+            "stream_fingerprint": getattr(self.stream, "fingerprint", None), "n_tokens": len(self.stream),
+        }
+
+    def check_state(self, state: dict) -> None:
+        """Raise DataError unless `state` (from a checkpoint) describes the same data order as this sampler."""
+        if not isinstance(state, dict):
+            raise DataError(
+                f"sampler state is a {type(state).__name__}; accepted: a dict from WindowSampler.state_dict()"
+            )
+        now = self.state_dict()
+        diffs = [f"{k}: checkpoint {state.get(k, '<missing>')!r}, now {now[k]!r}"
+                 for k in STATE_FIELDS if state.get(k) != now[k]]
+        if diffs:
+            raise DataError(
+                "the data does not match the checkpoint's sampler, so resuming would not continue the same batches ("
+                + "; ".join(diffs) + "); accepted: the same corpus, tokenizer, seed, seq_len and global_batch"
+            )
+
+
+def validation_batches(stream: StreamLike, seq_len: int, n_windows: int, batch_size: int) -> list[Batch]:
+    """Fixed (inputs, targets) batches over `n_windows` evenly spaced windows (all windows if the stream is shorter)."""
+    seq_len, n_windows, batch_size = (_positive(k, v) for k, v in
+                                      (("seq_len", seq_len), ("n_windows", n_windows), ("batch_size", batch_size)))
+    total = count_windows(stream, seq_len)
+    n = min(n_windows, total)
+    # floor(i * total / n) is strictly increasing for n <= total: distinct, evenly spread windows.
+    picks = np.arange(n, dtype=np.int64) * total // n
+    return [read_windows(stream, picks[i : i + batch_size], seq_len) for i in range(0, n, batch_size)]

@@ -1,0 +1,255 @@
+"""Token shards: tokenise a corpus split once, as `[bos] + ids` per document, into uint16/uint32 files + a manifest.
+The cache folder is keyed by corpus, tokenizer and split, written atomically, reused when it matches, read by memmap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from fullband.data.corpus import Corpus
+from fullband.errors import DataError
+
+FORMAT = "fullband-tokens"
+VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_TOKENS = 64 * 2**20  # ~128 MiB per uint16 shard: large files, few handles
+BATCH_CHARS = 4 * 2**20  # text handed to encode_batch at once: big enough for its thread pool, small in memory
+
+
+class TokenizerLike(Protocol):
+    kind: str
+    vocab_size: int
+    bos_id: int
+
+    @property
+    def fingerprint(self) -> str: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def cache_key(corpus_fingerprint: str, tokenizer_fingerprint: str, split: str) -> str:
+    payload = json.dumps([FORMAT, VERSION, corpus_fingerprint, tokenizer_fingerprint, split])
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+class TokenStream:
+    """Read-only view of a cache folder's shards as one flat token sequence (memory-mapped, nothing loaded)."""
+
+    def __init__(self, path: Path, manifest: dict, shards: list[np.memmap], *, cached: bool) -> None:
+        self.path, self.manifest, self.cached = path, manifest, cached  # cached: reused, nothing was tokenised
+        self._shards = shards
+        self._starts = np.cumsum([0] + [len(s) for s in shards])  # token offset of each shard, then the total
+
+    @classmethod
+    def open(cls, directory: str | Path, *, cached: bool = True) -> "TokenStream":
+        path = Path(directory)
+        manifest = _read_manifest(path)
+        if manifest is None:
+            raise DataError(
+                f"{path / MANIFEST} is missing or not a {FORMAT} v{VERSION} manifest; delete {path} to rebuild it"
+            )
+        dtype = _dtype(manifest["dtype"])
+        shards = []
+        for entry in manifest["shards"]:
+            file = path / entry["file"]
+            expected = entry["n_tokens"] * dtype.itemsize
+            size = file.stat().st_size if file.exists() else None
+            if size != expected:
+                raise DataError(
+                    f"token shard {file} has {size} bytes, its manifest says {expected}; delete {path} to rebuild it"
+                )
+            shards.append(np.memmap(file, dtype=dtype, mode="r", shape=(entry["n_tokens"],)))
+        return cls(path, manifest, shards, cached=cached)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __repr__(self) -> str:
+        shards = len(self._shards)
+        return f"TokenStream({str(self.path)!r}, n_tokens={len(self)}, shards={shards}, cached={self.cached})"
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _dtype(self.manifest["dtype"])
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the tokens: the cache key of (corpus, tokenizer, split, format)."""
+        return self.manifest["key"]
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as a new array, gathered across shard boundaries."""
+        n = len(self)
+        if not 0 <= start <= stop <= n:
+            raise DataError(f"token slice [{start}, {stop}) is outside the stream; accepted: 0 <= start <= stop <= {n}")
+        out = np.empty(stop - start, dtype=self.dtype)
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            lo = pos - int(self._starts[i])
+            take = min(stop, int(self._starts[i + 1])) - pos
+            out[pos - start : pos - start + take] = self._shards[i][lo : lo + take]
+            pos += take
+            i += 1
+        return out
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise DataError(f"TokenStream supports stream[start:stop] only, got {index!r}")
+        start, stop, _ = index.indices(len(self))
+        return self.slice(start, max(start, stop))
+
+
+def _dtype(name: str) -> np.dtype:
+    # Shards are little-endian on every machine, so a cache can be copied between hosts.
+    return np.dtype(name).newbyteorder("<")
+
+
+def tokenize_corpus(
+    corpus: Corpus,
+    tokenizer: TokenizerLike,
+    split: str,
+    cache_dir: str | Path,
+    *,
+    progress: bool = True,
+    shard_tokens: int = SHARD_TOKENS,
+) -> TokenStream:
+    """The token stream of `split`, from `cache_dir` when a matching cache exists, else tokenised now."""
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens={shard_tokens}; accepted: an integer >= 1")
+    key = cache_key(corpus.fingerprint, tokenizer.fingerprint, split)
+    cache_dir = Path(cache_dir)
+    out = cache_dir / f"{split}-{key}"
+    if _read_manifest(out, key) is not None:
+        try:
+            return TokenStream.open(out, cached=True)
+        except DataError:
+            shutil.rmtree(out, ignore_errors=True)  # a damaged cache (missing or truncated shard) is rebuilt
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=cache_dir))
+    try:
+        _write_shards(tmp, corpus, tokenizer, split, key, progress=progress, shard_tokens=shard_tokens)
+        _publish(tmp, out, key)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return TokenStream.open(out, cached=False)
+
+
+def _write_shards(
+    tmp: Path, corpus: Corpus, tokenizer: TokenizerLike, split: str, key: str, *, progress: bool, shard_tokens: int
+) -> dict:
+    dtype = _dtype(token_dtype(tokenizer.vocab_size).name)
+    writer = _ShardWriter(tmp, dtype, shard_tokens)
+    n_docs = 0
+    with tqdm(desc=f"tokenising {split}", unit="doc", disable=not progress, dynamic_ncols=True) as bar:
+        for batch in _batches(corpus.documents(split)):
+            writer.add(_with_bos(tokenizer.encode_batch(batch), tokenizer.bos_id, dtype))
+            n_docs += len(batch)
+            bar.update(len(batch))
+    writer.close()
+    if writer.n_tokens == 0:
+        raise DataError(f"split {split!r} of corpus {corpus.describe()} gave 0 tokens; accepted: a corpus with text")
+    manifest = {
+        "format": FORMAT, "version": VERSION, "key": key, "split": split,
+        "corpus": {"fingerprint": corpus.fingerprint, "description": corpus.describe()},
+        "tokenizer": {"fingerprint": tokenizer.fingerprint, "kind": tokenizer.kind,
+                      "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id},
+        "dtype": dtype.name, "n_documents": n_docs, "n_tokens": writer.n_tokens, "shards": writer.shards,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _with_bos(batch: list[list[int]], bos_id: int, dtype: np.dtype) -> np.ndarray:
+    """One flat array of `[bos] + ids` for every document of the batch."""
+    out = np.empty(sum(len(ids) + 1 for ids in batch), dtype=dtype)
+    pos = 0
+    for ids in batch:
+        out[pos] = bos_id
+        out[pos + 1 : pos + 1 + len(ids)] = ids  # numpy raises OverflowError rather than wrapping a too-large id
+        pos += len(ids) + 1
+    return out
+
+
+def _batches(docs: Iterable[str], max_chars: int = BATCH_CHARS, max_docs: int = 1024) -> Iterator[list[str]]:
+    batch, chars = [], 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if chars >= max_chars or len(batch) >= max_docs:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+class _ShardWriter:
+    """Appends token arrays to tokens-NNNNN.bin files of at most `shard_tokens` tokens each."""
+
+    def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int) -> None:
+        self.directory, self.dtype, self.shard_tokens = directory, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.n_tokens = 0
+        self._file = None
+
+    def add(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._file is None or self.shards[-1]["n_tokens"] == self.shard_tokens:
+                self._next_file()
+            room = self.shard_tokens - self.shards[-1]["n_tokens"]
+            head, tokens = tokens[:room], tokens[room:]
+            self._file.write(head.astype(self.dtype, copy=False).tobytes())
+            self.shards[-1]["n_tokens"] += len(head)
+            self.n_tokens += len(head)
+
+    def _next_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        name = f"tokens-{len(self.shards):05d}.bin"
+        self._file = open(self.directory / name, "wb")  # noqa: SIM115 - closed in _next_file / close
+        self.shards.append({"file": name, "n_tokens": 0})
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _publish(tmp: Path, out: Path, key: str) -> None:
+    """Move the finished folder into place; a stale folder is replaced, a concurrent writer's result is kept."""
+    if _read_manifest(out, key) is not None:
+        return  # another process finished the same cache while we tokenised; the caller drops ours
+    if out.exists():
+        shutil.rmtree(out)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if _read_manifest(out, key) is None:  # another process won the race only if its result is complete
+            raise
+
+
+def _read_manifest(directory: Path, key: str | None = None) -> dict | None:
+    """The folder's manifest if it is a complete one of this format (and `key`), else None."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        return None
+    if key is not None and manifest.get("key") != key:
+        return None
+    return manifest

@@ -1,0 +1,139 @@
+"""Training checkpoints: `step_NNNNNN/` folders with the model (loadable by FullbandLM.load), optimizer,
+trainer state (step, data position, config, code version) and RNG, written atomically; the last N are kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fullband.checkpoint import load_state, write_model_files
+from fullband.errors import CheckpointError
+from fullband.train.parallel import Dist, barrier, is_fsdp, unwrap
+
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+TRAINER_FILE = "trainer.json"
+REQUIRED = ("config.json", "model.safetensors", TRAINER_FILE, "rng.pt")
+
+
+def code_version() -> dict:
+    from fullband import __version__
+
+    info = {"fullband": __version__, "torch": torch.__version__}
+    try:
+        root = Path(__file__).resolve().parents[3]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            info["git"] = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary folders of an interrupted write are ignored)."""
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / TRAINER_FILE).is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded, CPU) model state dict; collective under FSDP2 (every rank must call)."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, *, d: Dist, tokenizer=None,
+                    keep_last: int = 3) -> Path:
+    """Write step_NNNNNN/ atomically: every file goes to a temporary folder renamed into place at the end."""
+    final = run_dir / f"step_{step:06d}"
+    tmp = run_dir / f".step_{step:06d}.tmp"
+    if d.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(d)
+    state = model_state(model)
+    fsdp = is_fsdp(model)
+    if fsdp:  # optimizer state is sharded like the parameters: one file per rank
+        torch.save(optimizer.state_dict(), tmp / f"optimizer.rank{d.rank}.pt")
+    if d.main:
+        write_model_files(tmp, unwrap(model).config, state, tokenizer=tokenizer)
+        if not fsdp:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(
+            {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            tmp / "rng.pt",
+        )
+        payload = {**trainer_state, "step": step, "world_size": d.world, "fsdp": fsdp, "code": code_version()}
+        (tmp / TRAINER_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    barrier(d)
+    if d.main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(d)
+    return final
+
+
+def read_trainer_state(path: Path) -> dict:
+    missing = [name for name in REQUIRED if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: missing {', '.join(missing)}")
+    try:
+        return json.loads((path / TRAINER_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path / TRAINER_FILE} is corrupted: {err}") from None
+
+
+def load_checkpoint(path: Path, model, optimizer, *, d: Dist) -> dict:
+    """Restore model, optimizer and RNG from `path`; returns the trainer state."""
+    state = read_trainer_state(path)
+    fsdp = is_fsdp(model)
+    if state.get("fsdp") != fsdp or (fsdp and state.get("world_size") != d.world):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written with fsdp={state.get('fsdp')} on {state.get('world_size')} "
+            f"processes; this run has fsdp={fsdp} on {d.world} (FSDP optimizer shards need the same world size)"
+        )
+    weights = load_state(path)
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+        opt_file = path / f"optimizer.rank{d.rank}.pt"
+    else:
+        unwrap(model).load_state_dict(weights, strict=True)
+        opt_file = path / "optimizer.pt"
+    if not opt_file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: missing {opt_file.name}")
+    try:
+        opt_state = torch.load(opt_file, map_location=d.device, weights_only=False)
+        rng = torch.load(path / "rng.pt", weights_only=False)
+    except Exception as err:  # torch.load raises many types for a damaged file
+        raise CheckpointError(f"{opt_file} or rng.pt in {str(path)!r} is corrupted: {err}") from None
+    optimizer.load_state_dict(opt_state)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    return state
+
+
+def checkpoint_files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def describe(state: dict[str, Any]) -> str:
+    return f"step {state['step']} ({state.get('tokens', 0) / 1e6:.2f}M tokens)"

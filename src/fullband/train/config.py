@@ -1,0 +1,160 @@
+"""The run config: [model], [data], [train], [optim], [log] sections of a recipe TOML, each a validated
+dataclass; the resolved config is saved in every run directory and checkpoint."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fullband.configio import apply_overrides, from_dict, to_dict
+from fullband.errors import ConfigError
+from fullband.model.config import ModelConfig
+from fullband.train.optim import OptimConfig
+from fullband.train.schedule import PassSchedule
+
+DTYPES = ("auto", "float32", "bfloat16")
+PARALLEL = ("ddp", "fsdp")
+
+
+@dataclass
+class DataConfig:
+    corpus: str | list[str] = "stdlib"  # "stdlib", files / dirs / globs, *.jsonl, "hf:<dataset>"
+    text_field: str = "text"  # JSONL / datasets column holding the text
+    val_percent: float = 1.0  # held-out share, split by file (or row)
+    tokenizer: str = "byte"  # "byte", "bpe" (trained on the corpus), or a folder holding a tokenizer.json
+    bpe_vocab_size: int = 8192
+    cache_dir: str = ""  # token shards; default $FULLBAND_CACHE or ~/.cache/fullband
+
+    def __post_init__(self) -> None:
+        if not 0 < self.val_percent < 100:
+            raise ConfigError(f"data.val_percent={self.val_percent} is out of range; accepted: 0 < val_percent < 100")
+        if self.bpe_vocab_size < 260:
+            raise ConfigError(f"data.bpe_vocab_size={self.bpe_vocab_size} is too small; accepted: >= 260")
+        if not self.corpus:
+            raise ConfigError("data.corpus is empty; accepted: 'stdlib', a path, a glob, a .jsonl file or 'hf:<name>'")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # optimizer steps
+    seq_len: int = 256
+    global_batch_tokens: int = 16384  # tokens per optimizer step across all ranks (seq_len x windows)
+    micro_batch: int = 8  # windows per forward on one rank; gradient accumulation fills the global batch
+    seed: int = 0
+    passes: Any = "paper-200b"  # pass schedule: a preset name or a list of {until, probs} stages
+    warmup_steps: int = 200
+    cooldown_fraction: float = 0.25  # WSD: the last fraction decays linearly to zero
+    z_loss: float = 1e-5  # applied during the cooldown only, as the paper does
+    decay_wd_in_cooldown: bool = True  # weight decay scaled with the LR during the cooldown (AdamC)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto: bfloat16 autocast on GPU, float32 on CPU
+    compile: bool = False  # torch.compile each block (GPU)
+    activation_checkpointing: bool = False
+    parallel: str = "ddp"  # under torchrun: ddp or fsdp (FSDP2 fully_shard)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} is out of range; accepted: an integer >= 1")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ConfigError(
+                f"train.warmup_steps={self.warmup_steps} is out of range; accepted: 0 <= warmup_steps <= "
+                f"train.steps={self.steps}"
+            )
+        if not 0 <= self.cooldown_fraction <= 1:
+            raise ConfigError(f"train.cooldown_fraction={self.cooldown_fraction}; accepted: 0 <= x <= 1")
+        if self.z_loss < 0:
+            raise ConfigError(f"train.z_loss={self.z_loss}; accepted: >= 0")
+        if self.global_batch_tokens % self.seq_len:
+            raise ConfigError(
+                f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of train.seq_len="
+                f"{self.seq_len}; accepted: a whole number of windows (e.g. {self.seq_len * max(1, self.global_batch_tokens // self.seq_len)})"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"train.dtype={self.dtype!r}; accepted: {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"train.device={self.device!r}; accepted: auto, cpu, cuda, cuda:N")
+        if self.parallel not in PARALLEL:
+            raise ConfigError(f"train.parallel={self.parallel!r}; accepted: {', '.join(PARALLEL)}")
+        self.schedule  # validates the pass schedule now
+
+    @property
+    def schedule(self) -> PassSchedule:
+        return PassSchedule.parse(self.passes)
+
+    @property
+    def global_windows(self) -> int:
+        return self.global_batch_tokens // self.seq_len
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/run"
+    log_every: int = 10  # metrics lines (every step is logged to metrics.jsonl; this is the console cadence)
+    eval_every: int = 200  # validation loss every N steps (0: only at the end)
+    eval_windows: int = 32  # validation windows per evaluation
+    eval_passes: list[int] = field(default_factory=lambda: [1, 2])
+    ckpt_every: int = 200  # checkpoint every N steps (0: only at the end)
+    keep_last: int = 3  # checkpoints kept
+    progress: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "fullband"
+
+    def __post_init__(self) -> None:
+        for name in ("log_every", "eval_every", "eval_windows", "ckpt_every", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"log.{name}={getattr(self, name)} is out of range; accepted: >= 0")
+        if self.keep_last < 1:
+            raise ConfigError(f"log.keep_last={self.keep_last}; accepted: >= 1")
+        if not self.eval_passes or any(k < 1 for k in self.eval_passes):
+            raise ConfigError(f"log.eval_passes={self.eval_passes}; accepted: a non-empty list of integers >= 1")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                f"lower train.seq_len or raise model.max_seq_len"
+            )
+        if self.train.micro_batch > self.train.global_windows:
+            raise ConfigError(
+                f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
+                f"{self.train.global_windows} windows (global_batch_tokens / seq_len)"
+            )
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        return from_dict(cls, data)
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a recipe TOML (or a saved run.json), apply `section.key=value` overrides, validate everything."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: malformed {'JSON' if path.suffix == '.json' else 'TOML'}: {err}") from None
+    data = apply_overrides(data, overrides)
+    try:
+        return RunConfig.from_dict(data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None

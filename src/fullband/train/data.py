@@ -1,0 +1,97 @@
+"""The data side of a run: corpus, tokenizer (byte, BPE trained once and cached, or a saved one), token
+shards for the train and validation splits, the step-deterministic sampler and fixed validation batches."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from fullband.data.corpus import resolve_corpus
+from fullband.data.sampler import WindowSampler, validation_batches
+from fullband.data.shards import tokenize_corpus
+from fullband.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from fullband.errors import ConfigError
+from fullband.model.config import ModelConfig
+from fullband.train.parallel import Dist, barrier
+
+
+@dataclass
+class RunData:
+    tokenizer: object
+    train: object  # TokenStream
+    val: object
+    sampler: WindowSampler
+    val_batches: list
+    model_config: ModelConfig
+
+
+def cache_root(cfg_dir: str) -> Path:
+    if cfg_dir:
+        return Path(cfg_dir).expanduser()
+    env = os.environ.get("FULLBAND_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "fullband"
+
+
+def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None) -> RunData:
+    """Resolve corpus and tokenizer, tokenise both splits (rank 0 first; the others read its cache)."""
+    data = cfg.data
+    corpus = resolve_corpus(data.corpus, text_field=data.text_field, val_percent=data.val_percent)
+    cache = cache_root(data.cache_dir)
+    tokenizer = _tokenizer(data, corpus, cache, d, run_dir)
+    model_cfg = _fit_model_config(cfg.model, tokenizer)
+    streams = {}
+    for rank_turn in (True, False):  # rank 0 tokenises and caches; then everybody opens the cache
+        if d.main == rank_turn:
+            for split in ("train", "val"):
+                streams[split] = tokenize_corpus(corpus, tokenizer, split, cache / "tokens", progress=d.main)
+        barrier(d)
+    t = cfg.train
+    sampler = WindowSampler(streams["train"], t.seq_len, t.global_windows, t.micro_batch, t.seed,
+                            rank=d.rank, world_size=d.world)
+    val = validation_batches(streams["val"], t.seq_len, cfg.log.eval_windows, t.micro_batch)
+    return RunData(tokenizer, streams["train"], streams["val"], sampler, val, model_cfg)
+
+
+def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None):
+    if run_dir is not None:  # resuming: the run's own tokenizer, whatever the recipe says
+        return load_tokenizer(run_dir)
+    if data.tokenizer == "byte":
+        return ByteTokenizer()
+    if data.tokenizer == "bpe":
+        where = cache / "tokenizers" / f"bpe-{data.bpe_vocab_size}-{corpus.fingerprint[:16]}"
+        if d.main and not (where / "tokenizer.json").is_file():
+            tok = train_bpe(corpus.documents("train"), data.bpe_vocab_size, show_progress=True)
+            tmp = where.with_name(where.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            tok.save(tmp)
+            shutil.rmtree(where, ignore_errors=True)
+            os.replace(tmp, where)
+        barrier(d)
+        return load_tokenizer(where)
+    path = Path(data.tokenizer).expanduser()
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer!r} is neither 'byte', 'bpe' nor a folder holding a tokenizer.json"
+        )
+    return load_tokenizer(path)
+
+
+def _fit_model_config(model: ModelConfig, tokenizer) -> ModelConfig:
+    if model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids; "
+            f"set model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    if model.bos_token_id is None:  # document starts must be plain: take the tokenizer's BOS
+        return model.replace(bos_token_id=tokenizer.bos_id)
+    if model.bos_token_id != tokenizer.bos_id:
+        raise ConfigError(
+            f"model.bos_token_id={model.bos_token_id} differs from the tokenizer's BOS id {tokenizer.bos_id}; "
+            f"set model.bos_token_id = {tokenizer.bos_id} (or leave it out)"
+        )
+    return model

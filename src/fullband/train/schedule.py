@@ -1,0 +1,266 @@
+"""Schedules as pure functions of the step: the WSD learning-rate factor and the pass schedule (how many
+Jacobi passes a step trains with, drawn from a generator seeded by (seed, step) so every rank and a resume agree)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fullband.errors import ConfigError, closest
+
+PROB_TOLERANCE = 1e-6
+
+
+# ---------------------------------------------------------------- learning rate (warmup, stable, decay)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ConfigError(f"{name}={value!r} must be an integer (got {type(value).__name__})")
+    if value < minimum:
+        raise ConfigError(f"{name}={value} is out of range; accepted: an integer >= {minimum}")
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ConfigError(f"{name}={value!r} is out of range; accepted: a number with 0 <= {name} <= 1")
+
+
+def cooldown_steps(total_steps: int, cooldown_fraction: float) -> int:
+    """Steps in the cooldown: cooldown_fraction * total_steps, rounded, and at least 1 when the fraction is > 0."""
+    _check_int("total_steps", total_steps, 1)
+    _check_fraction("cooldown_fraction", cooldown_fraction)
+    if cooldown_fraction == 0:
+        return 0
+    return min(total_steps, max(1, round(cooldown_fraction * total_steps)))
+
+
+def in_cooldown(step: int, total_steps: int, cooldown_fraction: float) -> bool:
+    """Whether `step` (0-based) lies in the final linear decay (z-loss and weight-decay decay switch on there)."""
+    _check_int("step", step, 0)
+    n = cooldown_steps(total_steps, cooldown_fraction)
+    return n > 0 and step >= total_steps - n
+
+
+def wsd_factor(step: int, total_steps: int, warmup_steps: int, cooldown_fraction: float) -> float:
+    """LR multiplier in (0, 1] for 0-based `step` (the update made at that step): warmup, stable, decay.
+
+    Warmup: (step + 1) / warmup_steps, so step 0 already moves and step warmup_steps - 1 reaches 1.
+    Cooldown over the last n = cooldown_steps(total_steps, cooldown_fraction) steps: (total_steps - step) / n,
+    1 at its first step, 1/n at the last step (total_steps - 1), and 0 at step total_steps, which is never
+    taken. Where warmup and cooldown overlap (short runs) the smaller factor wins. Steps past the end give 0.
+    """
+    _check_int("step", step, 0)
+    _check_int("warmup_steps", warmup_steps, 0)
+    n = cooldown_steps(total_steps, cooldown_fraction)
+    if warmup_steps > total_steps:
+        raise ConfigError(
+            f"warmup_steps={warmup_steps} exceeds total_steps={total_steps}; accepted: 0 <= warmup_steps <= total_steps"
+        )
+    if step >= total_steps:
+        return 0.0
+    factor = 1.0
+    if step < warmup_steps:
+        factor = (step + 1) / warmup_steps
+    if n and step >= total_steps - n:
+        factor = min(factor, (total_steps - step) / n)
+    return factor
+
+
+# ---------------------------------------------------------------- pass schedule
+
+
+class Stage(NamedTuple):
+    """Applies while step / total_steps < until; probs maps a pass count k >= 1 to its probability."""
+
+    until: float
+    probs: dict[int, float]
+
+
+PRESETS: dict[str, list[tuple[float, dict[int, float]]]] = {
+    "none": [(1.0, {1: 1.0})],
+    "three-pass": [(1.0, {3: 1.0})],
+    "paper-100b": [(1.0, {1: 0.75, 3: 0.25})],
+    # single-pass first, feedback passes from mid training: 75/22/3 one/two/three (mean 1.28 passes)
+    "paper-200b": [(0.5, {1: 1.0}), (1.0, {1: 0.75, 2: 0.22, 3: 0.03})],
+    # the stability experiment (METHOD.md section 7): 75/25 one/two diverges when iterated, 3% three-pass fixes it
+    "one-two": [(1.0, {1: 0.75, 2: 0.25})],
+    "one-two-three": [(1.0, {1: 0.75, 2: 0.22, 3: 0.03})],
+}
+
+
+@dataclass(frozen=True, eq=True)
+class PassSchedule:
+    """Stages (until_fraction, {k: probability}) in increasing `until`, the last at 1.0. The pass count of a
+    step is drawn from numpy's generator seeded by [seed, step] only: reproducible on any rank or resume."""
+
+    stages: tuple[Stage, ...]
+    name: str | None = None  # the preset it came from, for logs
+
+    def __init__(self, stages: Sequence[Any], name: str | None = None) -> None:
+        object.__setattr__(self, "stages", _validate_stages(stages))
+        object.__setattr__(self, "name", name)
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def preset(cls, name: str) -> "PassSchedule":
+        if name not in PRESETS:
+            hint = closest(name, PRESETS) if isinstance(name, str) else ""
+            raise ConfigError(f"unknown pass schedule {name!r}{hint}; accepted presets: {', '.join(PRESETS)}")
+        return cls(PRESETS[name], name=name)
+
+    @classmethod
+    def parse(cls, value: Any) -> "PassSchedule":
+        """A preset name, a PassSchedule, or stages as TOML gives them:
+        [{until = 0.5, probs = {"1" = 1.0}}, {until = 1.0, probs = {"1" = 0.75, "3" = 0.25}}]
+        (pairs [until, {k: p}] are accepted too)."""
+        if isinstance(value, PassSchedule):
+            return value
+        if isinstance(value, str):
+            return cls.preset(value)
+        if not isinstance(value, Sequence) or isinstance(value, bytes):
+            raise ConfigError(
+                f"pass schedule {value!r} is invalid; accepted: a preset name ({', '.join(PRESETS)}) "
+                f"or a list of {{until = ..., probs = {{\"k\" = p, ...}}}} stages"
+            )
+        return cls([_stage_from_data(i, item) for i, item in enumerate(value)])
+
+    def to_data(self) -> list[dict[str, Any]]:
+        """Stages as TOML / JSON data (string keys); PassSchedule.parse(s.to_data()) == s."""
+        return [{"until": s.until, "probs": {str(k): p for k, p in s.probs.items()}} for s in self.stages]
+
+    # ------------------------------------------------------------ queries
+    def stage_index(self, step: int, total_steps: int) -> int:
+        """The stage that applies at 0-based `step`; steps past the end stay in the last stage."""
+        _check_int("step", step, 0)
+        _check_int("total_steps", total_steps, 1)
+        for i, stage in enumerate(self.stages):
+            if step < stage.until * total_steps:  # step / total_steps < until, without a float division
+                return i
+        return len(self.stages) - 1
+
+    def sample(self, step: int, total_steps: int, seed: int) -> int:
+        """The pass count k for `step`: a function of (seed, step) and the schedule only."""
+        _check_int("seed", seed, 0)
+        probs = self.stages[self.stage_index(step, total_steps)].probs
+        if len(probs) == 1:
+            return next(iter(probs))
+        u = np.random.default_rng([seed, step]).random()
+        total = 0.0
+        for k, p in probs.items():
+            total += p
+            if u < total:
+                return k
+        return max(k for k, p in probs.items() if p > 0)  # u within rounding of 1
+
+    def mean_passes(self, total_steps: int | None = None) -> float:
+        """Expected passes per step over the run (token-equivalent compute = tokens x this). With total_steps,
+        stages are weighted by their whole step counts; without it, by their fractions of the run."""
+        weights = []
+        prev = 0.0
+        for i, stage in enumerate(self.stages):
+            if total_steps is None:
+                weights.append(stage.until - prev)
+                prev = stage.until
+            else:
+                weights.append(self._steps_in_stage(i, total_steps))
+        denominator = sum(weights)
+        return sum(w * _expected_k(s.probs) for w, s in zip(weights, self.stages)) / denominator
+
+    @property
+    def max_passes(self) -> int:
+        """The largest k any step can draw (for sizing memory)."""
+        return max(k for s in self.stages for k, p in s.probs.items() if p > 0)
+
+    def _steps_in_stage(self, index: int, total_steps: int) -> int:
+        _check_int("total_steps", total_steps, 1)
+
+        def first_step(until: float) -> int:  # smallest step with step >= until * total_steps
+            return min(total_steps, math.ceil(until * total_steps))
+
+        start = 0 if index == 0 else first_step(self.stages[index - 1].until)
+        end = total_steps if index == len(self.stages) - 1 else first_step(self.stages[index].until)
+        return max(0, end - start)
+
+    def __str__(self) -> str:
+        body = "; ".join(
+            f"until {s.until:g}: " + ", ".join(f"{k}x {p:g}" for k, p in s.probs.items()) for s in self.stages
+        )
+        return f"{self.name} ({body})" if self.name else body
+
+
+def _expected_k(probs: Mapping[int, float]) -> float:
+    return sum(k * p for k, p in probs.items())
+
+
+def _stage_from_data(index: int, item: Any) -> tuple[Any, Any]:
+    if isinstance(item, Mapping):
+        unknown = sorted(set(item) - {"until", "probs"})
+        if unknown or "until" not in item or "probs" not in item:
+            raise ConfigError(
+                f"pass schedule stage {index + 1}: {dict(item)!r} is invalid"
+                + (f" (unknown key {unknown[0]!r}{closest(str(unknown[0]), ('until', 'probs'))})" if unknown else "")
+                + "; accepted: a table {until = <fraction>, probs = {\"k\" = p, ...}}"
+            )
+        return item["until"], item["probs"]
+    if isinstance(item, Sequence) and not isinstance(item, str) and len(item) == 2:
+        return item[0], item[1]
+    raise ConfigError(
+        f"pass schedule stage {index + 1}: {item!r} is invalid; accepted: {{until = <fraction>, probs = {{\"k\" = p}}}}"
+    )
+
+
+def _pass_count(stage: int, key: Any) -> int:
+    """k from an int or a digit string (TOML keys are strings)."""
+    k = key
+    if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
+        k = int(key)
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+        raise ConfigError(f"pass schedule stage {stage}: pass count {key!r} is invalid; accepted: an integer k >= 1")
+    return int(k)
+
+
+def _validate_stages(stages: Sequence[Any]) -> tuple[Stage, ...]:
+    if isinstance(stages, str | bytes) or not isinstance(stages, Sequence) or not stages:
+        raise ConfigError(f"pass schedule {stages!r} has no stages; accepted: a non-empty list of (until, {{k: p}})")
+    out: list[Stage] = []
+    prev = 0.0
+    for i, item in enumerate(stages, start=1):
+        until, probs = _stage_from_data(i - 1, item)
+        if isinstance(until, bool) or not isinstance(until, int | float) or not 0 < until <= 1:
+            raise ConfigError(f"pass schedule stage {i}: until={until!r}; accepted: a fraction 0 < until <= 1")
+        if until <= prev:
+            raise ConfigError(
+                f"pass schedule stage {i}: until={until} does not come after the previous stage's until={prev}; "
+                "accepted: strictly increasing until fractions"
+            )
+        if not isinstance(probs, Mapping) or not probs:
+            raise ConfigError(
+                f"pass schedule stage {i}: probs={probs!r}; accepted: a non-empty table {{k: probability}}"
+            )
+        clean: dict[int, float] = {}
+        for key, p in probs.items():
+            k = _pass_count(i, key)
+            if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p <= 1:
+                raise ConfigError(f"pass schedule stage {i}: probability {p!r} for k={k}; accepted: 0 <= p <= 1")
+            if k in clean:
+                raise ConfigError(f"pass schedule stage {i}: k={k} appears twice in {dict(probs)!r}")
+            clean[k] = float(p)
+        total = sum(clean.values())
+        if abs(total - 1) > PROB_TOLERANCE:
+            raise ConfigError(
+                f"pass schedule stage {i}: probabilities {dict(probs)!r} sum to {total:.6g}; accepted: a sum of 1 "
+                f"(tolerance {PROB_TOLERANCE:g})"
+            )
+        out.append(Stage(float(until), dict(sorted(clean.items()))))
+        prev = until
+    if out[-1].until != 1.0:
+        raise ConfigError(
+            f"pass schedule: the last stage ends at until={out[-1].until}; accepted: the last until is 1.0 "
+            "(the schedule must cover the whole run)"
+        )
+    return tuple(out)

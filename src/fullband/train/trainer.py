@@ -1,0 +1,422 @@
+"""The training loop: the multi-pass objective under a pass schedule, NorMuon + Adam with WSD, periodic
+validation, atomic checkpoints that resume bitwise-exactly, and a divergence guard.
+
+Everything random is a pure function of (seed, step, micro-batch): the pass count, the data, the jitter
+and the prefix mixin. So a resumed run, or the same global batch split over more processes, replays the
+same computation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fullband.errors import ConfigError, FullbandError
+from fullband.model.decoder import FullbandLM
+from fullband.train import checkpoint as ckpt
+from fullband.train.config import RunConfig
+from fullband.train.data import RunData, prepare_data
+from fullband.train.optim import build_optimizer
+from fullband.train.parallel import Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync
+from fullband.train.parallel import parallelize, shutdown, unwrap
+from fullband.train.schedule import in_cooldown, wsd_factor
+
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+# resuming needs these to be equal; anything else (logging, eval cadence) may change
+MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tokens", "train.seed", "train.passes",
+              "train.steps", "train.warmup_steps", "train.cooldown_fraction", "train.z_loss",
+              "train.decay_wd_in_cooldown")
+
+
+class TrainingDiverged(FullbandError):
+    """The loss became NaN or infinite; the run stopped before applying that step."""
+
+
+@dataclass
+class StepStats:
+    k: int
+    loss: float
+    pass_losses: list[float]
+    grad_norm: float
+    state_rms: float
+
+
+def noise_seed(seed: int, step: int, block: int) -> int:
+    """Seed of the jitter / prefix-mixin generator for global micro-batch `block` of `step`."""
+    return (seed * 1_000_003 + step) * 10_007 + block
+
+
+def _print0(d: Dist, *args) -> None:
+    if d.main:
+        print(*args, flush=True)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, *, resume: str | Path | None = None) -> None:
+        self.d = init_distributed(cfg.train.device)
+        self.cfg = cfg
+        self.resume_from: Path | None = None
+        self.run_dir = Path(cfg.log.run_dir)
+        if resume is not None:
+            self.run_dir, self.resume_from = _resolve_resume(Path(resume))
+            _check_resume_config(self.run_dir, cfg)
+        elif self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise ConfigError(
+                f"run directory {str(self.run_dir)!r} already holds a run; resume it with --resume "
+                f"{self.run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)"
+            )
+        # everything that can fail on user input happens before the run directory is created
+        self.data: RunData = prepare_data(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
+        cfg.model = self.data.model_config
+        torch.manual_seed(cfg.train.seed)
+        model = FullbandLM(cfg.model).to(self.d.device)
+        self.model = parallelize(model, d=self.d, mode=cfg.train.parallel,
+                                 activation_checkpointing=cfg.train.activation_checkpointing,
+                                 compile=cfg.train.compile)
+        self.optimizer = build_optimizer(unwrap(self.model), cfg.optim)
+        self.schedule = cfg.train.schedule
+        self.step = 0
+        self.tokens = 0
+        self.compute_tokens = 0
+        self.elapsed = 0.0
+        self.autocast = _autocast(cfg.train.dtype, self.d.device)
+        if self.d.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        barrier(self.d)
+        if self.resume_from is not None:
+            state = ckpt.load_checkpoint(self.resume_from, self.model, self.optimizer, d=self.d)
+            self.data.sampler.check_state(state["sampler"])
+            self.step, self.tokens = state["step"], state["tokens"]
+            self.compute_tokens, self.elapsed = state["compute_tokens"], state["elapsed"]
+            if self.d.main:
+                _truncate_metrics(self.run_dir / METRICS_FILE, self.step)
+            _print0(self.d, f"resumed from {self.resume_from} at {ckpt.describe(state)}")
+        elif self.d.main:
+            (self.run_dir / RUN_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            self.data.tokenizer.save(self.run_dir)
+        self.loggers = _Loggers(self.run_dir, cfg, self.d) if self.d.main else None
+
+    # ------------------------------------------------------------------ one optimizer step
+    def train_step(self, step: int) -> StepStats:
+        cfg, d, sampler = self.cfg, self.d, self.data.sampler
+        k = self.schedule.sample(step, cfg.train.steps, cfg.train.seed)
+        factor = wsd_factor(step, cfg.train.steps, cfg.train.warmup_steps, cfg.train.cooldown_fraction)
+        cooldown = in_cooldown(step, cfg.train.steps, cfg.train.cooldown_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * factor
+            wd_factor = factor if (cooldown and cfg.train.decay_wd_in_cooldown) else 1.0
+            group["weight_decay"] = group["base_wd"] * wd_factor
+        z_loss = cfg.train.z_loss if cooldown else 0.0
+        model = self.model
+        model.train()
+        accum = sampler.accum_steps
+        sums = torch.zeros(k + 2, device=d.device)  # per-pass NTP, objective, state RMS
+        for micro in range(accum):
+            inputs, targets = sampler.batch(step, micro)
+            inputs, targets = inputs.to(d.device), targets.to(d.device)
+            block = micro * d.world + d.rank  # global micro-batch index: the same noise for any world size
+            gen = torch.Generator(device=d.device).manual_seed(noise_seed(cfg.train.seed, step, block))
+            with no_sync(model, skip=micro < accum - 1), self.autocast:
+                out = model(inputs, passes=k, targets=targets, generator=gen, return_logits=False, z_loss=z_loss)
+                (out.loss / accum).backward()
+            with torch.no_grad():
+                sums[:k] += torch.stack(out.pass_losses).detach().float()
+                sums[k] += out.loss.detach().float()
+                sums[k + 1] += out.hidden.detach().float().pow(2).mean().sqrt()
+        sums = all_reduce_mean(sums / accum, d)
+        values = sums.tolist()
+        bad = [j + 1 for j, v in enumerate(values[:k]) if not math.isfinite(v)]
+        if not math.isfinite(values[k]) and not bad:
+            bad = [0]
+        if bad:
+            self.optimizer.zero_grad(set_to_none=True)
+            last = ckpt.list_checkpoints(self.run_dir)
+            where = f"pass {bad[0]}" if bad[0] else "the z-loss term"
+            raise TrainingDiverged(
+                f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); stopped before "
+                f"applying it. Last good checkpoint: {last[-1] if last else 'none yet'}. Try a lower learning rate "
+                f"(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip)."
+            )
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1])
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean validation NTP loss (nats/token) for each pass count in log.eval_passes."""
+        model = self.model
+        model.eval()
+        out: dict[str, float] = {}
+        for k in self.cfg.log.eval_passes:
+            loss_sum, count = 0.0, 0
+            for inputs, targets in self.data.val_batches:
+                with self.autocast:
+                    res = model(inputs.to(self.d.device), passes=k, targets=targets.to(self.d.device), return_logits=False)
+                loss_sum += float(res.pass_losses[-1]) * targets.numel()
+                count += targets.numel()
+            out[str(k)] = loss_sum / count
+        model.train()
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def save(self) -> Path:
+        state = {
+            "tokens": self.tokens, "compute_tokens": self.compute_tokens, "elapsed": self.elapsed,
+            "sampler": self.data.sampler.state_dict(), "config": self.cfg.to_dict(),
+        }
+        return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, d=self.d,
+                                    tokenizer=self.data.tokenizer, keep_last=self.cfg.log.keep_last)
+
+    def run(self) -> dict:
+        cfg, d = self.cfg, self.d
+        total = cfg.train.steps
+        tokens_per_step = cfg.train.global_batch_tokens
+        bar = _progress(cfg, d, self.step, total)
+        last_eval: dict[str, float] = {}
+        try:
+            while self.step < total:
+                t0 = time.perf_counter()
+                stats = self.train_step(self.step)
+                dt = time.perf_counter() - t0
+                self.step += 1
+                self.tokens += tokens_per_step
+                self.compute_tokens += tokens_per_step * stats.k
+                self.elapsed += dt
+                row = {
+                    "step": self.step, "k": stats.k, "loss": stats.loss, "loss_pass": stats.pass_losses,
+                    "lr": {name: opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers.items()
+                           if opt.param_groups},
+                    "grad_norm": stats.grad_norm, "state_rms": stats.state_rms, "tokens": self.tokens,
+                    "compute_tokens": self.compute_tokens, "tok_per_s": tokens_per_step / dt, "time": self.elapsed,
+                }
+                if self.loggers:
+                    self.loggers.log(row)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{stats.pass_losses[0]:.3f}", k=stats.k, tok_s=f"{tokens_per_step / dt:,.0f}")
+                    bar.update(1)
+                done = self.step == total
+                if (cfg.log.eval_every and self.step % cfg.log.eval_every == 0) or done:
+                    last_eval = self.evaluate()
+                    if self.loggers:
+                        self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens})
+                    msg = "  ".join(f"passes={k}: {v:.4f}" for k, v in last_eval.items())
+                    (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
+                if (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done:
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            if self.loggers:
+                self.loggers.close()
+        if d.main:
+            plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
+        return {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens,
+                "elapsed": self.elapsed, "eval": last_eval, "run_dir": str(self.run_dir)}
+
+    def close(self) -> None:
+        shutdown(self.d)
+
+
+def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
+    trainer = Trainer(cfg, resume=resume)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+# ---------------------------------------------------------------------- helpers
+def _autocast(dtype: str, device: torch.device):
+    import contextlib
+
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _resolve_resume(path: Path) -> tuple[Path, Path]:
+    """--resume accepts a run directory (its latest checkpoint) or one step_NNNNNN folder."""
+    if not path.exists():
+        raise ConfigError(f"--resume {str(path)!r} does not exist")
+    if ckpt.STEP_DIR.match(path.name):
+        ckpt.read_trainer_state(path)
+        return path.parent, path
+    found = ckpt.list_checkpoints(path)
+    if not found:
+        raise ConfigError(f"--resume {str(path)!r} holds no complete checkpoint (step_NNNNNN/ with trainer.json)")
+    return path, found[-1]
+
+
+def _check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
+    saved_path = run_dir / RUN_FILE
+    if not saved_path.is_file():
+        raise ConfigError(f"{str(run_dir)!r} has no {RUN_FILE}; it is not a fullband run directory")
+    saved = json.loads(saved_path.read_text())
+    now = cfg.to_dict()
+    now["log"]["run_dir"] = saved["log"]["run_dir"] = str(run_dir)
+    diffs = []
+    for key in MUST_MATCH:
+        a, b = _get(saved, key), _get(now, key)
+        if key == "model" and isinstance(a, dict) and isinstance(b, dict):
+            b = {**b, "bos_token_id": a.get("bos_token_id", b.get("bos_token_id"))} if b.get("bos_token_id") is None else b
+        if a != b:
+            diffs.append(f"{key}: run has {_short(a)}, config has {_short(b)}")
+    if diffs:
+        raise ConfigError(
+            f"cannot resume {str(run_dir)!r} with this config; these settings differ: " + "; ".join(diffs)
+        )
+
+
+def _get(data: dict, dotted: str):
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from (a killed run may have logged further)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the kill
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    shutil.move(tmp, path)
+
+
+def _progress(cfg: RunConfig, d: Dist, start: int, total: int):
+    if not (cfg.log.progress and d.main):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+class _Loggers:
+    """metrics.jsonl always; TensorBoard and Weights & Biases when asked for (imported lazily)."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, d: Dist) -> None:
+        self.file = open(run_dir / METRICS_FILE, "a")
+        self.tb = self.wandb = None
+        if cfg.log.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from None
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if cfg.log.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("log.wandb = true needs the wandb package: pip install wandb") from None
+            self.wandb = wandb.init(project=cfg.log.wandb_project, dir=str(run_dir), config=cfg.to_dict(),
+                                    name=run_dir.name, resume="allow")
+
+    def log(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        flat = _flatten(row)
+        step = row["step"]
+        if self.tb is not None:
+            for key, value in flat.items():
+                if key != "step":
+                    self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(flat, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _flatten(row: dict, prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}/"))
+        elif isinstance(value, list):
+            out.update({f"{name}/{i + 1}": v for i, v in enumerate(value)})
+        elif isinstance(value, int | float):
+            out[name] = value
+    return out
+
+
+def plot_metrics(metrics: Path, out: Path) -> Path | None:
+    """Training loss per pass count (smoothed) and validation loss against tokens, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train_rows = [r for r in rows if "loss_pass" in r]
+    eval_rows = [r for r in rows if "eval" in r]
+    if not train_rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    by_k: dict[int, list[tuple[float, float]]] = {}
+    for r in train_rows:
+        by_k.setdefault(r["k"], []).append((r["tokens"] / 1e6, r["loss_pass"][-1]))
+    first = [(r["tokens"] / 1e6, r["loss_pass"][0]) for r in train_rows]
+    window = max(1, len(first) // 50)
+    ax.plot(*zip(*_smooth(first, window)), label="train, pass 1", lw=1.2)
+    for k, pts in sorted(by_k.items()):
+        if k > 1 and len(pts) > 1:
+            ax.plot(*zip(*_smooth(pts, max(1, len(pts) // 50))), label=f"train, pass {k} (steps with k={k})", lw=1, alpha=0.8)
+    for k in sorted({k for r in eval_rows for k in r["eval"]}, key=int):
+        pts = [(r["tokens"] / 1e6, r["eval"][k]) for r in eval_rows if k in r["eval"]]
+        ax.plot(*zip(*pts), "o--", label=f"validation, {k} pass{'es' if k != '1' else ''}", ms=4)
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(f"{metrics.parent.name}: multi-pass training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _smooth(points: list[tuple[float, float]], window: int) -> list[tuple[float, float]]:
+    if window <= 1:
+        return points
+    out = []
+    for i in range(len(points)):
+        lo = max(0, i - window + 1)
+        ys = [p[1] for p in points[lo : i + 1]]
+        out.append((points[i][0], sum(ys) / len(ys)))
+    return out

@@ -1,0 +1,165 @@
+"""The WSD learning-rate factor and the pass schedule: shapes, reproducible draws, stage limits, parsing, errors."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections import Counter
+
+import pytest
+
+from fullband.errors import ConfigError
+from fullband.train.schedule import PRESETS, PassSchedule, cooldown_steps, in_cooldown, wsd_factor
+
+# ---------------------------------------------------------------- WSD
+
+
+def test_wsd_shape():
+    total, warmup = 100, 10
+    f = [wsd_factor(s, total, warmup, 0.25) for s in range(total + 1)]
+    assert f[0] == pytest.approx(0.1) and f[9] == 1.0  # step 0 already moves; the ramp ends at warmup - 1
+    assert all(a < b for a, b in zip(f[:10], f[1:10]))  # strictly increasing warmup
+    assert all(x == 1.0 for x in f[10:76])  # flat, including the cooldown's first step (75)
+    assert f[99] == pytest.approx(1 / 25) and f[99] > 0 and f[100] == 0.0  # last step small but > 0; 0 after it
+    steps = [b - a for a, b in zip(f[75:100], f[76:101])]
+    assert all(d == pytest.approx(-1 / 25) for d in steps)  # a linear decay
+    assert [in_cooldown(s, total, 0.25) for s in (74, 75, 99)] == [False, True, True]
+    assert wsd_factor(250, total, warmup, 0.25) == 0.0  # past the end
+
+
+def test_wsd_edges():
+    assert wsd_factor(0, 50, 0, 0.25) == 1.0  # no warmup
+    assert [wsd_factor(s, 50, 5, 0.0) for s in (10, 49)] == [1.0, 1.0]  # no cooldown
+    assert not in_cooldown(49, 50, 0.0)
+    assert cooldown_steps(10, 0.01) == 1  # any positive fraction decays over at least one step
+    assert cooldown_steps(1000, 0.25) == 250
+    # warmup and cooldown overlap on a short run: the smaller factor wins
+    assert wsd_factor(3, 10, 8, 0.5) == pytest.approx(min(4 / 8, 1.0))
+    assert wsd_factor(7, 10, 8, 0.5) == pytest.approx(min(8 / 8, 3 / 5))
+    assert wsd_factor(0, 1, 1, 1.0) == 1.0  # a one-step run takes one full step
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ((-1, 100, 10, 0.25), "step"),
+        ((1.5, 100, 10, 0.25), "step"),
+        ((0, 0, 0, 0.25), "total_steps"),
+        ((0, 100, -1, 0.25), "warmup_steps"),
+        ((0, 100, 101, 0.25), "warmup_steps"),
+        ((0, 100, 10, 1.5), "cooldown_fraction"),
+        ((0, 100, 10, -0.1), "cooldown_fraction"),
+    ],
+)
+def test_wsd_rejects_bad_arguments(args, field):
+    with pytest.raises(ConfigError, match=field):
+        wsd_factor(*args)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _draws(schedule: PassSchedule, total: int, seed: int, steps=None) -> list[int]:
+    return [schedule.sample(s, total, seed) for s in (range(total) if steps is None else steps)]
+
+
+@pytest.mark.parametrize("name", ["paper-100b", "one-two-three", "one-two"])
+def test_frequencies_match_probabilities(name):
+    schedule = PassSchedule.preset(name)
+    n = 4000
+    counts = Counter(_draws(schedule, n, seed=7))
+    for k, p in schedule.stages[0].probs.items():
+        sigma = math.sqrt(p * (1 - p) / n)
+        assert abs(counts[k] / n - p) < 4 * sigma + 1e-9, (k, counts[k] / n, p)
+    assert set(counts) <= set(schedule.stages[0].probs)
+
+
+def test_draws_depend_only_on_seed_and_step():
+    n = 300
+    a = _draws(PassSchedule.preset("one-two-three"), n, seed=3)
+    b = _draws(PassSchedule.parse("one-two-three"), n, seed=3)  # a fresh object, as in another process
+    backwards = _draws(PassSchedule.preset("one-two-three"), n, seed=3, steps=range(n - 1, -1, -1))[::-1]
+    assert a == b == backwards  # call order and object identity do not matter (a resume draws the same k)
+    assert _draws(PassSchedule.preset("one-two-three"), n, seed=4) != a
+
+
+def test_stage_boundaries_are_respected():
+    schedule = PassSchedule.preset("paper-200b")
+    for total in (1000, 1001):
+        draws = _draws(schedule, total, seed=0)
+        half = math.ceil(total / 2)
+        assert all(k == 1 for k in draws[:half])  # single-pass first half
+        assert max(draws[half:]) > 1  # feedback passes from mid training
+        assert schedule.stage_index(half - 1, total) == 0 and schedule.stage_index(half, total) == 1
+    assert PassSchedule.preset("three-pass").sample(5, 10, 0) == 3
+
+
+def test_mean_and_max_passes():
+    s = PassSchedule.preset("paper-200b")
+    assert s.mean_passes() == pytest.approx(0.5 * 1 + 0.5 * 1.28)
+    assert s.mean_passes(1001) == pytest.approx((501 * 1 + 500 * 1.28) / 1001)
+    assert PassSchedule.preset("one-two-three").mean_passes(10) == pytest.approx(1.28)
+    assert s.max_passes == 3 and PassSchedule.preset("none").max_passes == 1
+    assert PassSchedule([(1.0, {1: 0.5, 4: 0.5, 9: 0.0})]).max_passes == 4  # zero-probability k never drawn
+
+
+def test_sample_rejects_bad_arguments():
+    s = PassSchedule.preset("paper-100b")
+    with pytest.raises(ConfigError, match="seed"):
+        s.sample(0, 10, -1)
+    with pytest.raises(ConfigError, match="step"):
+        s.sample(-1, 10, 0)
+    with pytest.raises(ConfigError, match="total_steps"):
+        s.sample(0, 0, 0)
+
+
+# ---------------------------------------------------------------- presets and parsing
+
+
+def test_presets_parse_and_round_trip():
+    for name in PRESETS:
+        s = PassSchedule.parse(name)
+        assert s.name == name and PassSchedule.parse(s.to_data()).stages == s.stages
+    assert PassSchedule.preset("paper-200b").stages[1].probs == {1: 0.75, 2: 0.22, 3: 0.03}
+
+
+def test_parse_toml_data():
+    text = """
+    passes = [
+      {until = 0.25, probs = {"1" = 1.0}},
+      {until = 1.0, probs = {"1" = 0.75, "3" = 0.25}},
+    ]
+    """
+    s = PassSchedule.parse(tomllib.loads(text)["passes"])
+    assert [(st.until, st.probs) for st in s.stages] == [(0.25, {1: 1.0}), (1.0, {1: 0.75, 3: 0.25})]
+    assert s.to_data()[1] == {"until": 1.0, "probs": {"1": 0.75, "3": 0.25}}
+    assert PassSchedule.parse(s) is s
+    assert PassSchedule.parse([[1.0, {2: 1}]]).sample(0, 5, 0) == 2  # (until, probs) pairs also work
+
+
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        ([(1.0, {1: 0.75, 2: 0.15})], "sum to 0.9"),
+        ([(1.0, {0: 1.0})], "k >= 1"),
+        ([(1.0, {"two": 1.0})], "k >= 1"),
+        ([(0.5, {1: 1.0}), (0.9, {2: 1.0})], "last until is 1.0"),
+        ([(0.6, {1: 1.0}), (0.5, {2: 1.0}), (1.0, {3: 1.0})], "increasing"),
+        ([(1.0, {1: 1.2, 2: -0.2})], "0 <= p <= 1"),
+        ([(0.0, {1: 1.0}), (1.0, {1: 1.0})], "0 < until"),
+        ([(1.0, {})], "non-empty"),
+        ([], "no stages"),
+        ([{"until": 1.0, "prob": {"1": 1.0}}], "did you mean 'probs'"),
+    ],
+)
+def test_invalid_stages_are_explained(stages, message):
+    with pytest.raises(ConfigError, match=message):
+        PassSchedule.parse(stages)
+
+
+def test_unknown_preset_lists_presets_and_suggests():
+    with pytest.raises(ConfigError, match=r"did you mean 'paper-200b'\?.*one-two-three") as err:
+        PassSchedule.parse("paper-200")
+    assert all(name in str(err.value) for name in PRESETS)
+    with pytest.raises(ConfigError, match="preset name"):
+        PassSchedule.parse(3)

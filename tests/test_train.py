@@ -1,0 +1,268 @@
+"""Training end to end on a micro model: metrics, checkpoints, exact resume after SIGKILL, 2-process DDP
+equivalence, the divergence guard, and bad input that writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fullband.errors import ConfigError
+from fullband.train.config import load_run_config
+from fullband.train.trainer import TrainingDiverged, train
+
+MICRO = """
+[model]
+vocab_size = 259
+d_model = 32
+n_layers = 2
+n_heads = 2
+max_seq_len = 64
+
+[data]
+corpus = "{corpus}"
+cache_dir = "{cache}"
+val_percent = 10.0
+
+[train]
+steps = {steps}
+seq_len = 32
+global_batch_tokens = 256
+micro_batch = {micro}
+passes = [{{until = 0.3, probs = {{"1" = 1.0}}}}, {{until = 1.0, probs = {{"1" = 0.4, "2" = 0.4, "3" = 0.2}}}}]
+warmup_steps = 2
+cooldown_fraction = 0.3
+
+[optim]
+lr = 0.02
+adam_lr = 0.003
+
+[log]
+run_dir = "{run_dir}"
+eval_every = 4
+eval_windows = 4
+ckpt_every = {ckpt_every}
+keep_last = {keep_last}
+progress = false
+"""
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small real-text corpus: 40 standard-library modules copied into a folder."""
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py"))[:40]:
+        (root / path.name).write_bytes(path.read_bytes())
+    return root
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def write_config(tmp_path: Path, corpus: Path, cache: Path, name: str = "run", **kw) -> Path:
+    values = dict(steps=8, micro=4, ckpt_every=4, keep_last=2, run_dir=tmp_path / name, corpus=corpus, cache=cache)
+    values.update(kw)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(MICRO.format(**values))
+    return path
+
+
+def losses(run_dir: Path) -> list[list[float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss_pass"] for r in rows if "loss_pass" in r]
+
+
+def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "fullband.cli", *args], env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_training_run_writes_metrics_checkpoints_and_plot(tmp_path, corpus, cache):
+    cfg = load_run_config(write_config(tmp_path, corpus, cache, steps=10, keep_last=2))
+    result = train(cfg)
+    run = tmp_path / "run"
+    assert result["steps"] == 10 and set(result["eval"]) == {"1", "2"}
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step_")) == ["step_000008", "step_000010"]
+    assert {"run.json", "metrics.jsonl", "tokenizer.json", "loss.png"} <= {p.name for p in run.iterdir()}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss_pass" in r]
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    assert all(len(r["loss_pass"]) == r["k"] for r in steps)
+    assert all(r["k"] == 1 for r in steps[:3])  # the first stage is single-pass
+    assert steps[-1]["compute_tokens"] == sum(256 * r["k"] for r in steps)
+    assert {"lr", "grad_norm", "state_rms", "tok_per_s"} <= set(steps[0])
+    assert steps[-1]["loss_pass"][0] < steps[0]["loss_pass"][0]
+    # a checkpoint is a loadable model folder
+    from fullband import FullbandLM, generate
+
+    model = FullbandLM.load(run / "step_000010")
+    assert model.config.bos_token_id == 256
+    assert len(generate(model, [[256, 100, 101]], 4, mode="fused")[0]) == 4
+    for name in ("optimizer.pt", "trainer.json", "rng.pt", "model.safetensors", "config.json", "tokenizer.json"):
+        assert (run / "step_000010" / name).is_file()
+
+
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache):
+    whole = write_config(tmp_path, corpus, cache, "whole", steps=12, ckpt_every=2, keep_last=10)
+    part = write_config(tmp_path, corpus, cache, "part", steps=12, ckpt_every=2, keep_last=10)
+    ref = cli("train", str(whole))
+    out, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err
+    victim = cli("train", str(part))
+    deadline = time.time() + 120
+    while not (tmp_path / "part" / "step_000004").exists():
+        assert victim.poll() is None and time.time() < deadline, victim.stderr.read() if victim.poll() else "timeout"
+        time.sleep(0.02)
+    time.sleep(random.uniform(0.0, 0.3))  # a random moment: maybe mid-step, maybe mid-checkpoint
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert not (tmp_path / "part" / "step_000012").exists(), "the victim finished before it was killed"
+    resumed = cli("train", str(part), "--resume", str(tmp_path / "part"))
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert "resumed from" in out
+    assert losses(tmp_path / "part") == losses(tmp_path / "whole")
+    a = load_file(str(tmp_path / "whole" / "step_000012" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "step_000012" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    opt_a = torch.load(tmp_path / "whole" / "step_000012" / "optimizer.pt", weights_only=False)
+    opt_b = torch.load(tmp_path / "part" / "step_000012" / "optimizer.pt", weights_only=False)
+    assert json.dumps(opt_a["normuon"]["param_groups"], default=str) == json.dumps(opt_b["normuon"]["param_groups"], default=str)
+
+
+def test_two_process_ddp_matches_one_process(tmp_path, corpus, cache):
+    one = write_config(tmp_path, corpus, cache, "one", steps=5, micro=2, ckpt_every=0)
+    two = write_config(tmp_path, corpus, cache, "two", steps=5, micro=2, ckpt_every=0)
+    ref = cli("train", str(one))
+    _, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "fullband.cli", "train", str(two)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 5
+    assert any(len(x) > 1 for x in a)  # multi-pass steps were exercised
+    for x, y in zip(a, b):
+        assert len(x) == len(y)
+        assert max(abs(p - q) for p, q in zip(x, y)) <= 1e-5, (x, y)
+
+
+def test_divergence_guard_stops_and_keeps_last_checkpoint(tmp_path, corpus, cache):
+    path = write_config(tmp_path, corpus, cache, steps=30, ckpt_every=1, keep_last=3)
+    cfg = load_run_config(path, ["optim.lr=1e6", "optim.adam_lr=1e6", "optim.grad_clip=0.0", "train.warmup_steps=0"])
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss at step (\d+) in (pass \d|the z-loss term)") as info:
+        train(cfg)
+    msg = str(info.value)
+    assert "Last good checkpoint" in msg and "lower learning rate" in msg
+    from fullband import FullbandLM
+    from fullband.train.checkpoint import list_checkpoints
+
+    last = list_checkpoints(tmp_path / "run")
+    assert last, "a checkpoint from before the divergence should remain"
+    FullbandLM.load(last[-1])  # intact and loadable
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, corpus, cache):
+    a = train(load_run_config(write_config(tmp_path, corpus, cache, "plain", steps=6, ckpt_every=0)))
+    b = train(load_run_config(write_config(tmp_path, corpus, cache, "ac", steps=6, ckpt_every=0),
+                              ["train.activation_checkpointing=true"]))
+    la, lb = losses(tmp_path / "plain"), losses(tmp_path / "ac")
+    assert all(abs(x - y) <= 1e-5 for xs, ys in zip(la, lb) for x, y in zip(xs, ys))
+    assert a["eval"].keys() == b["eval"].keys()
+
+
+# ---------------------------------------------------------------------- bad input writes nothing
+def _fails(tmp_path: Path, config: Path, overrides=(), match: str = "") -> None:
+    from fullband.errors import FullbandError
+
+    with pytest.raises(FullbandError, match=match):
+        train(load_run_config(config, list(overrides)))
+    assert not (tmp_path / "run").exists(), "a failed start must not leave a run directory"
+
+
+def test_malformed_toml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 3")
+    with pytest.raises(ConfigError, match="malformed TOML"):
+        load_run_config(bad)
+
+
+def test_unknown_key_suggests_closest(tmp_path, corpus, cache):
+    path = write_config(tmp_path, corpus, cache)
+    with pytest.raises(ConfigError, match=r"unknown key 'train.step'.*did you mean 'steps'"):
+        load_run_config(path, ["train.step=3"])
+    with pytest.raises(ConfigError, match=r"unknown key 'trian'.*did you mean 'train'"):
+        load_run_config(path, ["trian.steps=3"])
+
+
+def test_wrong_types(tmp_path, corpus, cache):
+    path = write_config(tmp_path, corpus, cache)
+    with pytest.raises(ConfigError, match=r"train.steps='many' must be int"):
+        load_run_config(path, ['train.steps="many"'])
+    with pytest.raises(ConfigError, match=r"model.d_model=3.5 must be int"):
+        load_run_config(path, ["model.d_model=3.5"])
+
+
+def test_seq_len_longer_than_max_seq_len(tmp_path, corpus, cache):
+    with pytest.raises(ConfigError, match=r"train.seq_len=128 exceeds model.max_seq_len=64"):
+        load_run_config(write_config(tmp_path, corpus, cache), ["train.seq_len=128", "train.global_batch_tokens=1024"])
+
+
+def test_missing_corpus_path(tmp_path, cache):
+    path = write_config(tmp_path, tmp_path / "no-such-corpus", cache)
+    _fails(tmp_path, path, match="no-such-corpus")
+
+
+def test_empty_corpus(tmp_path, cache):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("")
+    _fails(tmp_path, write_config(tmp_path, empty, cache), match="empty")
+
+
+def test_existing_run_dir_needs_resume(tmp_path, corpus, cache):
+    path = write_config(tmp_path, corpus, cache, steps=2, ckpt_every=0)
+    train(load_run_config(path))
+    with pytest.raises(ConfigError, match="already holds a run; resume it with --resume"):
+        train(load_run_config(path))
+
+
+def test_resume_with_incompatible_config(tmp_path, corpus, cache):
+    path = write_config(tmp_path, corpus, cache, steps=4, ckpt_every=2)
+    train(load_run_config(path))
+    with pytest.raises(ConfigError, match=r"cannot resume .* model: run has .*d_model.*32"):
+        train(load_run_config(path, ["model.d_model=48"]), resume=tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"train.seq_len"):
+        train(load_run_config(path, ["train.seq_len=16"]), resume=tmp_path / "run")
+
+
+def test_resume_from_checkpoint_missing_files(tmp_path, corpus, cache):
+    from fullband.errors import CheckpointError
+
+    path = write_config(tmp_path, corpus, cache, steps=4, ckpt_every=2, keep_last=5)
+    train(load_run_config(path))
+    (tmp_path / "run" / "step_000004" / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError, match="missing optimizer.pt"):
+        train(load_run_config(path), resume=tmp_path / "run")
+    (tmp_path / "run" / "step_000002" / "rng.pt").unlink()
+    with pytest.raises(CheckpointError, match="incomplete: missing rng.pt"):
+        train(load_run_config(path), resume=tmp_path / "run" / "step_000002")
