@@ -128,7 +128,7 @@ _GAINS = r"^(norm_in|norm_out|blocks\.\d+\.(attn_norm|mlp_norm))\.weight$"
 NORMUON_ROUTES: tuple[Route, ...] = (
     Route(_BLOCK + r"attn\.wqkv\.weight$", "normuon", splits="qkv"),
     Route(_BLOCK + r"mlp\.w_in\.weight$", "normuon", splits="gate_up"),
-    Route(_BLOCK + r"(attn\.wo|mlp\.w_down)\.weight$", "normuon"),
+    Route(_BLOCK + r"(attn\.wo|attn\.w_gate|mlp\.w_down)\.weight$", "normuon"),
     Route(r"^fusion\.(w_u|w_g|w_h|w_cat)\.weight$", "normuon"),
     Route(r"^embed\.weight$", "adam"),
     Route(_GAINS, "adam", wd_mult=0.0),
