@@ -26,7 +26,7 @@ vocab_size = 259
 d_model = 32
 n_layers = 2
 n_heads = 2
-max_seq_len = 64
+max_seq_len = 128
 
 [data]
 corpus = "{corpus}"
@@ -223,8 +223,8 @@ def test_wrong_types(tmp_path, corpus, cache):
 
 
 def test_seq_len_longer_than_max_seq_len(tmp_path, corpus, cache):
-    with pytest.raises(ConfigError, match=r"train.seq_len=128 exceeds model.max_seq_len=64"):
-        load_run_config(write_config(tmp_path, corpus, cache), ["train.seq_len=128", "train.global_batch_tokens=1024"])
+    with pytest.raises(ConfigError, match=r"train.seq_len=256 exceeds model.max_seq_len=128"):
+        load_run_config(write_config(tmp_path, corpus, cache), ["train.seq_len=256", "train.global_batch_tokens=1024"])
 
 
 def test_missing_corpus_path(tmp_path, cache):
@@ -324,3 +324,29 @@ def test_paper_1b_recipe_builds_and_takes_one_step(tmp_path, cache):
     if before is not None:
         assert not torch.equal(before, after[name].detach())
     trainer.close()
+
+
+def test_demo_trains_evaluates_and_samples(tmp_path, corpus, cache):
+    from fullband.demo import run_demo
+
+    config = write_config(tmp_path, corpus, cache, "demo", steps=4, ckpt_every=0)
+    assert run_demo(config, tmp_path / "demo", new_tokens=8, eval_windows=4) == 0
+    out = json.loads((tmp_path / "demo" / "demo.json").read_text())
+    assert [v["passes"] for v in out["val_loss"].values()] == [1, 2, 3]
+    assert set(out["samples"]) == {"standard", "soft", "fused (k=1)", "fused (k=2)", "exact"}
+    assert (tmp_path / "demo" / "val_loss.png").stat().st_size > 0
+    assert (tmp_path / "demo" / "samples.md").read_text().count("```python") == 6
+    # a second call reuses the finished run instead of failing on the existing directory
+    assert run_demo(config, tmp_path / "demo", new_tokens=4, eval_windows=4) == 0
+
+
+def test_train_bench_child_measures_a_step(tmp_path, corpus, cache):
+    from fullband.bench.train import child, format_train_report
+
+    config = write_config(tmp_path, corpus, cache, "bench", steps=8, ckpt_every=0)
+    out = child({"config": str(config), "overrides": [], "passes": 2, "ac": True, "steps": 2, "warmup": 1,
+                 "run_dir": str(tmp_path / "bench-run")})
+    assert out["mean_k"] == 2 and out["step_s"] > 0 and out["peak_bytes"] > 0
+    row = {"variant": "k=2", "activation_checkpointing": True, "mean_passes": 2.0, "ms_per_step": 10.0,
+           "tokens_per_s": 1.0, "cost_vs_k1": 2.0, "cost_per_pass": 1.0, "peak_mb": 1.0, "device": "cpu"}
+    assert "k=2" in format_train_report({"config": "x", "overrides": [], "rows": [row]})

@@ -91,11 +91,24 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         prefill_passes=args.prefill_passes, repeats=args.repeats, hf=not args.no_hf, compile=args.compile,
         log=lambda s: print(s, file=sys.stderr),
     )
-    print(format_report(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return _report(format_report(result), result, args.json)
+
+
+def _report(text: str, result: dict, json_path: str | None) -> int:
+    """Print a benchmark's table and write its results as JSON when asked."""
+    print(text)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from fullband.bench.train import format_train_report, run_train_bench
+
+    result = run_train_bench(args.config, overrides=args.set, steps=args.steps, warmup=args.warmup,
+                             rounds=args.rounds, log=lambda s: print(s, file=sys.stderr))
+    return _report(format_train_report(result), result, args.json)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -127,7 +140,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fullband.demo import run_demo
 
-    return run_demo(args.out)
+    return run_demo(args.config, args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,8 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_tokenizer_train)
 
+    s = b.add_parser("train", help="training step tokens/s and peak memory for k = 1, 2, 3 and 75/22/3")
+    s.add_argument("--config", default="configs/tiny.toml")
+    s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    s.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
+    s.add_argument("--warmup", type=int, default=2)
+    s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--json", help="also write the results to this JSON file")
+    s.set_defaults(func=cmd_bench_train)
+
     s = sub.add_parser("demo", help="the embedded demo (what `make demo` runs)")
-    s.add_argument("--out", default="runs/demo")
+    s.add_argument("--config", default="configs/tiny.toml", help="the recipe to train (default: configs/tiny.toml)")
+    s.add_argument("--out", default="runs/demo", help="run directory (a finished run there is reused)")
     s.set_defaults(func=cmd_demo)
     return p
 

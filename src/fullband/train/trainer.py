@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fullband.errors import ConfigError, FullbandError
+from fullband.eval.loss import validation_loss
 from fullband.model.decoder import FullbandLM
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
@@ -158,22 +159,12 @@ class Trainer:
         return float(norm)
 
     # ------------------------------------------------------------------ validation
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean validation NTP loss (nats/token) for each pass count in log.eval_passes."""
-        model = self.model
-        model.eval()
-        out: dict[str, float] = {}
-        for k in self.cfg.log.eval_passes:
-            loss_sum, count = 0.0, 0
-            for inputs, targets in self.data.val_batches:
-                with self.autocast:
-                    res = model(inputs.to(self.d.device), passes=k, targets=targets.to(self.d.device), return_logits=False)
-                loss_sum += float(res.pass_losses[-1]) * targets.numel()
-                count += targets.numel()
-            out[str(k)] = loss_sum / count
-        model.train()
-        return out
+        return {
+            str(k): validation_loss(self.model, self.data.val_batches, k, autocast=self.autocast).nats
+            for k in self.cfg.log.eval_passes
+        }
 
     # ------------------------------------------------------------------ the loop
     def save(self) -> Path:

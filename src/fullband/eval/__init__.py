@@ -1,0 +1,1 @@
+"""Evaluation: validation loss by decoding mode (and, later, the paper's diagnostics)."""
