@@ -30,3 +30,66 @@ def random_ids(batch: int, length: int, *, seed: int = 1, vocab: int = 256) -> t
     """Ids below 256 (bytes), so no accidental BOS in the middle."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+MICRO = """
+[model]
+vocab_size = 259
+d_model = 32
+n_layers = 2
+n_heads = 2
+max_seq_len = 128
+
+[data]
+corpus = "{corpus}"
+cache_dir = "{cache}"
+val_percent = 10.0
+
+[train]
+steps = {steps}
+seq_len = 32
+global_batch_tokens = 256
+micro_batch = {micro}
+passes = [{{until = 0.3, probs = {{"1" = 1.0}}}}, {{until = 1.0, probs = {{"1" = 0.4, "2" = 0.4, "3" = 0.2}}}}]
+warmup_steps = 2
+cooldown_fraction = 0.3
+
+[optim]
+lr = 0.02
+adam_lr = 0.003
+
+[log]
+run_dir = "{run_dir}"
+eval_every = 4
+eval_windows = 4
+ckpt_every = {ckpt_every}
+keep_last = {keep_last}
+progress = false
+"""
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small real-text corpus: 40 standard-library modules copied into a folder."""
+    import sysconfig
+    from pathlib import Path
+
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py"))[:40]:
+        (root / path.name).write_bytes(path.read_bytes())
+    return root
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def write_config(tmp_path, corpus, cache, name: str = "run", **kw):
+    """A micro training recipe (2 layers, D 32, 32-token windows) in tmp_path/NAME.toml."""
+    values = dict(steps=8, micro=4, ckpt_every=4, keep_last=2, run_dir=tmp_path / name, corpus=corpus, cache=cache)
+    values.update(kw)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(MICRO.format(**values))
+    return path

@@ -64,10 +64,14 @@ def test_bench_decode_smoke(tmp_path):
     assert 0 < result["theory_soft_overhead"] < 1
 
 
-@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["bench", "decode", "--help"]])
+@pytest.mark.parametrize("args", [
+    ["--help"], ["generate", "--help"], ["bench", "decode", "--help"], ["bench", "train", "--help"],
+    ["train", "--help"], ["tokenizer", "train", "--help"], ["eval", "loss", "--help"], ["eval", "probe", "--help"],
+    ["reproduce", "--help"], ["demo", "--help"],
+])
 def test_console_script_help(args):
     done = subprocess.run([sys.executable, "-m", "fullband.cli", *args], capture_output=True, text=True)
-    assert done.returncode == 0 and "usage: fullband" in done.stdout
+    assert done.returncode == 0 and f"usage: fullband {' '.join(args[:-1])}".strip() in done.stdout
 
 
 def test_tokenizer_train_command(tmp_path, capsys):

@@ -20,65 +20,7 @@ from fullband.errors import ConfigError
 from fullband.train.config import load_run_config
 from fullband.train.trainer import TrainingDiverged, train
 
-MICRO = """
-[model]
-vocab_size = 259
-d_model = 32
-n_layers = 2
-n_heads = 2
-max_seq_len = 128
-
-[data]
-corpus = "{corpus}"
-cache_dir = "{cache}"
-val_percent = 10.0
-
-[train]
-steps = {steps}
-seq_len = 32
-global_batch_tokens = 256
-micro_batch = {micro}
-passes = [{{until = 0.3, probs = {{"1" = 1.0}}}}, {{until = 1.0, probs = {{"1" = 0.4, "2" = 0.4, "3" = 0.2}}}}]
-warmup_steps = 2
-cooldown_fraction = 0.3
-
-[optim]
-lr = 0.02
-adam_lr = 0.003
-
-[log]
-run_dir = "{run_dir}"
-eval_every = 4
-eval_windows = 4
-ckpt_every = {ckpt_every}
-keep_last = {keep_last}
-progress = false
-"""
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
-    """A small real-text corpus: 40 standard-library modules copied into a folder."""
-    import sysconfig
-
-    root = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.glob("*.py"))[:40]:
-        (root / path.name).write_bytes(path.read_bytes())
-    return root
-
-
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-def write_config(tmp_path: Path, corpus: Path, cache: Path, name: str = "run", **kw) -> Path:
-    values = dict(steps=8, micro=4, ckpt_every=4, keep_last=2, run_dir=tmp_path / name, corpus=corpus, cache=cache)
-    values.update(kw)
-    path = tmp_path / f"{name}.toml"
-    path.write_text(MICRO.format(**values))
-    return path
+from conftest import write_config  # the corpus and cache fixtures live in conftest too
 
 
 def losses(run_dir: Path) -> list[list[float]]:

@@ -137,6 +137,43 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from fullband.eval import commands
+
+    if args.what == "loss":
+        commands.eval_loss(args.checkpoint, max_prefill=args.max_prefill, exact=not args.no_exact, seq_len=args.seq_len,
+                           windows=args.windows, batch_size=args.batch_size, corpus=args.corpus, out=args.out,
+                           auto_tols=args.auto)
+    elif args.what == "stability":
+        commands.eval_stability(args.checkpoint, ks=args.ks, seq_len=args.seq_len, windows=args.windows,
+                                batch_size=args.batch_size, corpus=args.corpus, out=args.out)
+    elif args.what == "probe":
+        commands.eval_probe(args.checkpoint, tasks=args.tasks, modes=args.modes, suffix=args.suffix,
+                            scratch=args.scratch, out=args.out)
+    else:
+        modes = [_mode_spec(m) for m in args.modes]
+        commands.eval_generate_length(args.checkpoint, args.prompts, modes=modes, max_new_tokens=args.max_new_tokens,
+                                      stop_text=args.stop_text.encode().decode("unicode_escape"), out=args.out)
+    return 0
+
+
+def _mode_spec(text: str) -> tuple[str, int]:
+    """'fused:2' -> ('fused', 2); 'soft' -> ('soft', 0)."""
+    mode, _, k = text.partition(":")
+    try:
+        return mode, int(k) if k else (1 if mode == "fused" else 0)
+    except ValueError:
+        raise FullbandError(f"mode {text!r} is not MODE or fused:K (e.g. fused:2)") from None
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from fullband.reproduce import EXPERIMENTS, reproduce
+
+    for exp in EXPERIMENTS if args.experiment == "all" else [args.experiment]:
+        reproduce(exp, root=args.root, docs=args.docs)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fullband.demo import run_demo
 
@@ -212,6 +249,44 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rounds", type=int, default=3)
     s.add_argument("--json", help="also write the results to this JSON file")
     s.set_defaults(func=cmd_bench_train)
+
+    e = sub.add_parser("eval", help="the paper's diagnostics on a checkpoint").add_subparsers(
+        dest="what", required=True, metavar="WHAT")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--checkpoint", required=True, help="a model folder (e.g. runs/tiny/step_000200)")
+    common.add_argument("--out", help="where to write WHAT.json / WHAT.png (default: CHECKPOINT/eval)")
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("--corpus", help="held-out data (default: the run's corpus, validation split)")
+    data.add_argument("--seq-len", type=int, default=256)
+    data.add_argument("--batch-size", type=int, default=16)
+    s = e.add_parser("loss", parents=[common, data], help="held-out loss: STANDARD, FUSED k=1..K, exact")
+    s.add_argument("--windows", type=int, default=256, help="validation windows (0 = all)")
+    s.add_argument("--max-prefill", type=int, default=3)
+    s.add_argument("--no-exact", action="store_true", help="skip the (slow) exact recurrence")
+    s.add_argument("--auto", type=float, nargs="*", default=[], metavar="TOL",
+                   help="also adaptive prefill: iterate until the RMS update < TOL")
+    s = e.add_parser("stability", parents=[common, data], help="iterate the pass map to k = 1000 (Fig. 3)")
+    s.add_argument("--windows", type=int, default=32)
+    s.add_argument("--ks", type=int, nargs="+", default=None, help="pass counts (default 1 2 3 5 10 30 100 300 1000)")
+    s = e.add_parser("probe", parents=[common], help="linear probes on synthetic state tracking (Fig. 7)")
+    s.add_argument("--tasks", nargs="+", default=["completion", "memory"], choices=["completion", "memory", "registers"])
+    s.add_argument("--modes", nargs="+", default=["standard", "one-step", "suffix", "full"],
+                   choices=["standard", "one-step", "suffix", "full"])
+    s.add_argument("--suffix", type=int, default=8, help="k of the k-step suffix recurrence")
+    s.add_argument("--scratch", type=int, nargs="+", default=None, help="scratch update counts (default 0 8 32 128 256)")
+    s = e.add_parser("generate-length", parents=[common], help="median generated length and accuracy per mode")
+    s.add_argument("--prompts", required=True, help="JSONL with 'prompt' (and optional 'answer') per line")
+    s.add_argument("--modes", nargs="+", default=["standard", "soft", "fused:1"], help="MODE or fused:K")
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--stop-text", default="\\n", help="the answer is the text before this (default: newline)")
+    for what in e.choices.values():
+        what.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("reproduce", help="the paper's claims at small scale: train, evaluate, write a report")
+    s.add_argument("experiment", choices=["stability", "probe", "data-efficiency", "fusion-ablation", "all"])
+    s.add_argument("--root", default="runs/repro", help="where the runs go (finished ones are reused)")
+    s.add_argument("--docs", default="docs/results", help="where the report and figures go")
+    s.set_defaults(func=cmd_reproduce)
 
     s = sub.add_parser("demo", help="the embedded demo (what `make demo` runs)")
     s.add_argument("--config", default="configs/tiny.toml", help="the recipe to train (default: configs/tiny.toml)")

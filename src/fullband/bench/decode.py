@@ -259,7 +259,7 @@ def format_report(result: dict) -> str:
                      f"{r['ms_per_step']:>8.2f} {pre:>10}  {r['note']}")
     lines.append(f"theoretical SOFT overhead (2 D^2 / weights read per token): {100 * result['theory_soft_overhead']:.2f}%")
     for key, value in result.items():
-        if "overhead/" in key:
+        if "overhead" in key:
             lines.append(f"{key:<34} {100 * value:+.2f}%")
         elif "/" in key:
             lines.append(f"{key:<34} {value:.3f}x")

@@ -31,6 +31,7 @@ class Step:
     tokens: Tensor  # (B,) the sampled token of each row
     logits: Tensor  # (B, V) the logits it was sampled from
     finished: Tensor  # (B,) bool: the row had already emitted a stop token (its token here is filler)
+    prefill_passes: int = 1  # Jacobi passes the prompt got (1 + fused passes; fewer than the cap under "auto")
 
 
 def stream(
@@ -39,24 +40,35 @@ def stream(
     max_new_tokens: int,
     *,
     mode: str = "soft",
-    prefill_passes: int = 1,
+    prefill_passes: int | str = 1,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
     stop_tokens: Sequence[int] | None = None,
     compile: bool = False,
+    prefill_tol: float = 1e-3,
+    max_prefill_passes: int = 32,
 ) -> Iterator[Step]:
     """Yield one Step per generated position. Arguments are checked now, before the first step.
 
     `compile=True` runs the decode step through torch.compile (the first call compiles for a while; later
-    ones are faster than eager, on CPU mostly at batch 1)."""
+    ones are faster than eager, on CPU mostly at batch 1). `prefill_passes="auto"` (fused mode) iterates
+    fused passes until the RMS state update falls below `prefill_tol`, at most `max_prefill_passes`."""
     cfg = model.config
     ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
     _check_int("max_new_tokens", max_new_tokens, 1)
     if mode not in MODES:
         hint = closest(mode, MODES) if isinstance(mode, str) else ""
         raise InputError(f"mode={mode!r} is not a decoding mode{hint}; accepted: {', '.join(MODES)}")
+    tol = None
+    if prefill_passes == "auto":
+        _check_int("max_prefill_passes", max_prefill_passes, 1)
+        if isinstance(prefill_tol, bool) or not isinstance(prefill_tol, int | float) or not prefill_tol > 0:
+            raise InputError(f"prefill_tol={prefill_tol!r} is invalid; accepted: a number > 0")
+        prefill_passes, tol = max_prefill_passes, float(prefill_tol)
+    elif isinstance(prefill_passes, str):
+        raise InputError(f"prefill_passes={prefill_passes!r} is invalid; accepted: an integer >= 0 or 'auto'")
     _check_int("prefill_passes", prefill_passes, 0)
     if mode != "standard" and not cfg.has_feedback:
         raise InputError(f"mode={mode!r} needs feedback weights; this model has fusion='none' (use mode='standard')")
@@ -78,7 +90,8 @@ def stream(
         _check_int("seed", seed, 0)
     passes = 1 + (prefill_passes if mode == "fused" else 0)
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
-    return _decode(model, ids, lengths, max_new_tokens, mode, passes, sampling, seed, stops, bool(compile))
+    return _decode(model, ids, lengths, max_new_tokens, mode, passes, sampling, seed, stops, bool(compile),
+                   tol if mode == "fused" else None)
 
 
 def generate(model, prompts, max_new_tokens: int, **kwargs) -> list[list[int]]:
@@ -94,12 +107,13 @@ def generate(model, prompts, max_new_tokens: int, **kwargs) -> list[list[int]]:
 
 
 def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes: int, sampling: dict,
-            seed: int | None, stops: Tensor | None, compile: bool) -> Iterator[Step]:
+            seed: int | None, stops: Tensor | None, compile: bool, tol: float | None) -> Iterator[Step]:
     device = next(model.parameters()).device
     ids, lengths = ids.to(device), lengths.to(device)
     B = ids.shape[0]
     longest, shortest = int(lengths.max()), int(lengths.min())
-    cache = KVCache.for_model(model, B, longest + max_new - 1)
+    # one slot more than decoding writes: a slice that never spans the whole cache keeps compiled graphs general
+    cache = KVCache.for_model(model, B, longest + max_new)
     step = _stepper(model, cache, ragged=longest != shortest, compile=compile)
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     bos = model.config.bos_token_id
@@ -111,16 +125,17 @@ def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes
             if mode == "exact":
                 out = model.recurrent_forward(ids, cache=cache, return_logits=False)
             else:
-                out = model(ids, passes=passes, cache=cache, return_logits=False)
+                out = model(ids, passes=passes, cache=cache, return_logits=False, tol=tol)
             rows, last = torch.arange(B, device=device), lengths - 1
             state, logits = out.hidden[rows, last], model.head(out.top[rows, last])  # (B, D), (B, V)
+            used = out.passes_used if mode != "exact" else 0
             del out
             positions = lengths.clone()
             finished = torch.zeros(B, dtype=torch.bool, device=device)
             stops = None if stops is None else stops.to(device)
             for s in range(max_new):
                 tokens = sample(logits, generator=generator, **sampling)
-                yield Step(tokens=tokens, logits=logits, finished=finished.clone())
+                yield Step(tokens=tokens, logits=logits, finished=finished.clone(), prefill_passes=used)
                 if stops is not None:
                     finished |= torch.isin(tokens, stops)
                     if bool(finished.all()):
@@ -152,6 +167,11 @@ def _stepper(model, cache: KVCache, *, ragged: bool, compile: bool):
     if compile:
         kind = next(model.parameters()).device.type
         if kind not in _COMPILED:
+            # one graph per model, dtype, mode (state or not), batch 1 or more, ragged or not: allow them all
+            import torch._dynamo.config as dynamo_config
+
+            name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
             # on CPU the C++ wrapper removes the Python overhead between kernels (the batch-1 bottleneck)
             options = {"cpp_wrapper": True} if kind == "cpu" else None
             _COMPILED[kind] = torch.compile(_step, dynamic=True, fullgraph=True, options=options)

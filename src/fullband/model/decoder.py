@@ -37,6 +37,8 @@ class ModelOutput:
     pass_logits: list[Tensor] = field(default_factory=list)  # every pass's logits (training, no targets)
     pass_hidden: list[Tensor] = field(default_factory=list)  # every pass's fed-back state
     pass_z: list[Tensor] = field(default_factory=list)  # every pass's mean logsumexp^2 (z_loss > 0)
+    passes_used: int = 0  # passes run (fewer than asked when `tol` stopped the iteration)
+    update_rms: list[Tensor] = field(default_factory=list)  # (B,) RMS of h^(j) - h^(j-1) per pass (with `tol`)
 
 
 class Block(nn.Module):
@@ -129,6 +131,7 @@ class FullbandLM(nn.Module):
         cache: KVCache | None = None,
         return_logits: bool = True,
         z_loss: float = 0.0,
+        tol: float | None = None,
     ) -> ModelOutput:
         """k Jacobi passes over all positions in parallel.
 
@@ -136,7 +139,8 @@ class FullbandLM(nn.Module):
         training mode that state gets uniform jitter and each sequence a random plain prefix. With
         `targets` (B, T) (-100 = ignore) the output carries every pass's NTP loss and the objective
         NTP(1) + pass_loss_weight * mean(NTP(2..k)), each pass's term plus z_loss * mean(logsumexp(logits)^2)
-        when z_loss > 0. A `cache` receives the last pass's keys and values.
+        when z_loss > 0. A `cache` receives the last pass's keys and values. With `tol`, iteration stops early
+        once the RMS update ||h^(j) - h^(j-1)|| of every row is below tol (adaptive prefill); `passes` caps it.
         """
         cfg = self.config
         self.check_ids(input_ids)
@@ -162,8 +166,15 @@ class FullbandLM(nn.Module):
                     mask = plain | self._prefix_mixin(B, T, input_ids.device, generator)
                 x = self.fuse_inputs(e, prev, mask)
             last = j == passes - 1
-            state, top = self.body(x, cos, sin, cache=cache if last else None, window_mask=local)
+            # with a tolerance any pass may be the last, so each one (re)writes the cache
+            new_state, top = self.body(x, cos, sin, cache=cache if (last or tol is not None) else None, window_mask=local)
+            if tol is not None and j > 0:  # Jacobi convergence: RMS update of every row below tol
+                update = (new_state - state).float().pow(2).mean(dim=(1, 2)).sqrt()
+                out.update_rms.append(update)
+                last = last or bool((update < tol).all())
+            state = new_state
             out.pass_hidden.append(state)
+            out.passes_used = j + 1
             if targets is not None or training or (last and return_logits):
                 logits = self.head(top)
                 if targets is not None:
@@ -173,6 +184,8 @@ class FullbandLM(nn.Module):
                         out.pass_z.append(flat.logsumexp(-1).pow(2).mean())
                 elif training:
                     out.pass_logits.append(logits)
+            if last:
+                break
         out.hidden, out.top = state, top
         out.logits = logits if return_logits else None
         if targets is not None:
@@ -180,7 +193,7 @@ class FullbandLM(nn.Module):
             if z_loss > 0:
                 terms = [ce + z_loss * z for ce, z in zip(out.pass_losses, out.pass_z)]
             out.loss = terms[0]
-            if passes > 1:
+            if len(terms) > 1:
                 out.loss = out.loss + cfg.pass_loss_weight * torch.stack(terms[1:]).mean()
         return out
 

@@ -53,6 +53,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each block (GPU)
     activation_checkpointing: bool = False
     parallel: str = "ddp"  # under torchrun: ddp or fsdp (FSDP2 fully_shard)
+    init_from: str = ""  # warm start: a model folder whose matching weights replace the fresh initialisation
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):

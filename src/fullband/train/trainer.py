@@ -77,7 +77,9 @@ class Trainer:
         self.data: RunData = prepare_data(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
         cfg.model = self.data.model_config
         torch.manual_seed(cfg.train.seed)
-        model = FullbandLM(cfg.model).to(self.d.device)
+        model = FullbandLM(cfg.model)
+        self.warm_started = warm_start(model, cfg.train.init_from) if cfg.train.init_from and resume is None else None
+        model = model.to(self.d.device)
         self.model = parallelize(model, d=self.d, mode=cfg.train.parallel,
                                  activation_checkpointing=cfg.train.activation_checkpointing,
                                  compile=cfg.train.compile)
@@ -234,6 +236,23 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------- helpers
+def warm_start(model: FullbandLM, path: str) -> dict:
+    """Copy every weight of the model folder `path` whose name and shape match (e.g. a standard checkpoint into
+    a full-bandwidth model: the fusion weights keep their fresh initialisation). Returns what was copied/kept."""
+    from fullband.checkpoint import load_state, read_config
+
+    read_config(path)  # a clear error for a missing or broken folder
+    source = load_state(path)
+    own = model.state_dict()
+    copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+    if not copied:
+        raise ConfigError(f"train.init_from={path!r} shares no weight (name and shape) with this model")
+    model.load_state_dict(copied, strict=False)
+    fresh = sorted(k for k in own if k not in copied)
+    print(f"warm start from {path}: {len(copied)} tensors copied; fresh: {', '.join(fresh) or 'none'}", flush=True)
+    return {"copied": sorted(copied), "fresh": fresh}
+
+
 def _autocast(dtype: str, device: torch.device):
     import contextlib
 

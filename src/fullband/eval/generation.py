@@ -1,0 +1,76 @@
+"""Generation length by decoding mode (the paper's "shorter reasoning" measurement): for a JSONL prompt set,
+generate greedily in each mode and report the median generated length and, where rows carry an
+`answer`, exact-match accuracy of the text before the first stop string."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from fullband.decode.generate import generate
+from fullband.errors import DataError
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    prefill_passes: int
+    median_tokens: float
+    mean_tokens: float
+    accuracy: float | None  # exact match over rows with an answer
+    outputs: list[str]
+
+
+def read_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"prompt file {str(path)!r} does not exist")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get(prompt_field), str):
+            raise DataError(f"{path}:{lineno}: needs a string field {prompt_field!r}")
+        answer = row.get(answer_field)
+        rows.append({"prompt": row[prompt_field], "answer": None if answer is None else str(answer)})
+    if not rows:
+        raise DataError(f"prompt file {str(path)!r} holds no prompts")
+    return rows
+
+
+def generation_lengths(model, tokenizer, rows: list[dict], modes: list[tuple[str, int]], *, max_new_tokens: int = 256,
+                       stop_text: str = "\n", batch_size: int = 8) -> list[ModeResult]:
+    results = []
+    for mode, k in modes:
+        lengths, outputs, hits, answered = [], [], 0, 0
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            prompts = [tokenizer.encode(r["prompt"]) for r in chunk]
+            gens = generate(model, prompts, max_new_tokens, mode=mode, prefill_passes=k, stop_tokens=[tokenizer.eos_id])
+            for row, ids in zip(chunk, gens):
+                ids = [i for i in ids if i != tokenizer.eos_id]
+                text = tokenizer.decode(ids)
+                cut = text.find(stop_text) if stop_text else -1
+                answer_text = (text[:cut] if cut >= 0 else text).strip()
+                lengths.append(_tokens_before(tokenizer, ids, stop_text) if cut >= 0 else len(ids))
+                outputs.append(text)
+                if row["answer"] is not None:
+                    answered += 1
+                    hits += int(answer_text == row["answer"].strip())
+        results.append(ModeResult(mode, k, float(statistics.median(lengths)), float(statistics.fmean(lengths)),
+                                  hits / answered if answered else None, outputs))
+    return results
+
+
+def _tokens_before(tokenizer, ids: list[int], stop_text: str) -> int:
+    """How many generated tokens come before the one that completes the first `stop_text`."""
+    for n in range(1, len(ids) + 1):
+        if stop_text in tokenizer.decode(ids[:n]):
+            return n - 1
+    return len(ids)

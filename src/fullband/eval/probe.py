@@ -1,0 +1,112 @@
+"""Linear probes on the residual stream (the paper's Fig. 7 / appendix F): at the final ':' of each synthetic
+state-tracking example, read the stream at every depth (0 = the stack input) under four prefill modes and
+fit L2-regularised logistic regression with 4-fold grouped cross-validation.
+
+Prefill modes: `standard` (one plain pass), `one-step` (only the final position is fused, with the plain
+state of the position before it), `suffix` (the last k positions run the exact recurrence after a plain
+prefix), `full` (the exact recurrence over the whole example).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from fullband.data.synthetic import Example
+
+PREFILLS = ("standard", "one-step", "suffix", "full")
+
+
+@torch.no_grad()
+def final_streams(model, tokenizer, examples: list[Example], mode: str, *, suffix: int = 8,
+                  progress: bool = False) -> np.ndarray:
+    """(N, L + 1, D) float32: the residual stream at each example's last position, depth 0 .. L."""
+    if mode not in PREFILLS:
+        from fullband.errors import InputError
+
+        raise InputError(f"prefill mode {mode!r} is unknown; accepted: {', '.join(PREFILLS)}")
+    model.eval()
+    device = next(model.parameters()).device
+    encoded = [tokenizer.encode(ex.text) for ex in examples]
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(encoded):
+        by_len[len(ids)].append(i)
+    out = np.zeros((len(examples), len(model.blocks) + 1, model.config.d_model), dtype=np.float32)
+    captured: list[torch.Tensor] = []
+
+    def grab_input(module, args, kwargs):
+        captured.append(args[0][:, -1].float().cpu())
+
+    def grab_output(module, args, kwargs, result):
+        captured.append(result[:, -1].float().cpu())
+
+    hooks = [model.blocks[0].register_forward_pre_hook(grab_input, with_kwargs=True)]
+    hooks += [b.register_forward_hook(grab_output, with_kwargs=True) for b in model.blocks]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(examples), desc=f"probe prefill {mode}", unit="ex")
+    try:
+        for T, rows in sorted(by_len.items()):
+            for start in range(0, len(rows), 16):
+                chunk = rows[start : start + 16]
+                ids = torch.tensor([encoded[i] for i in chunk], device=device)
+                captured.clear()
+                _run(model, ids, mode, suffix)
+                depth = len(model.blocks) + 1
+                last = torch.stack(captured[-depth:], dim=1)  # the final call of each: (B, L + 1, D)
+                out[chunk] = last.numpy()
+                if bar is not None:
+                    bar.update(len(chunk))
+    finally:
+        for h in hooks:
+            h.remove()
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def _run(model, ids: torch.Tensor, mode: str, suffix: int) -> None:
+    B, T = ids.shape
+    pos = torch.arange(T, device=ids.device)
+    if mode == "standard":
+        model(ids, passes=1, return_logits=False)
+    elif mode == "one-step":  # plain everywhere but the final position; 2 passes make it read a plain state
+        model(ids, passes=2, plain_mask=(pos < T - 1).expand(B, T), return_logits=False)
+    elif mode == "suffix":  # exact over the last `suffix` positions (k + 1 Jacobi passes are exact there)
+        k = min(suffix, T - 1)
+        model(ids, passes=k + 1, plain_mask=(pos < T - k).expand(B, T), return_logits=False)
+    else:  # the exact recurrence token by token; its last call is the final position
+        model.recurrent_forward(ids, return_logits=False)
+
+
+def grouped_folds(groups: list[str] | np.ndarray, folds: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train, test) index arrays; every group lies wholly in one test fold (scikit-learn's GroupKFold)."""
+    from sklearn.model_selection import GroupKFold
+
+    groups = np.asarray(groups)
+    idx = np.arange(len(groups))
+    return list(GroupKFold(n_splits=folds).split(idx, groups=groups))
+
+
+def probe_accuracy(features: np.ndarray, labels: np.ndarray, groups, *, folds: int = 4, C: float = 1.0) -> float:
+    """Mean held-out accuracy of an L2 logistic-regression probe under grouped k-fold cross-validation."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    accs = []
+    for train, test in grouped_folds(groups, folds):
+        clf = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=2000))
+        clf.fit(features[train], labels[train])
+        accs.append(float((clf.predict(features[test]) == labels[test]).mean()))
+    return float(np.mean(accs))
+
+
+def probe_by_depth(streams: np.ndarray, examples: list[Example], **kw) -> list[float]:
+    labels = np.array([ex.target for ex in examples])
+    groups = [ex.group for ex in examples]
+    return [probe_accuracy(streams[:, d], labels, groups, **kw) for d in range(streams.shape[1])]

@@ -1,0 +1,206 @@
+"""Jacobi stability (the paper's Fig. 3 / Fig. 10): iterate the fused pass map many times on validation
+windows and track loss, update size ||h^(k) - h^(k-1)|| and distance to the exact recurrence; plus a
+contraction diagnostic: how much the linearised pass map amplifies a perturbation per pass.
+
+For windows of T positions the iterate is exact after T passes (position t is final after t + 1), so
+k > T repeats the fixed point bit for bit; the sweep stops computing there and reports it as converged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+KS = (1, 2, 3, 5, 10, 30, 100, 300, 1000)
+
+
+def _shift(h: Tensor) -> Tensor:
+    return F.pad(h, (0, 0, 1, 0))[:, : h.shape[1]]
+
+
+class PassMap:
+    """h -> the fed-back states of one fused pass whose inputs read h shifted right (fixed e, plain positions)."""
+
+    def __init__(self, model, input_ids: Tensor) -> None:
+        self.model = model
+        T = input_ids.shape[1]
+        self.e = model.norm_in(model.embed(input_ids))
+        self.plain = model.plain_positions(input_ids)
+        self.cos, self.sin = model.rotary.prefix(T, self.e.dtype)
+        pos = torch.arange(T, device=input_ids.device)
+        self.local = model._window_mask(pos, pos, T)
+
+    def first(self) -> tuple[Tensor, Tensor]:
+        return self.model.body(self.e, self.cos, self.sin, window_mask=self.local)
+
+    def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.model.fuse_inputs(self.e, _shift(h), self.plain)
+        return self.model.body(x, self.cos, self.sin, window_mask=self.local)
+
+
+@dataclass
+class SweepResult:
+    ks: list[int]
+    loss: list[float]  # mean NTP loss (nats/token) after k passes
+    loss_stderr: list[float]
+    update_rms: list[float]  # RMS of h^(k) - h^(k-1) (k = 1: RMS of h^(1) itself)
+    exact_rms: list[float | None]  # RMS of h^(k) - h_exact
+    update_curve: list[float] = field(default_factory=list)  # update RMS at every k = 1..max (for the plot)
+    converged_at: int | None = None  # first k whose update was exactly zero in every window
+    exact_loss: float | None = None
+
+
+@torch.no_grad()
+def jacobi_sweep(model, batches, ks=KS, *, exact: bool = True, progress: bool = False) -> SweepResult:
+    """Iterate the pass map up to max(ks) times on every (inputs, targets) batch."""
+    ks = sorted(set(int(k) for k in ks))
+    if ks[0] < 1:
+        raise ValueError(f"pass counts must be >= 1, got {ks}")
+    model.eval()
+    kmax = ks[-1]
+    device = next(model.parameters()).device
+    per_window = {k: [] for k in ks}
+    upd_sq = torch.zeros(kmax, dtype=torch.float64)
+    exact_sq = {k: 0.0 for k in ks}
+    exact_losses: list[Tensor] = []
+    count = 0
+    converged = []
+    bar = _bar(progress, len(batches))
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(device), targets.to(device)
+        pm = PassMap(model, inputs)
+        h_exact = None
+        if exact:
+            ref = model.recurrent_forward(inputs)
+            h_exact = ref.hidden
+            exact_losses.append(_window_nll(ref.logits, targets))
+        h, top = pm.first()
+        upd_sq[0] += h.double().pow(2).sum().item()
+        done_at = None
+        for k in range(1, kmax + 1):
+            if k > 1 and done_at is None:
+                h_new, top = pm(h)
+                delta = (h_new - h).double().pow(2).sum().item()
+                h = h_new
+                upd_sq[k - 1] += delta
+                if delta == 0.0:
+                    done_at = k
+            if k in per_window:
+                per_window[k].append(_window_nll(model.head(top), targets))
+                if h_exact is not None:
+                    exact_sq[k] += (h - h_exact).double().pow(2).sum().item()
+        converged.append(done_at)
+        count += h.numel()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    losses = {k: torch.cat(v).double() for k, v in per_window.items()}
+    n = next(iter(losses.values())).numel()
+    return SweepResult(
+        ks=ks,
+        loss=[float(losses[k].mean()) for k in ks],
+        loss_stderr=[float(losses[k].std() / math.sqrt(n)) if n > 1 else float("nan") for k in ks],
+        update_rms=[math.sqrt(float(upd_sq[k - 1]) / count) for k in ks],
+        exact_rms=[math.sqrt(exact_sq[k] / count) if exact else None for k in ks],
+        update_curve=[math.sqrt(float(v) / count) for v in upd_sq],
+        converged_at=max(converged) if all(c is not None for c in converged) else None,
+        exact_loss=float(torch.cat(exact_losses).double().mean()) if exact_losses else None,
+    )
+
+
+def _window_nll(logits: Tensor, targets: Tensor) -> Tensor:
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    return nll.view(targets.shape).mean(dim=1).cpu()
+
+
+@dataclass
+class Contraction:
+    horizons: list[int]
+    growth: list[float]  # (||J^k v|| / ||v||)^(1/k), worst over the probe vectors: < 1 means perturbations shrink
+    lipschitz: float  # ||J||_2 by power iteration on J^T J: the largest one-pass amplification
+
+
+def contraction(model, inputs: Tensor, *, horizons=(1, 2, 4, 8, 16, 32), vectors: int = 3, power_iters: int = 20,
+                seed: int = 0) -> Contraction:
+    """Linearise the pass map F at the exact fixed point h* (J = dF/dh there) and measure perturbation growth.
+
+    J is nilpotent (position t reads only earlier states), so its spectral radius is 0 and J^T = 0 for T
+    positions; what decides whether long feedback horizons are stable is the finite-horizon growth
+    (||J^k v|| / ||v||)^(1/k) for k well below T, and the one-pass gain ||J||_2. Forward-mode JVPs give J v,
+    reverse mode J^T u.
+    """
+    from torch.func import jvp, vjp
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model.eval()
+    device = next(model.parameters()).device
+    inputs = inputs.to(device)
+    with torch.no_grad():
+        h_star = model.recurrent_forward(inputs).hidden
+    pm = PassMap(model, inputs)
+
+    def fmap(h: Tensor) -> Tensor:
+        with sdpa_kernel([SDPBackend.MATH]):  # the fused CPU attention kernel has no forward-mode derivative
+            return pm(h)[0]
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    growth = []
+    for k in horizons:  # forward mode needs no autograd graph
+        worst = 0.0
+        for _ in range(vectors):
+            v = torch.randn(h_star.shape, generator=g).to(device, h_star.dtype)
+            v0 = v.norm()
+            with torch.no_grad():
+                for _ in range(k):
+                    _, v = jvp(fmap, (h_star,), (v,))
+            worst = max(worst, float((v.norm() / v0) ** (1.0 / k)) if v.norm() > 0 else 0.0)
+        growth.append(worst)
+    u = torch.randn(h_star.shape, generator=g).to(device, h_star.dtype)
+    u = u / u.norm()
+    sigma = 0.0
+    _, pullback = vjp(fmap, h_star)
+    for _ in range(power_iters):
+        with torch.no_grad():
+            _, ju = jvp(fmap, (h_star,), (u,))
+        (jtju,) = pullback(ju)
+        jtju = jtju.detach()
+        sigma = float(jtju.norm().sqrt())
+        u = jtju / jtju.norm().clamp_min(1e-30)
+    return Contraction(horizons=list(horizons), growth=growth, lipschitz=sigma)
+
+
+def _bar(progress: bool, total: int):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="stability sweep", unit="batch")
+
+
+@torch.no_grad()
+def state_contribution(model, batches) -> dict[str, float]:
+    """How much one fused pass relies on the fed-back state: held-out loss with the true states, with states
+    taken from another window of the batch (rolled), and with zero states, next to the plain pass. A model
+    that ignores its state loses nothing when the states are swapped."""
+    model.eval()
+    device = next(model.parameters()).device
+    sums = {"standard": 0.0, "fused": 0.0, "swapped": 0.0, "zero": 0.0}
+    count = 0
+    for inputs, targets in batches:
+        if inputs.shape[0] < 2:
+            raise ValueError("state_contribution needs batches of at least 2 windows (states are swapped within)")
+        inputs, targets = inputs.to(device), targets.to(device)
+        pm = PassMap(model, inputs)
+        h, top = pm.first()
+        for name, state in (("fused", h), ("swapped", h.roll(1, dims=0)), ("zero", torch.zeros_like(h))):
+            sums[name] += float(_window_nll(model.head(pm(state)[1]), targets).sum())
+        sums["standard"] += float(_window_nll(model.head(top), targets).sum())
+        count += inputs.shape[0]
+    out = {k: v / count for k, v in sums.items()}
+    out["swap_penalty"] = out["swapped"] - out["fused"]
+    return out

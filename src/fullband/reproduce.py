@@ -1,0 +1,298 @@
+"""`fullband reproduce <experiment>`: the paper's claims at small scale, end to end: train the runs an
+experiment needs (from configs/tiny.toml plus overrides), evaluate them, and write docs/results/<experiment>.md
+with tables and figures, whatever the outcome. Finished runs are reused, interrupted ones resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fullband.errors import InputError, closest
+
+BASE = "configs/tiny.toml"
+
+
+@dataclass
+class Run:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+
+
+def _runs(exp: str) -> list[Run]:
+    if exp == "stability":
+        return [Run("one-two", ['train.passes="one-two"', "train.steps=600", "train.warmup_steps=40"]),
+                Run("one-two-three", ['train.passes="one-two-three"', "train.steps=600", "train.warmup_steps=40"])]
+    if exp == "data-efficiency":
+        return [Run("fbt-N", ['train.passes="three-pass"', "train.steps=300"]),
+                Run("standard-N", ['train.passes="none"', "train.steps=300"]),
+                Run("standard-2N", ['train.passes="none"', "train.steps=600"])]
+    if exp == "probe":
+        return [Run("probe-model", ['train.passes="three-pass"', "train.steps=500", "train.seq_len=512",
+                                    "train.global_batch_tokens=8192", "train.micro_batch=8"])]
+    if exp == "fusion-ablation":
+        return [Run("standard-base", ['train.passes="none"', "train.steps=400"])] + [
+            Run(f"warm-{kind}", [f'model.fusion="{kind}"', 'train.passes="three-pass"', "train.steps=150",
+                                 "train.warmup_steps=10"]) for kind in ("gated", "additive", "concat")]
+    raise InputError(f"experiment {exp!r} is unknown{closest(exp, EXPERIMENTS)}; accepted: {', '.join(EXPERIMENTS)}")
+
+
+EXPERIMENTS = ("stability", "probe", "data-efficiency", "fusion-ablation")
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
+
+
+_SETTINGS = {"base": BASE, "extra": []}  # reproduce() sets these for the duration of one experiment
+
+
+def train_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Path, float]:
+    """Train (or reuse / resume) runs under root/<name>; returns the final checkpoint and the wall time spent."""
+    from fullband.train.checkpoint import list_checkpoints, read_trainer_state
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import train
+
+    run_dir = root / run.name
+    overrides = [*run.overrides, *(extra or []), *_SETTINGS["extra"], f'log.run_dir="{run_dir}"', "log.eval_every=0"]
+    cfg = load_run_config(_SETTINGS["base"], overrides)
+    done = list_checkpoints(run_dir)
+    t0 = time.perf_counter()
+    if not (done and read_trainer_state(done[-1])["step"] >= cfg.train.steps):
+        print(f"== training {run.name}: {' '.join(run.overrides)}", flush=True)
+        train(cfg, resume=run_dir if done else None)
+    wall = time.perf_counter() - t0
+    meta = run_dir / "wall.json"
+    if wall > 5 or not meta.exists():
+        meta.write_text(json.dumps({"train_seconds": wall}))
+    return list_checkpoints(run_dir)[-1], json.loads(meta.read_text())["train_seconds"]
+
+
+def _config_line(run: Run) -> str:
+    return f"`fullband train {BASE} " + " ".join(f"--set {o}" for o in run.overrides) + "`"
+
+
+def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "docs/results", base: str = BASE,
+              extra: list[str] | None = None) -> Path:
+    """Run one experiment; `base` and `extra` overrides (applied after the experiment's own) exist for tests."""
+    runs = _runs(exp)
+    _SETTINGS.update(base=base, extra=list(extra or []))
+    root, docs = Path(root) / exp, Path(docs)
+    figs = docs / exp
+    figs.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    report = {"stability": _stability, "data-efficiency": _data_efficiency, "probe": _probe,
+              "fusion-ablation": _fusion_ablation}[exp](runs, root, figs)
+    total = time.perf_counter() - t0
+    header = [f"# Reproduction: {exp}", "",
+              f"Produced by `fullband reproduce {exp}` (runs under `{root}`), {time.strftime('%Y-%m-%d')}.",
+              f"Hardware: {hardware()}. Wall time of this invocation: {total / 60:.1f} min "
+              "(training time per run is in the tables; reused runs cost nothing here).", ""]
+    out = docs / f"{exp}.md"
+    out.write_text("\n".join(header + report) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
+# ---------------------------------------------------------------------- experiments
+def _val_batches(checkpoint: Path, windows: int = 128, seq_len: int = 256, batch: int = 16):
+    from fullband.checkpoint import read_config
+    from fullband.data.tokenizer import load_tokenizer
+    from fullband.eval.commands import held_out_stream, window_batches
+
+    seq_len = min(seq_len, read_config(checkpoint).max_seq_len)
+    stream = held_out_stream(checkpoint, load_tokenizer(checkpoint), corpus=None, val_percent=None)
+    return list(window_batches(stream, seq_len, windows, batch))
+
+
+def _stability(runs: list[Run], root: Path, figs: Path) -> list[str]:
+    from fullband.eval.commands import _plt
+    from fullband.eval.stability import contraction, jacobi_sweep
+    from fullband.model.decoder import FullbandLM
+
+    lines = ["The paper (Fig. 3, appendix E): a 75/25 one/two-pass schedule is fine at its training depth but",
+             "diverges when the pass map is iterated further; adding 3% three-pass batches (75/22/3) makes it a",
+             "contraction, flat for 30+ iterations and stable at k = 1000.", "",
+             "Here: the tiny byte-level model (configs/tiny.toml: D 128, 4 layers) trained 600 steps x 8K tokens",
+             "(4.9M tokens) of the standard library with each schedule, then the fused pass map iterated on 64",
+             "held-out windows of T = 256 tokens. At k > T the iterate is the exact recurrence (position t is",
+             "final after t + 1 passes), so k = 300 and 1000 report that fixed point.", "",
+             "| run | train time | " + " | ".join(f"k={k}" for k in (1, 2, 3, 5, 10, 30, 100, 300, 1000)) + " |",
+             "|---|---|" + "---|" * 9]
+    results = {}
+    for run in runs:
+        ckpt, wall = train_run(root, run)
+        model = FullbandLM.load(ckpt)
+        batches = _val_batches(ckpt, windows=64)
+        sweep = jacobi_sweep(model, batches, progress=True)
+        con = contraction(model, batches[0][0][:2])
+        results[run.name] = (sweep, con)
+        lines.append(f"| {run.name} | {wall / 60:.1f} min | " + " | ".join(f"{v:.3f}" for v in sweep.loss) + " |")
+    lines += ["", "Held-out loss (nats/token) after k passes. Update size and contraction:", "",
+              "| run | update RMS k=2 | k=10 | k=30 | k=100 | growth/pass at horizon 1, 8, 32 | one-pass gain |",
+              "|---|---|---|---|---|---|---|"]
+    for name, (sweep, con) in results.items():
+        u = {k: v for k, v in zip(sweep.ks, sweep.update_rms)}
+        g = dict(zip(con.horizons, con.growth))
+        lines.append(f"| {name} | {u[2]:.2e} | {u[10]:.2e} | {u[30]:.2e} | {u[100]:.2e} | "
+                     f"{g[1]:.3f}, {g[8]:.3f}, {g[32]:.3f} | {con.lipschitz:.3f} |")
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, (sweep, _) in results.items():
+        axes[0].plot(sweep.ks, sweep.loss, marker="o", label=name)
+        curve = [v for v in sweep.update_curve[1:]]
+        ks = [k for k, v in zip(range(2, len(curve) + 2), curve) if v > 0]
+        axes[1].loglog(ks, [v for v in curve if v > 0], label=name)
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("passes k")
+    axes[0].set_ylabel("held-out loss (nats/token)")
+    axes[1].set_xlabel("passes k")
+    axes[1].set_ylabel("RMS ||h(k) - h(k-1)||")
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(figs / "stability.png", dpi=120)
+    plt.close(fig)
+    lines += ["", "![stability](stability/stability.png)", "", "Commands:", ""]
+    lines += [f"- {_config_line(r)}, then `fullband eval stability --checkpoint <run>/step_000600`" for r in runs]
+    return lines
+
+
+def _data_efficiency(runs: list[Run], root: Path, figs: Path) -> list[str]:
+    from fullband.eval.commands import _plt
+    from fullband.eval.loss import validation_loss
+    from fullband.model.decoder import FullbandLM
+
+    lines = ["The paper (Fig. 4): with two fused prefill passes, a full-bandwidth model trained on N tokens",
+             "matches a standard transformer trained on 2N (100B ~ 200B, 200B ~ 400B).", "",
+             "Here: configs/tiny.toml (0.9M parameters, byte-level) on the standard library; N = 300 steps x 8K",
+             "tokens = 2.46M tokens. The standard baselines are the same code with `train.passes = \"none\"`.",
+             "Held-out loss on 256 windows of 256 tokens (nats/token, ± standard error):", "",
+             "| run | tokens | token-equivalent compute | train time | STANDARD | FUSED k=1 | FUSED k=2 |",
+             "|---|---|---|---|---|---|---|"]
+    table = {}
+    for run in runs:
+        ckpt, wall = train_run(root, run)
+        model = FullbandLM.load(ckpt)
+        batches = _val_batches(ckpt, windows=256)
+        state = json.loads((ckpt / "trainer.json").read_text())
+        res = [validation_loss(model, batches, p) for p in ((1, 2, 3) if run.name.startswith("fbt") else (1,))]
+        table[run.name] = res
+        cells = [f"{r.nats:.4f} ± {r.stderr:.4f}" for r in res] + ["-"] * (3 - len(res))
+        lines.append(f"| {run.name} | {state['tokens'] / 1e6:.2f}M | {state['compute_tokens'] / 1e6:.2f}M | "
+                     f"{wall / 60:.1f} min | " + " | ".join(cells) + " |")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    std = [(1, table["standard-N"][0]), (2, table["standard-2N"][0])]
+    ax.errorbar([t for t, _ in std], [r.nats for _, r in std], yerr=[r.stderr for _, r in std], marker="s",
+                capsize=3, label="standard, STANDARD decoding")
+    for k, r in enumerate(table["fbt-N"]):
+        ax.errorbar([1], [r.nats], yerr=[r.stderr], marker="o", capsize=3,
+                    label=f"full-bandwidth, {'STANDARD' if k == 0 else f'FUSED k={k}'}")
+    ax.set_xticks([1, 2], ["N", "2N"])
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(figs / "data_efficiency.png", dpi=120)
+    plt.close(fig)
+    lines += ["", "![data efficiency](data-efficiency/data_efficiency.png)", "", "Commands:", ""]
+    lines += [f"- {_config_line(r)}" for r in runs]
+    return lines
+
+
+def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
+    from fullband.data.synthetic import training_documents
+    from fullband.eval.commands import eval_probe
+
+    scratch = (0, 8, 32)
+    root.mkdir(parents=True, exist_ok=True)
+    mix = root / "synthetic.jsonl"
+    if not mix.exists():
+        docs = training_documents(30000, scratch=scratch, tasks=("completion", "memory"))
+        mix.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    run = runs[0]
+    ckpt, wall = train_run(root, run, [f'data.corpus=["stdlib", "{mix}"]'])
+    res = eval_probe(ckpt, tasks=("completion", "memory"), scratch=scratch, out=figs, progress=True)
+    lines = ["The paper (Fig. 7, appendix F): a linear probe on the layer-0 input at the final ':' recovers the",
+             "label 99.6% (completion tracking) and 100% (delayed memory) with one-step recurrent prefill, and is",
+             "near chance with standard prefill. Target here: >= 95% vs <= 65%.", "",
+             f"Here: configs/tiny.toml with 512-token windows, three passes every step, {run.overrides[1]}, on the",
+             "standard library mixed with 30,000 synthetic task documents (completion tracking and delayed memory,",
+             f"0/8/32 scratch updates, other seeds than the probe sets); training took {wall / 60:.1f} min. Probe",
+             "sets: 80 digit-pair groups x 4 x 3 lengths (completion), 128 contexts x 2 x 3 lengths (memory);",
+             "L2 logistic regression, 4-fold grouped cross-validation.", "",
+             "| task | prefill | layer 0 | best layer (accuracy) | last layer |", "|---|---|---|---|---|"]
+    for task, t in res["tasks"].items():
+        for mode, acc in t["modes"].items():
+            best = max(range(len(acc)), key=lambda d: acc[d])
+            lines.append(f"| {task} | {mode} | {acc[0]:.3f} | {best} ({acc[best]:.3f}) | {acc[-1]:.3f} |")
+    lines += ["", "![probe](probe/probe.png)", "", "Commands:", "",
+              f"- {_config_line(run)} --set data.corpus='[\"stdlib\", \"{mix}\"]'",
+              f"- `fullband eval probe --checkpoint {ckpt} --scratch 0 8 32`"]
+    return lines
+
+
+def _fusion_ablation(runs: list[Run], root: Path, figs: Path) -> list[str]:
+    from fullband.eval.commands import _plt
+    from fullband.eval.stability import state_contribution
+    from fullband.model.decoder import FullbandLM
+
+    base_ckpt, base_wall = train_run(root, runs[0])
+    lines = ["The paper (section 3.1): an additive fusion e + W h lets a model warm-started from a standard",
+             "checkpoint ignore the state and keep its old loss; the asymmetric gate (h W_U) * sigmoid(e W_G)",
+             "makes the state the value path, so reading it is mandatory.", "",
+             f"Here: a standard tiny model ({runs[0].overrides[1]}, `passes = \"none\"`, {base_wall / 60:.1f} min), then",
+             "each fusion warm-started from it (`train.init_from`) and trained 150 more steps with three passes.",
+             "State contribution on 128 held-out windows: loss of one fused pass with the true states, with the",
+             "states of another window swapped in, and with zero states; the swap penalty is what the state is worth.",
+             "", "| fusion | train time | STANDARD | fused (true state) | swapped state | zero state | swap penalty |",
+             "|---|---|---|---|---|---|---|"]
+    results = {}
+    for run in runs[1:]:
+        ckpt, wall = train_run(root, run, [f'train.init_from="{base_ckpt}"'])
+        model = FullbandLM.load(ckpt)
+        r = state_contribution(model, _val_batches(ckpt))
+        results[run.name] = r
+        lines.append(f"| {run.name.removeprefix('warm-')} | {wall / 60:.1f} min | {r['standard']:.4f} | "
+                     f"{r['fused']:.4f} | {r['swapped']:.4f} | {r['zero']:.4f} | {r['swap_penalty']:+.4f} |")
+    base = FullbandLM.load(base_ckpt)
+    from fullband.eval.loss import validation_loss
+
+    base_loss = validation_loss(base, _val_batches(base_ckpt), 1).nats
+    lines += ["", f"The standard base model itself: {base_loss:.4f} nats/token.", ""]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    names = list(results)
+    for i, key in enumerate(("fused", "swapped", "zero")):
+        ax.bar([j + 0.27 * (i - 1) for j in range(len(names))], [results[n][key] for n in names], width=0.27,
+               label={"fused": "true state", "swapped": "state of another window", "zero": "zero state"}[key])
+    ax.axhline(base_loss, color="k", ls="--", lw=1, label="standard base model")
+    ax.set_xticks(range(len(names)), [n.removeprefix("warm-") for n in names])
+    ax.set_ylabel("held-out loss after one fused pass")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(figs / "fusion_ablation.png", dpi=120)
+    plt.close(fig)
+    lines += ["![fusion ablation](fusion-ablation/fusion_ablation.png)", "", "Commands:", "",
+              f"- {_config_line(runs[0])}"]
+    lines += [f"- {_config_line(r)} --set train.init_from=<standard-base checkpoint>" for r in runs[1:]]
+    return lines
