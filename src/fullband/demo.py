@@ -49,12 +49,17 @@ def run_demo(config: str | Path = "configs/tiny.toml", run_dir: str | Path = "ru
     data = prepare_data(cfg, Dist(), run_dir=run_dir)
     print(f"\nheld-out loss on {len(data.val_batches)} batches of the validation split "
           f"({cfg.data.corpus!r}, files never trained on):")
-    print(f"  {'mode':<26} {'nats/token':>10} {'± s.e.':>8} {'bits/byte':>9}")
+    print(f"  {'mode':<26} {'nats/token':>10} {'± s.e.':>8} {'bits/token':>10}  {'vs STANDARD (paired)':>22}")
     losses = {}
+    standard = None
     for label, passes in EVAL:
         r = validation_loss(model, data.val_batches, passes)
-        losses[label] = {"passes": passes, "nats": r.nats, "stderr": r.stderr, "bits_per_byte": r.bits}
-        print(f"  {label:<26} {r.nats:>10.4f} {r.stderr:>8.4f} {r.bits:>9.4f}")
+        standard = standard or r
+        diff, se = r.paired_difference(standard)
+        losses[label] = {"passes": passes, "nats": r.nats, "stderr": r.stderr, "bits_per_token": r.bits,
+                         "minus_standard": diff, "minus_standard_stderr": se}
+        paired = f"{diff:+.4f} ± {se:.4f}" if passes > 1 else ""
+        print(f"  {label:<26} {r.nats:>10.4f} {r.stderr:>8.4f} {r.bits:>10.4f}  {paired:>22}")
 
     tok = data.tokenizer
     prompt = tok.encode(PROMPT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,12 @@ class LossResult:
     nats: float  # mean NTP loss per token
     stderr: float  # standard error of the mean over windows
     tokens: int
+    per_window: torch.Tensor = field(repr=False, default=None)  # (N,) mean loss of each window, for paired tests
+
+    def paired_difference(self, other: "LossResult") -> tuple[float, float]:
+        """Mean and standard error of (self - other) over the same windows."""
+        d = (self.per_window - other.per_window).double()
+        return float(d.mean()), float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
 
     @property
     def bits(self) -> float:
@@ -42,4 +48,5 @@ def validation_loss(model, batches, passes: int, *, autocast=None) -> LossResult
     losses = torch.cat(per_window).double()
     n = losses.numel()
     stderr = float(losses.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("nan")
-    return LossResult(passes=passes, nats=float(losses.mean()), stderr=stderr, tokens=n * targets.shape[1])
+    return LossResult(passes=passes, nats=float(losses.mean()), stderr=stderr, tokens=n * targets.shape[1],
+                      per_window=losses)
