@@ -60,8 +60,9 @@ def test_training_run_writes_metrics_checkpoints_and_plot(tmp_path, corpus, cach
 
 
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache):
-    whole = write_config(tmp_path, corpus, cache, "whole", steps=12, ckpt_every=2, keep_last=10)
-    part = write_config(tmp_path, corpus, cache, "part", steps=12, ckpt_every=2, keep_last=10)
+    # long enough (a few seconds) that the kill, 0-0.3 s after the second checkpoint, lands mid-run
+    whole = write_config(tmp_path, corpus, cache, "whole", steps=150, ckpt_every=2, keep_last=3)
+    part = write_config(tmp_path, corpus, cache, "part", steps=150, ckpt_every=2, keep_last=3)
     ref = cli("train", str(whole))
     out, err = ref.communicate(timeout=300)
     assert ref.returncode == 0, err
@@ -73,18 +74,21 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache):
     time.sleep(random.uniform(0.0, 0.3))  # a random moment: maybe mid-step, maybe mid-checkpoint
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    assert not (tmp_path / "part" / "step_000012").exists(), "the victim finished before it was killed"
+    assert not (tmp_path / "part" / "step_000150").exists(), "the victim finished before it was killed"
     resumed = cli("train", str(part), "--resume", str(tmp_path / "part"))
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert "resumed from" in out
     assert losses(tmp_path / "part") == losses(tmp_path / "whole")
-    a = load_file(str(tmp_path / "whole" / "step_000012" / "model.safetensors"))
-    b = load_file(str(tmp_path / "part" / "step_000012" / "model.safetensors"))
+    a = load_file(str(tmp_path / "whole" / "step_000150" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "step_000150" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    opt_a = torch.load(tmp_path / "whole" / "step_000012" / "optimizer.pt", weights_only=False)
-    opt_b = torch.load(tmp_path / "part" / "step_000012" / "optimizer.pt", weights_only=False)
+    opt_a = torch.load(tmp_path / "whole" / "step_000150" / "optimizer.pt", weights_only=False)
+    opt_b = torch.load(tmp_path / "part" / "step_000150" / "optimizer.pt", weights_only=False)
     assert json.dumps(opt_a["normuon"]["param_groups"], default=str) == json.dumps(opt_b["normuon"]["param_groups"], default=str)
+    for kind in ("normuon", "adam"):
+        for key, state in opt_a[kind]["state"].items():
+            assert all(torch.equal(v, opt_b[kind]["state"][key][n]) for n, v in state.items() if torch.is_tensor(v))
 
 
 def test_two_process_ddp_matches_one_process(tmp_path, corpus, cache):
