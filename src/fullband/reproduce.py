@@ -229,14 +229,14 @@ def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
         docs = training_documents(30000, scratch=scratch, tasks=("completion", "memory"))
         mix.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     run = runs[0]
-    ckpt, wall = train_run(root, run, [f'data.corpus=["stdlib", "{mix}"]'])
+    ckpt, wall = train_run(root, run, [f'data.corpus="{mix}"'])
     res = eval_probe(ckpt, tasks=("completion", "memory"), scratch=scratch, out=figs, progress=True)
     lines = ["The paper (Fig. 7, appendix F): a linear probe on the layer-0 input at the final ':' recovers the",
              "label 99.6% (completion tracking) and 100% (delayed memory) with one-step recurrent prefill, and is",
              "near chance with standard prefill. Target here: >= 95% vs <= 65%.", "",
-             f"Here: configs/tiny.toml with 512-token windows, three passes every step, {run.overrides[1]}, on the",
-             "standard library mixed with 30,000 synthetic task documents (completion tracking and delayed memory,",
-             f"0/8/32 scratch updates, other seeds than the probe sets); training took {wall / 60:.1f} min. Probe",
+             f"Here: configs/tiny.toml with 512-token windows, three passes every step, {run.overrides[1]}, trained",
+             "on 30,000 synthetic task documents (completion tracking and delayed memory with 0/8/32 scratch",
+             f"updates, other seeds than the probe sets); training took {wall / 60:.1f} min. Probe",
              "sets: 80 digit-pair groups x 4 x 3 lengths (completion), 128 contexts x 2 x 3 lengths (memory);",
              "L2 logistic regression, 4-fold grouped cross-validation.", "",
              "| task | prefill | layer 0 | best layer (accuracy) | last layer |", "|---|---|---|---|---|"]
@@ -245,7 +245,7 @@ def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
             best = max(range(len(acc)), key=lambda d: acc[d])
             lines.append(f"| {task} | {mode} | {acc[0]:.3f} | {best} ({acc[best]:.3f}) | {acc[-1]:.3f} |")
     lines += ["", "![probe](probe/probe.png)", "", "Commands:", "",
-              f"- {_config_line(run)} --set data.corpus='[\"stdlib\", \"{mix}\"]'",
+              f"- {_config_line(run)} --set data.corpus='\"{mix}\"'",
               f"- `fullband eval probe --checkpoint {ckpt} --scratch 0 8 32`"]
     return lines
 
