@@ -143,6 +143,14 @@ def _stability(runs: list[Run], root: Path, figs: Path) -> list[str]:
         con = contraction(model, batches[0][0][:2])
         results[run.name] = (sweep, con)
         lines.append(f"| {run.name} | {wall / 60:.1f} min | " + " | ".join(f"{v:.3f}" for v in sweep.loss) + " |")
+    for name, (sweep, con) in results.items():
+        loss = dict(zip(sweep.ks, sweep.loss))
+        depth = 2 if name == "one-two" else 3
+        trend = "rises" if loss[30] > loss[depth] + 0.01 else ("falls" if loss[30] < loss[depth] - 0.01 else "stays flat")
+        lines.append("")
+        lines.append(f"**{name}** (trained up to {depth} passes): loss {loss[depth]:.3f} at k = {depth}, {loss[30]:.3f} at "
+                     f"k = 30 ({trend}), {loss[1000]:.3f} at k = 1000 (the exact recurrence); perturbation growth per "
+                     f"pass over 32 passes {con.growth[-1]:.3f} ({'contracting' if con.growth[-1] < 1 else 'expanding'}).")
     lines += ["", "Held-out loss (nats/token) after k passes. Update size and contraction:", "",
               "| run | update RMS k=2 | k=10 | k=30 | k=100 | growth/pass at horizon 1, 8, 32 | one-pass gain |",
               "|---|---|---|---|---|---|---|"]
@@ -197,6 +205,16 @@ def _data_efficiency(runs: list[Run], root: Path, figs: Path) -> list[str]:
         cells = [f"{r.nats:.4f} ± {r.stderr:.4f}" for r in res] + ["-"] * (3 - len(res))
         lines.append(f"| {run.name} | {state['tokens'] / 1e6:.2f}M | {state['compute_tokens'] / 1e6:.2f}M | "
                      f"{wall / 60:.1f} min | " + " | ".join(cells) + " |")
+    fbt, s_n, s_2n = table["fbt-N"][-1], table["standard-N"][0], table["standard-2N"][0]
+    d_n, se_n = fbt.paired_difference(s_n)
+    d_2n, se_2n = fbt.paired_difference(s_2n)
+    gap = s_n.nats - s_2n.nats
+    closed = (s_n.nats - fbt.nats) / gap if abs(gap) > 1e-9 else float("nan")
+    lines += ["", f"**Outcome.** Full-bandwidth at N with two fused prefill passes minus standard at N: {d_n:+.4f} ± "
+              f"{se_n:.4f} nats/token; minus standard at 2N: {d_2n:+.4f} ± {se_2n:.4f} (paired over the same windows). "
+              f"It closes {100 * closed:.0f}% of the standard model's N -> 2N gap; the paper's claim is ~100% "
+              f"(FBT at N ~ standard at 2N). Note the full-bandwidth run spent 3x the token-equivalent compute "
+              f"of standard-N (three passes per step) and 1.5x that of standard-2N."]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     std = [(1, table["standard-N"][0]), (2, table["standard-2N"][0])]
@@ -244,6 +262,13 @@ def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
         for mode, acc in t["modes"].items():
             best = max(range(len(acc)), key=lambda d: acc[d])
             lines.append(f"| {task} | {mode} | {acc[0]:.3f} | {best} ({acc[best]:.3f}) | {acc[-1]:.3f} |")
+    for task, t in res["tasks"].items():
+        one, std = t["modes"]["one-step"][0], t["modes"]["standard"][0]
+        met = one >= 0.95 and std <= 0.65
+        lines.append("")
+        lines.append(f"**{task}**: layer-0 accuracy {one:.3f} with one-step recurrent prefill vs {std:.3f} with "
+                     f"standard prefill (target >= 0.95 vs <= 0.65: {'met' if met else 'not met'}; the paper: "
+                     f"{'0.996' if task == 'completion' else '1.000'} vs near chance).")
     lines += ["", "![probe](probe/probe.png)", "", "Commands:", "",
               f"- {_config_line(run)} --set data.corpus='\"{mix}\"'",
               f"- `fullband eval probe --checkpoint {ckpt} --scratch 0 8 32`"]
@@ -278,6 +303,12 @@ def _fusion_ablation(runs: list[Run], root: Path, figs: Path) -> list[str]:
 
     base_loss = validation_loss(base, _val_batches(base_ckpt), 1).nats
     lines += ["", f"The standard base model itself: {base_loss:.4f} nats/token.", ""]
+    ranked = sorted(results, key=lambda n: results[n]["swap_penalty"])
+    lines += [f"**Outcome.** Swap penalty (what one window's own state is worth over another window's): "
+              + ", ".join(f"{n.removeprefix('warm-')} {results[n]['swap_penalty']:+.4f}" for n in ranked)
+              + f". The least state-dependent fusion is {ranked[0].removeprefix('warm-')}; the paper predicts the "
+              "additive form learns to ignore the state (small penalty, and zero state ~ standard loss) while the "
+              "gate cannot (zero state destroys its input).", ""]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     names = list(results)

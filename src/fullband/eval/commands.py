@@ -132,10 +132,10 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
             "bits_per_byte": float(nll.sum()) / math.log(2) / max(nbytes, 1.0),
         })
     result = {"checkpoint": str(checkpoint), "seq_len": seq_len, "windows": int(nll.shape[0]), "rows": rows}
-    print(f"{'mode':<12} {'passes':>6} {'nats/token':>11} {'± s.e.':>8} {'bits/byte':>10}")
+    print(f"{'mode':<15} {'passes':>6} {'nats/token':>11} {'± s.e.':>8} {'bits/byte':>10}")
     for r in rows:
         passes = r["passes"] or ("T+1" if r["mode"] == "exact" else f"{1 + r['fused_passes_used']:.1f}")
-        print(f"{r['mode']:<12} {passes:>6} {r['nats_per_token']:>11.4f} {r['stderr']:>8.4f} "
+        print(f"{r['mode']:<15} {passes:>6} {r['nats_per_token']:>11.4f} {r['stderr']:>8.4f} "
               f"{r['bits_per_byte']:>10.4f}")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
