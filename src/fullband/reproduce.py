@@ -83,8 +83,8 @@ def train_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Pat
     return list_checkpoints(run_dir)[-1], json.loads(meta.read_text())["train_seconds"]
 
 
-def _config_line(run: Run) -> str:
-    return f"`fullband train {BASE} " + " ".join(f"--set {o}" for o in run.overrides) + "`"
+def _config_line(run: Run, *extra: str) -> str:
+    return f"`fullband train {BASE} " + " ".join(f"--set {o}" for o in [*run.overrides, *extra]) + "`"
 
 
 def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "docs/results", base: str = BASE,
@@ -177,7 +177,7 @@ def _stability(runs: list[Run], root: Path, figs: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(figs / "stability.png", dpi=120)
     plt.close(fig)
-    lines += ["", "![stability](stability/stability.png)", "", "Commands:", ""]
+    lines += ["", "![stability](stability/stability.png)", "", "Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and `--set log.eval_every=0`):", ""]
     lines += [f"- {_config_line(r)}, then `fullband eval stability --checkpoint <run>/step_000600`" for r in runs]
     return lines
 
@@ -231,7 +231,7 @@ def _data_efficiency(runs: list[Run], root: Path, figs: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(figs / "data_efficiency.png", dpi=120)
     plt.close(fig)
-    lines += ["", "![data efficiency](data-efficiency/data_efficiency.png)", "", "Commands:", ""]
+    lines += ["", "![data efficiency](data-efficiency/data_efficiency.png)", "", "Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and `--set log.eval_every=0`):", ""]
     lines += [f"- {_config_line(r)}" for r in runs]
     return lines
 
@@ -269,8 +269,8 @@ def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
         lines.append(f"**{task}**: layer-0 accuracy {one:.3f} with one-step recurrent prefill vs {std:.3f} with "
                      f"standard prefill (target >= 0.95 vs <= 0.65: {'met' if met else 'not met'}; the paper: "
                      f"{'0.996' if task == 'completion' else '1.000'} vs near chance).")
-    lines += ["", "![probe](probe/probe.png)", "", "Commands:", "",
-              f"- {_config_line(run)} --set data.corpus='\"{mix}\"'",
+    lines += ["", "![probe](probe/probe.png)", "", "Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and `--set log.eval_every=0`):", "",
+              f"- {_config_line(run, f'data.corpus={chr(34)}{mix}{chr(34)}')}",
               f"- `fullband eval probe --checkpoint {ckpt} --scratch 0 8 32`"]
     return lines
 
@@ -323,7 +323,7 @@ def _fusion_ablation(runs: list[Run], root: Path, figs: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(figs / "fusion_ablation.png", dpi=120)
     plt.close(fig)
-    lines += ["![fusion ablation](fusion-ablation/fusion_ablation.png)", "", "Commands:", "",
+    lines += ["![fusion ablation](fusion-ablation/fusion_ablation.png)", "", "Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and `--set log.eval_every=0`):", "",
               f"- {_config_line(runs[0])}"]
-    lines += [f"- {_config_line(r)} --set train.init_from=<standard-base checkpoint>" for r in runs[1:]]
+    lines += [f"- {_config_line(r, f'train.init_from={chr(34)}{base_ckpt}{chr(34)}')}" for r in runs[1:]]
     return lines
