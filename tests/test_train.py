@@ -296,3 +296,29 @@ def test_train_bench_child_measures_a_step(tmp_path, corpus, cache):
     row = {"variant": "k=2", "activation_checkpointing": True, "mean_passes": 2.0, "ms_per_step": 10.0,
            "tokens_per_s": 1.0, "cost_vs_k1": 2.0, "cost_per_pass": 1.0, "peak_mb": 1.0, "device": "cpu"}
     assert "k=2" in format_train_report({"config": "x", "overrides": [], "rows": [row]})
+
+
+def test_tensorboard_and_wandb_receive_every_step(tmp_path, corpus, cache, monkeypatch):
+    pytest.importorskip("tensorboard")
+    wandb = pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_run_config(write_config(tmp_path, corpus, cache, steps=4),
+                          ["log.tensorboard=true", "log.wandb=true"])
+    train(cfg)
+    run = tmp_path / "run"
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"loss", "loss_pass/1", "grad_norm", "state_rms"} <= set(tags), tags
+    tb_loss = [e.value for e in events.Scalars("loss")]
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    jsonl = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss_pass" in json.loads(line)]
+    assert tb_loss == pytest.approx(jsonl, rel=1e-6)
+    # the offline W&B run holds the same history
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
+    assert wandb.run is None  # finished, not left open
