@@ -13,7 +13,7 @@ import torch
 from conftest import random_ids, tiny_model, write_config
 from fullband import generate, stream
 from fullband.data.synthetic import completion_tracking, delayed_memory, register_last_write, training_documents
-from fullband.eval.probe import final_streams, grouped_folds, probe_accuracy
+from fullband.eval.probe import answer_accuracy, final_streams, grouped_folds, probe_accuracy
 from fullband.eval.stability import contraction, jacobi_sweep
 
 pytest.importorskip("sklearn")
@@ -53,7 +53,33 @@ def test_task_labels_are_right():
 
 def test_training_documents_end_with_the_label():
     docs = training_documents(50)
-    assert len(docs) == 50 and all(d.rstrip().split()[-1] in {"done", "more", "zero", "one", "0", "1"} for d in docs)
+    assert len(docs) == 50 and all(re.search(r":(done|more|zero|one|0|1)\n$", d) for d in docs), docs[:3]
+    spaced = training_documents(50, sep=" ")
+    assert all(re.search(r": (done|more|zero|one|0|1)\n$", d) for d in spaced)
+
+
+def test_answer_accuracy_matches_a_per_example_loop():
+    from fullband import ByteTokenizer
+    from fullband.data.synthetic import Example
+    from fullband.errors import InputError
+
+    model = tiny_model(max_seq_len=512)
+    tok = ByteTokenizer()
+    examples = delayed_memory(groups=6, scratch=(0, 3))
+    for passes in (1, 2):
+        got = answer_accuracy(model, tok, examples, passes=passes)
+        hits = {}
+        with torch.no_grad():
+            for ex in examples:
+                logits = model(torch.tensor([tok.encode(ex.text)]), passes=passes).logits[0, -1]
+                hits.setdefault(ex.length, []).append(int(logits[ord("o")] > logits[ord("z")]) == ex.target)
+        assert got["by_length"] == {n: pytest.approx(np.mean(v)) for n, v in hits.items()}
+        assert got["accuracy"] == pytest.approx(np.mean([h for v in hits.values() for h in v]))
+    clash = [Example("t", "a:", "done", 1, "g", 0), Example("t", "b:", "dull", 0, "g", 0)]
+    with pytest.raises(InputError, match="start with the same token"):
+        answer_accuracy(model, tok, clash)
+    with pytest.raises(InputError, match="binary"):
+        answer_accuracy(model, tok, completion_tracking(groups=2) + delayed_memory(groups=2))
 
 
 # ---------------------------------------------------------------------- probes
@@ -187,6 +213,9 @@ def test_eval_probe_command(checkpoint, tmp_path):
     assert set(accs) == {"standard", "one-step", "suffix", "full"}
     assert all(len(a) == 3 and all(0 <= x <= 1 for x in a) for a in accs.values())
     assert accs["standard"][0] <= 0.6  # nothing but ':' at depth 0
+    answers = res["tasks"]["memory"]["answer"]
+    assert set(answers) == {"standard", "fused k=1"}
+    assert all(0 <= a["accuracy"] <= 1 and set(a["by_length"]) == {0, 4} for a in answers.values())
     assert (tmp_path / "probe.png").stat().st_size > 0
 
 

@@ -94,16 +94,18 @@ def make_task(task: str, seed: int = 0, scratch: tuple[int, ...] = SCRATCH) -> l
 
 
 def training_documents(n: int, seed: int = 1, tasks: tuple[str, ...] = TASKS,
-                       scratch: tuple[int, ...] = SCRATCH) -> list[str]:
-    """Documents `text + ' ' + label` for mixing the tasks into a training corpus, from other seeds than the
-    probe sets (seed 0), so the probed examples are new to the model."""
+                       scratch: tuple[int, ...] = SCRATCH, sep: str = "") -> list[str]:
+    """Documents `text + sep + label` for mixing the tasks into a training corpus, from other seeds than the
+    probe sets (seed 0), so the probed examples are new to the model. With the default `sep=""` the label
+    follows the final ':' directly, so the ':' is the position that predicts it, as with the paper's BPE
+    tokens (`:` then ` done`); a byte-level model would otherwise predict a space there."""
     rng = random.Random(seed)
     docs: list[str] = []
     round_ = 0
     while len(docs) < n:
         for task in tasks:
             for ex in make_task(task, seed=1000 * seed + round_ + 1, scratch=scratch):
-                docs.append(f"{ex.text} {ex.label}\n")
+                docs.append(f"{ex.text}{sep}{ex.label}\n")
         round_ += 1
     rng.shuffle(docs)
     return docs[:n]

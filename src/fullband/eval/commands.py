@@ -216,7 +216,7 @@ def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windo
 def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=("standard", "one-step", "suffix", "full"),
                suffix: int = 8, scratch=None, out: str | Path | None = None, progress: bool = True) -> dict:
     from fullband.data.synthetic import SCRATCH, completion_tracking, delayed_memory, register_last_write
-    from fullband.eval.probe import final_streams, probe_by_depth
+    from fullband.eval.probe import answer_accuracy, final_streams, probe_by_depth
 
     checkpoint = Path(checkpoint)
     model, tok = load(checkpoint)
@@ -230,7 +230,13 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
         if longest > model.config.max_seq_len:
             raise ConfigError(f"task {task!r} has examples of {longest} tokens > max_seq_len="
                               f"{model.config.max_seq_len}; pass fewer scratch updates (--scratch 0 8 32)")
-        result["tasks"][task] = {"examples": len(examples), "groups": len({e.group for e in examples}), "modes": {}}
+        result["tasks"][task] = {"examples": len(examples), "groups": len({e.group for e in examples}), "modes": {},
+                                 "answer": {}}
+        # what the model itself answers after the ':' (the probe cannot be asked to find what the model never computed)
+        for name, passes in (("standard", 1), ("fused k=1", 2)):
+            ans = answer_accuracy(model, tok, examples, passes=passes)
+            result["tasks"][task]["answer"][name] = ans
+            print(f"{task:<11} model answers ({name}): {ans['accuracy']:.3f}  by length {ans['by_length']}")
         for mode in modes:
             streams = final_streams(model, tok, examples, mode, suffix=suffix, progress=progress)
             acc = probe_by_depth(streams, examples)
@@ -243,6 +249,7 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
             ax.plot(range(len(acc)), acc, marker="o", label=mode if mode != "suffix" else f"suffix k={suffix}")
         ax.axhline(0.5, color="k", lw=0.8, ls=":")
         ax.set_ylim(0.3, 1.02)
+        ax.set_xticks(range(len(acc)))
         ax.set_xlabel("depth (0 = stack input)")
         ax.set_ylabel("probe accuracy (4-fold grouped CV)")
         ax.set_title(task)

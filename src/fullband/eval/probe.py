@@ -110,3 +110,39 @@ def probe_by_depth(streams: np.ndarray, examples: list[Example], **kw) -> list[f
     labels = np.array([ex.target for ex in examples])
     groups = [ex.group for ex in examples]
     return [probe_accuracy(streams[:, d], labels, groups, **kw) for d in range(streams.shape[1])]
+
+
+@torch.no_grad()
+def answer_accuracy(model, tokenizer, examples: list[Example], passes: int = 1) -> dict:
+    """How often the model itself answers: at the final ':' (which the training documents follow directly with the
+    label), does the first token of the right label outscore the other label's? `passes` = 1 is STANDARD prefill,
+    k > 1 is FUSED with k - 1 extra passes. Returns the accuracy overall and per length."""
+    model.eval()
+    device = next(model.parameters()).device
+    words = sorted({(ex.target, ex.label) for ex in examples})
+    if len(words) != 2:
+        from fullband.errors import InputError
+
+        raise InputError(f"answer_accuracy needs a binary task; saw labels {[w for _, w in words]}")
+    skip = len(tokenizer.encode(""))  # tokens the tokenizer prepends (BOS)
+    first = [tokenizer.encode(word)[skip] for _, word in words]
+    if first[0] == first[1]:
+        from fullband.errors import InputError
+
+        raise InputError(f"labels {words[0][1]!r} and {words[1][1]!r} start with the same token; cannot score them")
+    by_len: dict[int, list[int]] = defaultdict(list)
+    encoded = [tokenizer.encode(ex.text) for ex in examples]
+    for i, ids in enumerate(encoded):
+        by_len[len(ids)].append(i)
+    correct = np.zeros(len(examples), dtype=bool)
+    for rows in by_len.values():
+        for start in range(0, len(rows), 32):
+            chunk = rows[start : start + 32]
+            logits = model(torch.tensor([encoded[i] for i in chunk], device=device), passes=passes).logits[:, -1]
+            pred = (logits[:, first[1]] > logits[:, first[0]]).long().cpu().numpy()
+            correct[chunk] = pred == np.array([examples[i].target for i in chunk])
+    lengths = defaultdict(list)
+    for ex, ok in zip(examples, correct):
+        lengths[ex.length].append(ok)
+    return {"accuracy": float(correct.mean()), "by_length": {n: float(np.mean(v)) for n, v in sorted(lengths.items())}}
+
