@@ -36,7 +36,7 @@ def _runs(exp: str) -> list[Run]:
     if exp == "probe":
         windows = ["train.seq_len=512", "train.global_batch_tokens=8192", "train.micro_batch=8"]
         return [Run("probe-base", ['train.passes="none"', "train.steps=1600", *windows]),
-                Run("probe-model", ['train.passes="three-pass"', "train.steps=300", "train.warmup_steps=10", *windows])]
+                Run("probe-model", ['train.passes="three-pass"', "train.steps=800", "train.warmup_steps=10", *windows])]
     if exp == "fusion-ablation":
         return [Run("standard-base", ['train.passes="none"', "train.steps=400"])] + [
             Run(f"warm-{kind}", [f'model.fusion="{kind}"', 'train.passes="three-pass"', "train.steps=150",
