@@ -272,6 +272,23 @@ def test_paper_1b_recipe_builds_and_takes_one_step(tmp_path, cache):
     trainer.close()
 
 
+def test_small_recipe_builds_in_its_size_class(tmp_path, cache):
+    """configs/small.toml is valid as written and builds a 10-30M parameter model that runs its multi-pass forward."""
+    from fullband import FullbandLM
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_run_config(root / "configs" / "small.toml", [f'log.run_dir="{tmp_path / "s"}"'])
+    assert cfg.data.tokenizer == "bpe" and cfg.model.vocab_size == cfg.data.bpe_vocab_size
+    model = FullbandLM(cfg.model)
+    n = sum(p.numel() for p in model.parameters())
+    assert 10e6 < n < 30e6, n
+    ids = torch.randint(0, cfg.model.vocab_size, (1, 16))
+    with torch.no_grad():
+        out = model(ids, passes=3)
+    assert out.logits.shape == (1, 16, cfg.model.vocab_size) and torch.isfinite(out.logits).all()
+    assert not (tmp_path / "s").exists()  # loading a recipe writes nothing
+
+
 def test_demo_trains_evaluates_and_samples(tmp_path, corpus, cache):
     from fullband.demo import run_demo
 
