@@ -62,7 +62,7 @@ def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Calla
             weights += [w.contiguous() for w in mats]
         else:
             weights += [a.wqkv.weight, a.wo.weight, m.w_in.weight, m.w_down.weight]
-    weights.append(model.embed.weight)
+    weights.append(model.embed.weight if model.lm_head is None else model.lm_head.weight)
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
 
     def once() -> None:

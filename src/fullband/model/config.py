@@ -28,6 +28,11 @@ class ModelConfig:
     `additive` norm_in(e) + h W, `concat` [norm_in(e); h] W, and `none` (a standard transformer with no
     feedback weights, usable only with one pass). `feedback` picks which top state is fed back:
     `final` (after the final RMSNorm, the vector the tied LM head reads) or `residual` (before it).
+
+    `input_norm` (default true): plain positions take norm_in(embedding), as in the paper. False makes the plain
+    stack input the raw embedding, as in Llama-style models (so a converted Llama checkpoint computes exactly what
+    it did); fused inputs still pass through norm_in, and the gate then reads a gain-free RMS-normalised
+    embedding. `tie_embeddings` (default true) shares the embedding with the LM head; false adds `lm_head`.
     """
 
     vocab_size: int = 259
@@ -48,6 +53,8 @@ class ModelConfig:
     feedback: str = "final"
     # Positions holding this token are document starts and always take the plain embedding.
     bos_token_id: int | None = None
+    input_norm: bool = True
+    tie_embeddings: bool = True
     # Training-time behaviour of the multi-pass forward (all inactive in eval mode).
     jitter: float = 0.02
     prefix_mixin_prob: float = 0.5
@@ -88,7 +95,7 @@ class ModelConfig:
         if self.sliding_window is not None:
             _check_int("sliding_window", self.sliding_window, minimum=1)
         _check_int("global_every", self.global_every, minimum=0)
-        for name in ("qk_norm", "attn_gate", "detach_between_passes"):
+        for name in ("qk_norm", "attn_gate", "detach_between_passes", "input_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         _check_choice("fusion", self.fusion, FUSIONS)

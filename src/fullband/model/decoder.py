@@ -22,7 +22,7 @@ from fullband.errors import InputError
 from fullband.model.attention import Attention, window_mask
 from fullband.model.config import ModelConfig
 from fullband.model.fusion import build_fusion
-from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear
+from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear, rms_norm
 
 
 @dataclass
@@ -68,6 +68,7 @@ class FullbandLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._has_local = any(cfg.is_local(i) for i in range(cfg.n_layers))
         self.reset_parameters()
 
@@ -100,12 +101,18 @@ class FullbandLM(nn.Module):
             plain = plain | plain_mask.to(device=input_ids.device, dtype=torch.bool)
         return plain
 
+    def embed_inputs(self, input_ids: Tensor) -> Tensor:
+        """The plain stack input: norm_in(embedding), or the raw embedding when config.input_norm is false."""
+        e = self.embed(input_ids)
+        return self.norm_in(e) if self.config.input_norm else e
+
     def fuse_inputs(self, e: Tensor, prev: Tensor | None, plain: Tensor | None = None) -> Tensor:
-        """Stack input: e = norm_in(embedding) (B, T, D); prev (B, T, D) the state each position reads
+        """Stack input: e = embed_inputs(ids) (B, T, D); prev (B, T, D) the state each position reads
         (already shifted). Positions in `plain` (B, T), or all when prev is None, keep e."""
         if prev is None:
             return e
-        fused = self.norm_in(self.fusion(e, prev.to(e.dtype)))
+        gate_in = e if self.config.input_norm else rms_norm(e, None, self.config.norm_eps)
+        fused = self.norm_in(self.fusion(gate_in, prev.to(e.dtype)))
         return fused if plain is None else torch.where(plain[..., None], e, fused)
 
     def body(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, **step) -> tuple[Tensor, Tensor]:
@@ -116,8 +123,8 @@ class FullbandLM(nn.Module):
         return (top if self.config.feedback == "final" else x), top
 
     def head(self, top: Tensor) -> Tensor:
-        """Tied LM head: final-norm output (..., D) -> logits (..., V)."""
-        return linear(top, self.embed.weight)
+        """LM head (tied to the embedding unless config.tie_embeddings is false): (..., D) -> logits (..., V)."""
+        return linear(top, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     # ---------------------------------------------------------------- time-parallel passes
     def forward(
@@ -146,7 +153,7 @@ class FullbandLM(nn.Module):
         self.check_ids(input_ids)
         passes = _check_passes(passes, cfg)
         B, T = input_ids.shape
-        e = self.norm_in(self.embed(input_ids))  # (B, T, D)
+        e = self.embed_inputs(input_ids)  # (B, T, D)
         plain = self.plain_positions(input_ids, plain_mask)
         cos, sin = self.rotary.prefix(T, e.dtype)
         local = self._window_mask(torch.arange(T, device=e.device), torch.arange(T, device=e.device), T)
@@ -252,7 +259,7 @@ class FullbandLM(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """One cached position per row: tokens (B,) at positions (B,), fed the states prev (B, D) (none: plain)
         -> (state (B, D), final-norm output (B, D)). `plain` (B,) marks rows that ignore prev."""
-        e = self.norm_in(self.embed(tokens[:, None]))  # (B, 1, D)
+        e = self.embed_inputs(tokens[:, None])  # (B, 1, D)
         x = self.fuse_inputs(e, None if prev is None else prev[:, None], None if plain is None else plain[:, None])
         cos, sin = self.rotary.at(positions, e.dtype)
         slots = cache.slots(positions)

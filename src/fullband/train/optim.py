@@ -131,6 +131,7 @@ NORMUON_ROUTES: tuple[Route, ...] = (
     Route(_BLOCK + r"(attn\.wo|attn\.w_gate|mlp\.w_down)\.weight$", "normuon"),
     Route(r"^fusion\.(w_u|w_g|w_h|w_cat)\.weight$", "normuon"),
     Route(r"^embed\.weight$", "adam"),
+    Route(r"^lm_head\.weight$", "adam"),
     Route(_GAINS, "adam", wd_mult=0.0),
     Route(_BLOCK + r"attn\.qk_gain$", "adam", wd_mult=0.0),
 )

@@ -1,0 +1,111 @@
+"""Load a Hugging Face `LlamaForCausalLM` into the native model.
+
+The native model with `qk_norm=False`, `input_norm=False` and the Llama's own sizes is the same network as the
+Llama in STANDARD mode (passes=1): q/k/v and gate/up are stored fused (`wqkv`, `w_in`), RoPE uses the same
+rotate-half pairing, RMSNorm is the same function. The fusion weights are new; they are initialised as for a
+fresh model, and `norm_in`'s gain is set to the embedding rows' RMS so a fused input starts at the scale of a
+plain one (DECISION: the warm-start then perturbs the Llama's input distribution as little as possible).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fullband.errors import ConfigError, FullbandError
+from fullband.model.config import ModelConfig
+from fullband.model.decoder import FullbandLM
+
+_REQUIRED = {  # LlamaConfig field -> the value the native block computes
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rope_scaling": None,
+}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise FullbandError("Hugging Face support needs transformers: pip install 'fullband[hf]'") from None
+    return transformers
+
+
+def config_from_llama(hf_config: Any, *, fusion: str = "gated", max_seq_len: int | None = None,
+                      **overrides: Any) -> ModelConfig:
+    """The ModelConfig that computes what a LlamaConfig describes (plus a feedback fusion of kind `fusion`)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type != "llama":
+        raise ConfigError(f"from_llama reads Llama configs; got model_type={model_type!r} "
+                          f"({type(hf_config).__name__}); accepted: 'llama'")
+    for field, want in _REQUIRED.items():
+        got = getattr(hf_config, field, want)
+        if field == "rope_scaling" and isinstance(got, dict) and got.get("rope_type", "default") == "default":
+            got = None
+        if got != want:
+            raise ConfigError(f"LlamaConfig.{field}={got!r} is not supported; accepted: {want!r}")
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if head_dim * hf_config.num_attention_heads != hf_config.hidden_size:
+        raise ConfigError(f"LlamaConfig.head_dim={head_dim} with {hf_config.num_attention_heads} heads does not "
+                          f"make hidden_size={hf_config.hidden_size}; accepted: head_dim = hidden_size / heads")
+    rope_theta = getattr(hf_config, "rope_theta", None)
+    if rope_theta is None:  # newer transformers keep it in rope_parameters
+        rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    values = dict(
+        vocab_size=hf_config.vocab_size,
+        d_model=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers,
+        n_heads=hf_config.num_attention_heads,
+        n_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        d_ff=hf_config.intermediate_size,
+        max_seq_len=min(max_seq_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings),
+        rope_theta=float(rope_theta),
+        norm_eps=float(hf_config.rms_norm_eps),
+        qk_norm=False,
+        input_norm=False,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        bos_token_id=getattr(hf_config, "bos_token_id", None),
+        fusion=fusion,
+    )
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+@torch.no_grad()
+def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = None, **overrides: Any) -> FullbandLM:
+    """A FullbandLM holding the weights of `model`: a LlamaForCausalLM instance or a local folder / hub id for
+    `LlamaForCausalLM.from_pretrained`. In STANDARD mode it reproduces the Llama's logits."""
+    tf = _transformers()
+    if isinstance(model, str):
+        model = tf.LlamaForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    if not isinstance(model, tf.PreTrainedModel) or not hasattr(model, "config"):
+        raise FullbandError(f"from_llama expects a LlamaForCausalLM or a path to one; got {type(model).__name__}")
+    cfg = config_from_llama(model.config, fusion=fusion, max_seq_len=max_seq_len, **overrides)
+    sd = model.state_dict()
+    native = FullbandLM(cfg)
+    dtype = sd["model.embed_tokens.weight"].dtype
+    out: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm_out.weight": sd["model.norm.weight"]}
+    for i in range(cfg.n_layers):
+        src, dst = f"model.layers.{i}.", f"blocks.{i}."
+        out[dst + "attn_norm.weight"] = sd[src + "input_layernorm.weight"]
+        out[dst + "mlp_norm.weight"] = sd[src + "post_attention_layernorm.weight"]
+        out[dst + "attn.wqkv.weight"] = torch.cat([sd[src + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        out[dst + "attn.wo.weight"] = sd[src + "self_attn.o_proj.weight"]
+        out[dst + "mlp.w_in.weight"] = torch.cat([sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]])
+        out[dst + "mlp.w_down.weight"] = sd[src + "mlp.down_proj.weight"]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    rms = out["embed.weight"].float().pow(2).mean(-1).sqrt().mean()
+    out["norm_in.weight"] = torch.full((cfg.d_model,), float(rms))
+    own = native.state_dict()
+    missing = [k for k in own if k not in out and not k.startswith("fusion.")]
+    if missing:
+        raise FullbandError(f"from_llama: no Llama weight for {missing[:4]}; this converter does not cover the model")
+    for name, tensor in out.items():
+        if own[name].shape != tensor.shape:
+            raise FullbandError(f"from_llama: {name} has shape {tuple(tensor.shape)} in the Llama, "
+                                f"{tuple(own[name].shape)} in the native model")
+        own[name].copy_(tensor.float())
+    return native.to(dtype)
