@@ -49,12 +49,15 @@ def stream(
     compile: bool = False,
     prefill_tol: float = 1e-3,
     max_prefill_passes: int = 32,
+    forced_tokens=None,
 ) -> Iterator[Step]:
     """Yield one Step per generated position. Arguments are checked now, before the first step.
 
     `compile=True` runs the decode step through torch.compile (the first call compiles for a while; later
     ones are faster than eager, on CPU mostly at batch 1). `prefill_passes="auto"` (fused mode) iterates
-    fused passes until the RMS state update falls below `prefill_tol`, at most `max_prefill_passes`."""
+    fused passes until the RMS state update falls below `prefill_tol`, at most `max_prefill_passes`.
+    `forced_tokens` (B, max_new_tokens) feeds the given tokens instead of sampled ones (teacher forcing): each
+    Step's logits then score the forced token, exactly as decoding in `mode` would see it."""
     cfg = model.config
     ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
     _check_int("max_new_tokens", max_new_tokens, 1)
@@ -88,10 +91,18 @@ def stream(
     stops = _check_stop_tokens(stop_tokens, cfg.vocab_size)
     if seed is not None:
         _check_int("seed", seed, 0)
+    forced = None
+    if forced_tokens is not None:
+        forced = torch.as_tensor(forced_tokens)
+        if forced.ndim != 2 or forced.shape != (ids.shape[0], max_new_tokens) or forced.dtype.is_floating_point:
+            raise InputError(f"forced_tokens must be integer ids of shape (prompts, max_new_tokens) = "
+                             f"({ids.shape[0]}, {max_new_tokens}); got shape {tuple(forced.shape)}, dtype {forced.dtype}")
+        if forced.numel() and (int(forced.min()) < 0 or int(forced.max()) >= cfg.vocab_size):
+            raise InputError(f"forced_tokens hold ids outside 0 <= id < vocab_size={cfg.vocab_size}")
     passes = 1 + (prefill_passes if mode == "fused" else 0)
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
     return _decode(model, ids, lengths, max_new_tokens, mode, passes, sampling, seed, stops, bool(compile),
-                   tol if mode == "fused" else None)
+                   tol if mode == "fused" else None, forced)
 
 
 def generate(model, prompts, max_new_tokens: int, **kwargs) -> list[list[int]]:
@@ -107,7 +118,8 @@ def generate(model, prompts, max_new_tokens: int, **kwargs) -> list[list[int]]:
 
 
 def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes: int, sampling: dict,
-            seed: int | None, stops: Tensor | None, compile: bool, tol: float | None) -> Iterator[Step]:
+            seed: int | None, stops: Tensor | None, compile: bool, tol: float | None,
+            forced: Tensor | None = None) -> Iterator[Step]:
     device = next(model.parameters()).device
     ids, lengths = ids.to(device), lengths.to(device)
     B = ids.shape[0]
@@ -134,7 +146,7 @@ def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes
             finished = torch.zeros(B, dtype=torch.bool, device=device)
             stops = None if stops is None else stops.to(device)
             for s in range(max_new):
-                tokens = sample(logits, generator=generator, **sampling)
+                tokens = sample(logits, generator=generator, **sampling) if forced is None else forced[:, s].to(device)
                 yield Step(tokens=tokens, logits=logits, finished=finished.clone(), prefill_passes=used)
                 if stops is not None:
                     finished |= torch.isin(tokens, stops)
