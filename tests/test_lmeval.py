@@ -117,6 +117,10 @@ def test_bad_model_args_are_named(setup):
     tmp, _, _ = setup
     with pytest.raises(ConfigError, match="unknown model arg 'prefil_passes'.*did you mean 'prefill_passes'"):
         FullbandHarnessLM.create_from_arg_string(f"checkpoint={tmp / 'ckpt'},prefil_passes=2")
+    # model_args win over the harness's own --batch_size / --device
+    lm = FullbandHarnessLM.create_from_arg_string(f"checkpoint={tmp / 'ckpt'},batch_size=3",
+                                                  {"batch_size": 16, "device": "cpu", "max_batch_size": None})
+    assert lm.batch_size == 3
     with pytest.raises(ConfigError, match="mode='fusd'"):
         FullbandHarnessLM(checkpoint=str(tmp / "ckpt"), mode="fusd")
     with pytest.raises(ConfigError, match="needs model_args checkpoint"):

@@ -69,6 +69,18 @@ class FullbandHarnessLM(LM):
         self._prefix = self.tokenizer.encode("")  # what the tokenizer prepends (BOS), possibly nothing
         self._bos = self._prefix[-1] if self._prefix else self.model.config.bos_token_id
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None):
+        """model_args win over the harness's own flags (--batch_size, --device) when both name a setting."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     # ------------------------------------------------------------------ tokens
     def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Context and continuation ids; the pair is tokenised whole where that keeps the context's tokens."""
