@@ -72,3 +72,61 @@ def test_unsupported_llama_variants_are_named():
                                                                   bos_token_id=0, eos_token_id=0))
     with pytest.raises(ConfigError, match="model_type='gpt2'"):
         from_llama(gpt2)
+
+
+# ---------------------------------------------------------------------- latent feedback around HF models
+def _tiny_hf(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return tiny_llama(False)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return transformers.Qwen2ForCausalLM(cfg).eval()
+    cfg = transformers.GPT2Config(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_latent_feedback_on_hf_models(kind):
+    from fullband.hf import add_latent_feedback
+
+    hf = _tiny_hf(kind)
+    attn = getattr(hf.config, "_attn_implementation", None)
+    wrapped = add_latent_feedback(hf, bos_token_id=None).eval()
+    ids = torch.randint(1, 101, (2, 14), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        one = wrapped(ids, passes=1).logits
+        assert (one - ref).abs().max().item() <= 1e-5  # pass 1 is the unwrapped model
+        two = wrapped(ids, passes=2)
+        assert (two.logits - ref).abs().max().item() > 1e-3  # the feedback changes later positions
+        assert torch.allclose(two.logits[:, 0], ref[:, 0], atol=1e-5)  # position 0 stays plain
+        jacobi = wrapped(ids, passes=ids.shape[1] + 1).hidden
+    exact = wrapped.recurrent_forward(ids)  # through the HF KV cache, one token at a time
+    diff = (jacobi - exact.hidden).abs().max().item()
+    print(f"{kind} ({attn}): Jacobi fixed point vs cached recurrence {diff:.1e}")
+    assert diff <= 1e-4
+    # soft-style: a plain prompt, then the recurrence; its prompt positions equal the plain model
+    soft = wrapped.recurrent_forward(ids, plain_prefix=6)
+    assert torch.allclose(soft.logits[:, :6], ref[:, :6], atol=1e-4)
+    # gradients reach the fusion from a multi-pass loss; the HF weights are shared, not copied
+    wrapped.train()
+    loss = wrapped(ids, passes=2).logits.logsumexp(-1).mean()
+    loss.backward()
+    assert wrapped.fusion.w_u.weight.grad is not None and wrapped.fusion.w_u.weight.grad.abs().sum() > 0
+    assert wrapped.hf is hf
+
+
+def test_latent_feedback_rejects_what_it_cannot_wrap():
+    from fullband.hf import add_latent_feedback
+
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64,
+                                                                       num_layers=1, num_heads=2))
+    with pytest.raises(ConfigError, match="T5ForConditionalGeneration is an encoder-decoder"):
+        add_latent_feedback(t5)
+    with pytest.raises(ConfigError, match="needs a Hugging Face PreTrainedModel; got Linear"):
+        add_latent_feedback(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="fusion='gate'"):
+        add_latent_feedback(_tiny_hf("gpt2"), fusion="gate")
