@@ -130,3 +130,29 @@ def test_latent_feedback_rejects_what_it_cannot_wrap():
         add_latent_feedback(torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="fusion='gate'"):
         add_latent_feedback(_tiny_hf("gpt2"), fusion="gate")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_latent_feedback_generate_matches_the_references(kind):
+    from fullband.errors import InputError
+    from fullband.hf import add_latent_feedback
+
+    hf = _tiny_hf(kind)
+    fb = add_latent_feedback(hf, bos_token_id=None).eval()
+    prompt = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(9))
+    n, T = 6, prompt.shape[1]
+    std = fb.generate(prompt, n, mode="standard")
+    ref = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)[:, T:]
+    assert torch.equal(std, ref)
+    for mode, plain_prefix in (("soft", T), ("exact", 0)):
+        toks = fb.generate(prompt, n, mode=mode)
+        full = torch.cat([prompt, toks], dim=1)
+        rec = fb.recurrent_forward(full, plain_prefix=plain_prefix).logits
+        assert torch.equal(toks, rec[:, T - 1 : -1].argmax(-1)), mode
+    with torch.no_grad():
+        first = fb(prompt, passes=3).logits[:, -1].argmax(-1)
+    fused = fb.generate(prompt, n, mode="fused", prefill_passes=2)
+    assert fused.shape == (2, n) and torch.equal(fused[:, 0], first)
+    assert torch.equal(fb.generate(prompt, n, mode="fused", prefill_passes=0), fb.generate(prompt, n, mode="soft"))
+    with pytest.raises(InputError, match="mode='sof'"):
+        fb.generate(prompt, 2, mode="sof")

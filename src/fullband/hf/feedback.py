@@ -90,8 +90,7 @@ class LatentFeedback(nn.Module):
         x = e
         for j in range(passes):
             if j > 0:
-                prev = torch.cat([torch.zeros_like(state[:, :1]), state[:, :-1]], dim=1)
-                x = self._fuse(e, prev, plain)
+                x = self._fuse(e, self._shift(state), plain)
             state = self.hf.base_model(inputs_embeds=x, use_cache=False).last_hidden_state
         return ModelOutput(logits=self.hf.get_output_embeddings()(state), hidden=state, top=state, passes_used=passes)
 
@@ -99,6 +98,11 @@ class LatentFeedback(nn.Module):
     def recurrent_forward(self, input_ids: Tensor, plain_prefix: int = 0) -> ModelOutput:
         """The exact recurrence, one position at a time through the wrapped model's own KV cache."""
         self._check(input_ids)
+        _, hidden = self._recur(input_ids, plain_prefix, keep=True)
+        return ModelOutput(logits=self.hf.get_output_embeddings()(hidden), hidden=hidden, top=hidden)
+
+    def _recur(self, input_ids: Tensor, plain_prefix: int, keep: bool = False):
+        """(cache, last state (B, 1, D)), or every state (B, T, D) with keep=True."""
         plain = self._plain(input_ids, plain_prefix)
         e = self.hf.get_input_embeddings()(input_ids)
         past, state, states = None, None, []
@@ -107,10 +111,57 @@ class LatentFeedback(nn.Module):
             if state is not None:
                 x = self._fuse(x, state, plain[:, t : t + 1])
             out = self.hf.base_model(inputs_embeds=x, use_cache=True, **{self._cache_arg: past})
-            past, state = getattr(out, "past_key_values", None) or getattr(out, "cache", None), out.last_hidden_state
+            past, state = self._past(out), out.last_hidden_state
             states.append(state)
-        hidden = torch.cat(states, dim=1)
-        return ModelOutput(logits=self.hf.get_output_embeddings()(hidden), hidden=hidden, top=hidden)
+        return past, (torch.cat(states, dim=1) if keep else state)
+
+    @staticmethod
+    def _past(out):
+        return getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+
+    @staticmethod
+    def _shift(state: Tensor) -> Tensor:
+        return torch.cat([torch.zeros_like(state[:, :1]), state[:, :-1]], dim=1)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, mode: str = "soft",
+                 prefill_passes: int = 1) -> Tensor:
+        """Greedy decoding in a feedback mode through the wrapped model's KV cache: (B, T) prompts of one length
+        -> (B, max_new_tokens) new tokens. STANDARD is the wrapped model's own greedy decoding; SOFT feeds each
+        position's top state into the next; FUSED first runs 1 + prefill_passes Jacobi passes over the prompt;
+        EXACT processes the prompt by the recurrence."""
+        from fullband.decode.generate import MODES
+
+        self._check(input_ids)
+        if mode not in MODES:
+            raise InputError(f"mode={mode!r} is not a decoding mode; accepted: {', '.join(MODES)}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer >= 1")
+        if isinstance(prefill_passes, bool) or not isinstance(prefill_passes, int) or prefill_passes < 0:
+            raise InputError(f"prefill_passes={prefill_passes!r} is invalid; accepted: an integer >= 0")
+        emb, head = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
+        if mode == "exact":
+            past, state = self._recur(input_ids, 0)
+        else:
+            x = emb(input_ids)
+            if mode == "fused" and prefill_passes > 0:
+                x = self._fuse(x, self._shift(self.forward(input_ids, passes=prefill_passes).hidden),
+                               self._plain(input_ids))
+            out = self.hf.base_model(inputs_embeds=x, use_cache=True)
+            past, state = self._past(out), out.last_hidden_state[:, -1:]
+        new = []
+        for s in range(max_new_tokens):
+            token = head(state).argmax(-1)  # (B, 1)
+            new.append(token)
+            if s == max_new_tokens - 1:
+                break
+            x = emb(token)
+            if mode != "standard":
+                plain = token == self.bos_token_id if self.bos_token_id is not None else torch.zeros_like(token, dtype=torch.bool)
+                x = self._fuse(x, state, plain)
+            out = self.hf.base_model(inputs_embeds=x, use_cache=True, **{self._cache_arg: past})
+            past, state = self._past(out), out.last_hidden_state
+        return torch.cat(new, dim=1)
 
 
 def add_latent_feedback(model: nn.Module, fusion: str = "gated", bos_token_id: int | None = None) -> LatentFeedback:
