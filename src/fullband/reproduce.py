@@ -84,6 +84,24 @@ def train_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Pat
     return list_checkpoints(run_dir)[-1], json.loads(meta.read_text())["train_seconds"]
 
 
+COMMANDS = ("Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and "
+            "`--set log.eval_every=0`):")
+
+
+def _save_figure(fig, path: Path) -> None:
+    from fullband.eval.commands import _plt
+
+    plt = _plt()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _figure_and_commands(exp: str, png: str, alt: str) -> list[str]:
+    """The report's figure line and the header of its command list."""
+    return [f"![{alt}]({exp}/{png})", "", COMMANDS, ""]
+
+
 def _config_line(run: Run, *extra: str) -> str:
     return f"`fullband train {BASE} " + " ".join(f"--set {o}" for o in [*run.overrides, *extra]) + "`"
 
@@ -175,10 +193,8 @@ def _stability(runs: list[Run], root: Path, figs: Path) -> list[str]:
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(figs / "stability.png", dpi=120)
-    plt.close(fig)
-    lines += ["", "![stability](stability/stability.png)", "", "Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and `--set log.eval_every=0`):", ""]
+    _save_figure(fig, figs / "stability.png")
+    lines += ["", *_figure_and_commands("stability", "stability.png", "stability")]
     lines += [f"- {_config_line(r)}, then `fullband eval stability --checkpoint <run>/step_000600`" for r in runs]
     return lines
 
@@ -229,10 +245,8 @@ def _data_efficiency(runs: list[Run], root: Path, figs: Path) -> list[str]:
     ax.set_ylabel("held-out loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(figs / "data_efficiency.png", dpi=120)
-    plt.close(fig)
-    lines += ["", "![data efficiency](data-efficiency/data_efficiency.png)", "", "Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and `--set log.eval_every=0`):", ""]
+    _save_figure(fig, figs / "data_efficiency.png")
+    lines += ["", *_figure_and_commands("data-efficiency", "data_efficiency.png", "data efficiency")]
     lines += [f"- {_config_line(r)}" for r in runs]
     return lines
 
@@ -283,7 +297,7 @@ def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
         lines.append(f"**{task}**: layer-0 accuracy {one:.3f} with one-step recurrent prefill vs {std:.3f} with "
                      f"standard prefill (target >= 0.95 vs <= 0.65: {'met' if met else 'not met'}; the paper: "
                      f"{'0.996' if task == 'completion' else '1.000'} vs near chance).")
-    lines += ["", "![probe](probe/probe.png)", "", "Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and `--set log.eval_every=0`):", "",
+    lines += ["", *_figure_and_commands("probe", "probe.png", "probe"),
               f"- {_config_line(runs[0], corpus)}",
               f"- {_config_line(run, corpus, warm)}",
               f"- `fullband eval probe --checkpoint {ckpt} --scratch 0 8 32`"]
@@ -335,10 +349,8 @@ def _fusion_ablation(runs: list[Run], root: Path, figs: Path) -> list[str]:
     ax.set_ylabel("held-out loss after one fused pass")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(figs / "fusion_ablation.png", dpi=120)
-    plt.close(fig)
-    lines += ["![fusion ablation](fusion-ablation/fusion_ablation.png)", "", "Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and `--set log.eval_every=0`):", "",
+    _save_figure(fig, figs / "fusion_ablation.png")
+    lines += [*_figure_and_commands("fusion-ablation", "fusion_ablation.png", "fusion ablation"),
               f"- {_config_line(runs[0])}"]
     lines += [f"- {_config_line(r, f'train.init_from={chr(34)}{base_ckpt}{chr(34)}')}" for r in runs[1:]]
     return lines

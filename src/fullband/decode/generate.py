@@ -122,6 +122,7 @@ def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes
             forced: Tensor | None = None) -> Iterator[Step]:
     device = next(model.parameters()).device
     ids, lengths = ids.to(device), lengths.to(device)
+    forced = None if forced is None else forced.to(device)
     B = ids.shape[0]
     longest, shortest = int(lengths.max()), int(lengths.min())
     # one slot more than decoding writes: a slice that never spans the whole cache keeps compiled graphs general
@@ -146,7 +147,7 @@ def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes
             finished = torch.zeros(B, dtype=torch.bool, device=device)
             stops = None if stops is None else stops.to(device)
             for s in range(max_new):
-                tokens = sample(logits, generator=generator, **sampling) if forced is None else forced[:, s].to(device)
+                tokens = sample(logits, generator=generator, **sampling) if forced is None else forced[:, s]
                 yield Step(tokens=tokens, logits=logits, finished=finished.clone(), prefill_passes=used)
                 if stops is not None:
                     finished |= torch.isin(tokens, stops)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fullband.data.synthetic import Example
+from fullband.errors import InputError
 
 PREFILLS = ("standard", "one-step", "suffix", "full")
 
@@ -24,15 +25,10 @@ def final_streams(model, tokenizer, examples: list[Example], mode: str, *, suffi
                   progress: bool = False) -> np.ndarray:
     """(N, L + 1, D) float32: the residual stream at each example's last position, depth 0 .. L."""
     if mode not in PREFILLS:
-        from fullband.errors import InputError
-
         raise InputError(f"prefill mode {mode!r} is unknown; accepted: {', '.join(PREFILLS)}")
     model.eval()
     device = next(model.parameters()).device
     encoded = [tokenizer.encode(ex.text) for ex in examples]
-    by_len: dict[int, list[int]] = defaultdict(list)
-    for i, ids in enumerate(encoded):
-        by_len[len(ids)].append(i)
     out = np.zeros((len(examples), len(model.blocks) + 1, model.config.d_model), dtype=np.float32)
     captured: list[torch.Tensor] = []
 
@@ -50,17 +46,15 @@ def final_streams(model, tokenizer, examples: list[Example], mode: str, *, suffi
 
         bar = tqdm(total=len(examples), desc=f"probe prefill {mode}", unit="ex")
     try:
-        for T, rows in sorted(by_len.items()):
-            for start in range(0, len(rows), 16):
-                chunk = rows[start : start + 16]
-                ids = torch.tensor([encoded[i] for i in chunk], device=device)
-                captured.clear()
-                _run(model, ids, mode, suffix)
-                depth = len(model.blocks) + 1
-                last = torch.stack(captured[-depth:], dim=1)  # the final call of each: (B, L + 1, D)
-                out[chunk] = last.numpy()
-                if bar is not None:
-                    bar.update(len(chunk))
+        for chunk in _same_length_batches(encoded, 16):
+            ids = torch.tensor([encoded[i] for i in chunk], device=device)
+            captured.clear()
+            _run(model, ids, mode, suffix)
+            depth = len(model.blocks) + 1
+            last = torch.stack(captured[-depth:], dim=1)  # the final call of each: (B, L + 1, D)
+            out[chunk] = last.numpy()
+            if bar is not None:
+                bar.update(len(chunk))
     finally:
         for h in hooks:
             h.remove()
@@ -121,28 +115,29 @@ def answer_accuracy(model, tokenizer, examples: list[Example], passes: int = 1) 
     device = next(model.parameters()).device
     words = sorted({(ex.target, ex.label) for ex in examples})
     if len(words) != 2:
-        from fullband.errors import InputError
-
         raise InputError(f"answer_accuracy needs a binary task; saw labels {[w for _, w in words]}")
     skip = len(tokenizer.encode(""))  # tokens the tokenizer prepends (BOS)
     first = [tokenizer.encode(word)[skip] for _, word in words]
     if first[0] == first[1]:
-        from fullband.errors import InputError
-
         raise InputError(f"labels {words[0][1]!r} and {words[1][1]!r} start with the same token; cannot score them")
-    by_len: dict[int, list[int]] = defaultdict(list)
     encoded = [tokenizer.encode(ex.text) for ex in examples]
-    for i, ids in enumerate(encoded):
-        by_len[len(ids)].append(i)
     correct = np.zeros(len(examples), dtype=bool)
-    for rows in by_len.values():
-        for start in range(0, len(rows), 32):
-            chunk = rows[start : start + 32]
-            logits = model(torch.tensor([encoded[i] for i in chunk], device=device), passes=passes).logits[:, -1]
-            pred = (logits[:, first[1]] > logits[:, first[0]]).long().cpu().numpy()
-            correct[chunk] = pred == np.array([examples[i].target for i in chunk])
+    for chunk in _same_length_batches(encoded, 32):
+        logits = model(torch.tensor([encoded[i] for i in chunk], device=device), passes=passes).logits[:, -1]
+        pred = (logits[:, first[1]] > logits[:, first[0]]).long().cpu().numpy()
+        correct[chunk] = pred == np.array([examples[i].target for i in chunk])
     lengths = defaultdict(list)
     for ex, ok in zip(examples, correct):
         lengths[ex.length].append(ok)
     return {"accuracy": float(correct.mean()), "by_length": {n: float(np.mean(v)) for n, v in sorted(lengths.items())}}
 
+
+
+def _same_length_batches(encoded: list[list[int]], size: int):
+    """Index lists of up to `size` sequences of one length (so they stack without padding), shortest first."""
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(encoded):
+        by_len[len(ids)].append(i)
+    for _, rows in sorted(by_len.items()):
+        for start in range(0, len(rows), size):
+            yield rows[start : start + size]

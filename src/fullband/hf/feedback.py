@@ -10,13 +10,15 @@ embedding RMS so fused inputs begin at the scale of plain ones.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 
 from fullband.errors import ConfigError, InputError
-from fullband.model.decoder import ModelOutput
-from fullband.model.fusion import FUSION_TYPES, build_fusion
-from fullband.model.layers import RMSNorm, rms_norm
+from fullband.model.decoder import ModelOutput, plain_positions, shift_right
+from fullband.model.fusion import FUSION_TYPES, build_fusion, embedding_rms, fused_input, init_fusion_weight_
+from fullband.model.layers import RMSNorm
 
 
 class LatentFeedback(nn.Module):
@@ -42,35 +44,22 @@ class LatentFeedback(nn.Module):
         self.fusion = build_fusion(fusion, d_model)
         self.norm_in = RMSNorm(d_model, getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_epsilon", 1e-6))
         self.bos_token_id = bos_token_id if bos_token_id is not None else getattr(cfg, "bos_token_id", None)
+        for p in self.fusion.parameters():
+            init_fusion_weight_(p)
         with torch.no_grad():
-            for p in self.fusion.parameters():
-                nn.init.normal_(p, std=p.shape[1] ** -0.5)
-            self.norm_in.weight.fill_(float(emb.weight.float().pow(2).mean(-1).sqrt().mean()))
+            self.norm_in.weight.fill_(embedding_rms(emb.weight))
+        # the base model's KV-cache keyword: `cache` in newer transformers, else past_key_values
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
         dtype = emb.weight.dtype
         self.fusion.to(dtype)
         self.norm_in.to(dtype)
 
     # ---------------------------------------------------------------- pieces
     def _plain(self, input_ids: Tensor, plain_prefix: int = 0, plain_mask: Tensor | None = None) -> Tensor:
-        B, T = input_ids.shape
-        plain = (torch.arange(T, device=input_ids.device) < max(plain_prefix, 1)).expand(B, T)
-        if self.bos_token_id is not None:
-            plain = plain | (input_ids == self.bos_token_id)
-        if plain_mask is not None:
-            plain = plain | plain_mask.to(input_ids.device, torch.bool)
-        return plain
+        return plain_positions(input_ids, self.bos_token_id, plain_mask, plain_prefix)
 
     def _fuse(self, e: Tensor, prev: Tensor, plain: Tensor) -> Tensor:
-        fused = self.norm_in(self.fusion(rms_norm(e, None, self.norm_in.eps), prev.to(e.dtype)))
-        return torch.where(plain[..., None], e, fused)
-
-    @property
-    def _cache_arg(self) -> str:
-        """The KV-cache keyword of the base model's forward: `cache` in newer transformers, else past_key_values."""
-        import inspect
-
-        params = inspect.signature(self.hf.base_model.forward).parameters
-        return "cache" if "cache" in params else "past_key_values"
+        return fused_input(self.fusion, self.norm_in, e, prev, plain, normalise_gate=True)
 
     def _check(self, input_ids: Tensor) -> None:
         if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
@@ -90,7 +79,7 @@ class LatentFeedback(nn.Module):
         x = e
         for j in range(passes):
             if j > 0:
-                x = self._fuse(e, self._shift(state), plain)
+                x = self._fuse(e, shift_right(state), plain)
             state = self.hf.base_model(inputs_embeds=x, use_cache=False).last_hidden_state
         return ModelOutput(logits=self.hf.get_output_embeddings()(state), hidden=state, top=state, passes_used=passes)
 
@@ -119,10 +108,6 @@ class LatentFeedback(nn.Module):
     def _past(out):
         return getattr(out, "past_key_values", None) or getattr(out, "cache", None)
 
-    @staticmethod
-    def _shift(state: Tensor) -> Tensor:
-        return torch.cat([torch.zeros_like(state[:, :1]), state[:, :-1]], dim=1)
-
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, mode: str = "soft",
                  prefill_passes: int = 1) -> Tensor:
@@ -145,7 +130,7 @@ class LatentFeedback(nn.Module):
         else:
             x = emb(input_ids)
             if mode == "fused" and prefill_passes > 0:
-                x = self._fuse(x, self._shift(self.forward(input_ids, passes=prefill_passes).hidden),
+                x = self._fuse(x, shift_right(self.forward(input_ids, passes=prefill_passes).hidden),
                                self._plain(input_ids))
             out = self.hf.base_model(inputs_embeds=x, use_cache=True)
             past, state = self._past(out), out.last_hidden_state[:, -1:]

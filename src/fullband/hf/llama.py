@@ -16,6 +16,7 @@ import torch
 from fullband.errors import ConfigError, FullbandError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
+from fullband.model.fusion import embedding_rms
 
 _REQUIRED = {  # LlamaConfig field -> the value the native block computes
     "hidden_act": "silu",
@@ -97,8 +98,7 @@ def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = N
         out[dst + "mlp.w_down.weight"] = sd[src + "mlp.down_proj.weight"]
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
-    rms = out["embed.weight"].float().pow(2).mean(-1).sqrt().mean()
-    out["norm_in.weight"] = torch.full((cfg.d_model,), float(rms))
+    out["norm_in.weight"] = torch.full((cfg.d_model,), embedding_rms(out["embed.weight"]))
     own = native.state_dict()
     missing = [k for k in own if k not in out and not k.startswith("fusion.")]
     if missing:

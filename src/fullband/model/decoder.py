@@ -21,8 +21,8 @@ from fullband.decode.cache import KVCache
 from fullband.errors import InputError
 from fullband.model.attention import Attention, window_mask
 from fullband.model.config import ModelConfig
-from fullband.model.fusion import build_fusion
-from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear, rms_norm
+from fullband.model.fusion import build_fusion, fused_input, init_fusion_weight_
+from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear
 
 
 @dataclass
@@ -83,7 +83,7 @@ class FullbandLM(nn.Module):
             if p.ndim == 1 or name.endswith("qk_gain"):
                 nn.init.ones_(p)
             elif name.startswith("fusion."):
-                nn.init.normal_(p, std=p.shape[1] ** -0.5)
+                init_fusion_weight_(p)
             elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
                 nn.init.normal_(p, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
             else:
@@ -92,14 +92,7 @@ class FullbandLM(nn.Module):
     # ---------------------------------------------------------------- pieces
     def plain_positions(self, input_ids: Tensor, plain_mask: Tensor | None = None, plain_prefix: int = 0) -> Tensor:
         """(B, T) bool: positions that take the plain embedding (position 0, BOS, a plain prefix, a mask)."""
-        B, T = input_ids.shape
-        idx = torch.arange(T, device=input_ids.device)
-        plain = (idx < max(plain_prefix, 1)).expand(B, T)
-        if self.config.bos_token_id is not None:
-            plain = plain | (input_ids == self.config.bos_token_id)
-        if plain_mask is not None:
-            plain = plain | plain_mask.to(device=input_ids.device, dtype=torch.bool)
-        return plain
+        return plain_positions(input_ids, self.config.bos_token_id, plain_mask, plain_prefix)
 
     def embed_inputs(self, input_ids: Tensor) -> Tensor:
         """The plain stack input: norm_in(embedding), or the raw embedding when config.input_norm is false."""
@@ -111,9 +104,7 @@ class FullbandLM(nn.Module):
         (already shifted). Positions in `plain` (B, T), or all when prev is None, keep e."""
         if prev is None:
             return e
-        gate_in = e if self.config.input_norm else rms_norm(e, None, self.config.norm_eps)
-        fused = self.norm_in(self.fusion(gate_in, prev.to(e.dtype)))
-        return fused if plain is None else torch.where(plain[..., None], e, fused)
+        return fused_input(self.fusion, self.norm_in, e, prev, plain, normalise_gate=not self.config.input_norm)
 
     def body(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, **step) -> tuple[Tensor, Tensor]:
         """Run the blocks on stack inputs x (B, T, D) -> (fed-back state, final-norm output), both (B, T, D)."""
@@ -167,7 +158,7 @@ class FullbandLM(nn.Module):
                 if training and cfg.jitter > 0:
                     noise = torch.empty(prev.shape, dtype=prev.dtype, device=prev.device)
                     prev = prev + noise.uniform_(-cfg.jitter, cfg.jitter, generator=generator)
-                prev = F.pad(prev, (0, 0, 1, 0))[:, :T]  # shift right: position t reads h_{t-1}
+                prev = shift_right(prev)  # position t reads h_{t-1}
                 mask = plain
                 if training and cfg.prefix_mixin_prob > 0:
                     mask = plain | self._prefix_mixin(B, T, input_ids.device, generator)
@@ -304,6 +295,23 @@ class FullbandLM(nn.Module):
         from fullband.checkpoint import load_model
 
         return load_model(directory, device=device, dtype=dtype)
+
+
+def plain_positions(input_ids: Tensor, bos_token_id: int | None, plain_mask: Tensor | None = None,
+                    plain_prefix: int = 0) -> Tensor:
+    """(B, T) bool: positions that take the plain embedding: t < max(plain_prefix, 1), BOS, or in plain_mask."""
+    B, T = input_ids.shape
+    plain = (torch.arange(T, device=input_ids.device) < max(plain_prefix, 1)).expand(B, T)
+    if bos_token_id is not None:
+        plain = plain | (input_ids == bos_token_id)
+    if plain_mask is not None:
+        plain = plain | plain_mask.to(device=input_ids.device, dtype=torch.bool)
+    return plain
+
+
+def shift_right(state: Tensor) -> Tensor:
+    """(B, T, D) -> (B, T, D) with position t holding state[t - 1] (zeros at t = 0, which is always plain)."""
+    return F.pad(state, (0, 0, 1, 0))[:, : state.shape[1]]
 
 
 def _check_passes(passes: int, cfg: ModelConfig) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from fullband.model.layers import linear
+from fullband.model.layers import linear, rms_norm
 
 
 class GatedFusion(nn.Module):
@@ -57,3 +57,23 @@ FUSION_TYPES: dict[str, type[nn.Module]] = {
 
 def build_fusion(kind: str, d_model: int) -> nn.Module | None:
     return None if kind == "none" else FUSION_TYPES[kind](d_model)
+
+
+def fused_input(fusion: nn.Module, norm_in: nn.Module, e: Tensor, prev: Tensor, plain: Tensor | None,
+                *, normalise_gate: bool) -> Tensor:
+    """The stack input of a fed-back position: norm_in(fuse(e, prev)); rows / positions in `plain` keep e.
+    `normalise_gate`: e is a raw embedding, so the fusion reads a gain-free RMS-normalised copy of it."""
+    gate_in = rms_norm(e, None, norm_in.eps) if normalise_gate else e
+    fused = norm_in(fusion(gate_in, prev.to(e.dtype)))
+    return fused if plain is None else torch.where(plain[..., None], e, fused)
+
+
+@torch.no_grad()
+def init_fusion_weight_(p: Tensor) -> Tensor:
+    """Fusion matrices at 1/sqrt(fan_in): the fused input starts at unit scale, gates spread over sigmoid's range."""
+    return nn.init.normal_(p, std=p.shape[1] ** -0.5)
+
+
+def embedding_rms(weight: Tensor) -> float:
+    """Mean RMS of the embedding rows: the gain that puts fused inputs at the scale of a model's raw embeddings."""
+    return float(weight.float().pow(2).mean(-1).sqrt().mean())
