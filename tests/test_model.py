@@ -7,6 +7,7 @@ import torch
 
 from conftest import random_ids, tiny_config, tiny_model
 from fullband import FullbandLM, ModelConfig
+from fullband.model.decoder import prefix_mixin
 
 
 @pytest.mark.parametrize(
@@ -150,16 +151,14 @@ def test_jitter_and_prefix_mixin_only_in_training():
 
 
 def test_prefix_mixin_reverts_a_prefix_to_plain():
-    model = tiny_model(prefix_mixin_prob=1.0)
     g = torch.Generator().manual_seed(3)
-    masks = torch.stack([model._prefix_mixin(4, 50, torch.device("cpu"), g) for _ in range(200)])  # (200, 4, 50)
+    masks = torch.stack([prefix_mixin(4, 50, 1.0, torch.device("cpu"), g) for _ in range(200)])  # (200, 4, 50)
     # each row is a prefix: once False, stays False
     assert torch.all(masks[..., 1:] <= masks[..., :-1])
     lengths = masks.sum(-1).flatten().float()  # p + 1 with p ~ U[0, T)
     assert lengths.min() >= 1 and lengths.max() <= 50
     assert abs(lengths.mean().item() - 25.5) < 2.0
-    half = tiny_model(prefix_mixin_prob=0.5)
-    used = torch.stack([half._prefix_mixin(8, 50, torch.device("cpu"), g).any(-1) for _ in range(200)]).float().mean()
+    used = torch.stack([prefix_mixin(8, 50, 0.5, torch.device("cpu"), g).any(-1) for _ in range(200)]).float().mean()
     assert abs(used.item() - 0.5) < 0.06
 
 

@@ -43,7 +43,14 @@ def write_model_files(directory: Path, config: Any, state: dict[str, torch.Tenso
         **(metadata or {}),
     }
     (directory / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
-    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():  # tied weights (one storage, two names) are written as two tensors
+        tensor = tensor.detach().to("cpu").contiguous()
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    state = out
     save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(directory)
@@ -55,12 +62,19 @@ def save_model(model: torch.nn.Module, directory: str | Path, *, tokenizer: Any 
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
     try:
+        metadata = {**model_metadata(model), **(metadata or {})}
         write_model_files(tmp, model.config, model.state_dict(), tokenizer=tokenizer, metadata=metadata)
         _replace_dir(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def model_metadata(model: torch.nn.Module) -> dict:
+    """What a model adds to its config.json beyond the ModelConfig (a wrapped HF model: its HF config)."""
+    hook = getattr(model, "checkpoint_metadata", None)
+    return hook() if callable(hook) else {}
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -123,6 +137,10 @@ def load_model(directory: str | Path, *, device: str | torch.device = "cpu", dty
     from fullband.model.layers import Rotary
 
     config = read_config(directory)
+    if _is_wrapped_hf(directory):
+        from fullband.hf.feedback import load_feedback
+
+        return load_feedback(directory, device=device, dtype=dtype)
     state = load_state(directory)
     with torch.device("meta"):
         model = FullbandLM(config)
@@ -158,3 +176,10 @@ def _compare(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
 def _few(items: list[str], n: int = 4) -> str:
     more = f" and {len(items) - n} more" if len(items) > n else ""
     return ", ".join(items[:n]) + more
+
+
+def _is_wrapped_hf(directory: str | Path) -> bool:
+    """Whether the folder holds a Hugging Face model wrapped with latent feedback (config.json has its HF config)."""
+    from fullband.hf.feedback import HF_CONFIG_KEY
+
+    return HF_CONFIG_KEY in json.loads((Path(directory) / CONFIG_FILE).read_text())

@@ -1,4 +1,4 @@
-"""The `fullband` command: one entry point, one subcommand per job (init, generate, bench, demo)."""
+"""The `fullband` command: one entry point, one subcommand per job (init, generate, train, eval, convert, ...)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(args.prompt, bos=True)
     stops = [] if args.ignore_eos else [tokenizer.eos_id]
     t0 = time.perf_counter()
+    if not isinstance(model, FullbandLM):  # a wrapped HF model (model.hf_path): decoded through its own KV cache
+        new = model.generate(torch.tensor([prompt], device=model.hf.device), args.max_new_tokens, mode=args.mode,
+                             prefill_passes=args.prefill_passes, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, seed=args.seed)[0].tolist()
+        ids = new[: new.index(stops[0]) + 1] if stops and stops[0] in new else new
+        sys.stdout.write((args.prompt if args.echo else "") + tokenizer.decode(ids) + "\n")
+        print(f"[{len(ids)} tokens, {args.mode}, {len(ids) / (time.perf_counter() - t0):.1f} tok/s]", file=sys.stderr)
+        return 0
     steps = stream(
         model, [prompt], args.max_new_tokens, mode=args.mode, prefill_passes=args.prefill_passes,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stops,
@@ -174,6 +182,20 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a checkpoint folder between the native and the transformers layout (or a Llama into either)."""
+    from fullband.hf.convert import convert
+    from fullband.hf.llama import _transformers
+
+    _transformers()
+    kind, target = convert(args.src, args.dst, to=args.to, dtype=None if args.dtype is None else _dtype(args.dtype),
+                           fusion=args.fusion, overwrite=args.overwrite)
+    how = {"hf": "load with AutoModelForCausalLM.from_pretrained (after `import fullband.hf`)",
+           "native": "load with FullbandLM.load or --checkpoint"}[target]
+    print(f"converted {kind} {args.src} -> {target} {args.dst}; {how}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fullband.demo import run_demo
 
@@ -287,6 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--root", default="runs/repro", help="where the runs go (finished ones are reused)")
     s.add_argument("--docs", default="docs/results", help="where the report and figures go")
     s.set_defaults(func=cmd_reproduce)
+
+    s = sub.add_parser("convert", help="native checkpoint <-> transformers folder (a Llama folder into either)")
+    s.add_argument("src", help="a native checkpoint, a transformers fullband folder or a LlamaForCausalLM folder")
+    s.add_argument("dst", help="folder to write (must not exist or be empty unless --overwrite)")
+    s.add_argument("--to", choices=("hf", "native"), help="target layout (default: the other one; native for a Llama)")
+    s.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep)")
+    s.add_argument("--fusion", default="gated", help="fusion of the new feedback weights when converting a Llama")
+    s.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("demo", help="the embedded demo (what `make demo` runs)")
     s.add_argument("--config", default="configs/tiny.toml", help="the recipe to train (default: configs/tiny.toml)")

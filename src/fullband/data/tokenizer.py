@@ -1,5 +1,7 @@
-"""Tokenizers: bytes (256 ids + BOS/EOS/PAD, no training) and a trained byte-level BPE (Hugging Face `tokenizers`).
-A checkpoint's `tokenizer.json` is our small JSON (`"fullband_tokenizer": "byte"`) or a standard HF tokenizer.json.
+"""Tokenizers: bytes (256 ids + BOS/EOS/PAD, no training), a trained byte-level BPE (Hugging Face `tokenizers`),
+and a pretrained model's own tokenizer (for runs warm-started from a Hugging Face model).
+A checkpoint's `tokenizer.json` is our small JSON (`"fullband_tokenizer": "byte"`) or a standard HF tokenizer.json
+(with `special_ids.json` beside it for a pretrained model's tokenizer).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from fullband.errors import CheckpointError, InputError
 
 TOKENIZER_FILE = "tokenizer.json"
+SPECIAL_IDS_FILE = "special_ids.json"  # beside a pretrained model's tokenizer.json: its BOS / EOS / PAD ids
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 INSTALL_HINT = "pip install 'fullband[data]'"
 
@@ -92,19 +95,24 @@ class BPETokenizer:
 
     kind = "bpe"
 
-    def __init__(self, hf_tokenizer: Any, *, source: str = "the given tokenizer") -> None:
-        ids = [hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
-        if None in ids:
-            missing = [t for t, i in zip(SPECIAL_TOKENS, ids) if i is None]
-            raise InputError(
-                f"{source} lacks the special tokens {missing}; accepted: a BPE with {list(SPECIAL_TOKENS)}"
-            )
+    def __init__(self, hf_tokenizer: Any, *, source: str = "the given tokenizer",
+                 special_ids: tuple[int, int, int] | None = None) -> None:
+        if special_ids is None:
+            ids = [hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+            if None in ids:
+                missing = [t for t, i in zip(SPECIAL_TOKENS, ids) if i is None]
+                raise InputError(
+                    f"{source} lacks the special tokens {missing}; accepted: a BPE with {list(SPECIAL_TOKENS)}"
+                )
+        else:
+            ids = list(special_ids)
         self._tok = hf_tokenizer
         # Not saved in tokenizer.json by the library, so set on every construction.
         self._tok.encode_special_tokens = True
         self.bos_id, self.eos_id, self.pad_id = ids
         self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
-        self._fingerprint = _short_hash(json.loads(hf_tokenizer.to_str()))
+        payload = json.loads(hf_tokenizer.to_str())
+        self._fingerprint = _short_hash(payload if special_ids is None else [payload, ids])
 
     @classmethod
     def from_file(cls, path: str | Path) -> "BPETokenizer":
@@ -139,6 +147,43 @@ class BPETokenizer:
         self._tok.save(str(Path(directory) / TOKENIZER_FILE))
 
 
+class PretrainedTokenizer(BPETokenizer):
+    """The tokenizer of a pretrained Hugging Face model (its tokenizer.json, any model type), with the BOS / EOS
+    ids of the model's config (a model without a BOS uses its EOS as the document separator, as GPT-2 does).
+    Saved as tokenizer.json + special_ids.json so a run or checkpoint folder reloads it as it was."""
+
+    kind = "pretrained"
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "PretrainedTokenizer":
+        """The fast tokenizer of the model at `path` (a folder, or a hub id when online)."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise InputError("a pretrained model's tokenizer needs transformers: pip install 'fullband[hf]'") from None
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as err:
+            raise InputError(f"no tokenizer could be loaded from {str(path)!r}: {err}") from None
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None:
+            raise InputError(f"the tokenizer of {str(path)!r} ({type(tok).__name__}) is not a fast tokenizer; "
+                             "accepted: a model with a tokenizer.json")
+        eos = tok.eos_token_id
+        bos = tok.bos_token_id if tok.bos_token_id is not None else eos
+        if bos is None:
+            raise InputError(f"the tokenizer of {str(path)!r} has neither a BOS nor an EOS token; fullband needs a "
+                             "document-start token")
+        eos = eos if eos is not None else bos
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        return cls(backend, source=str(path), special_ids=(bos, eos, pad))
+
+    def save(self, directory: str | Path) -> None:
+        super().save(directory)
+        ids = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
+        (Path(directory) / SPECIAL_IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
+
+
 def train_bpe(
     texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, show_progress: bool = True
 ) -> BPETokenizer:
@@ -167,7 +212,7 @@ def train_bpe(
     return BPETokenizer(tok, source="the trained tokenizer")
 
 
-def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer:
+def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | PretrainedTokenizer:
     """The tokenizer saved in a checkpoint folder; a folder without one gets the byte tokenizer."""
     path = Path(directory) / TOKENIZER_FILE
     if not path.exists():
@@ -186,6 +231,16 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer:
         raise CheckpointError(
             f"{path}: unknown tokenizer kind {kind!r}; accepted: 'byte' (or a Hugging Face BPE tokenizer.json)"
         )
+    ids_path = Path(directory) / SPECIAL_IDS_FILE
+    if ids_path.is_file():
+        try:
+            ids = json.loads(ids_path.read_text())
+            special = (int(ids["bos_id"]), int(ids["eos_id"]), int(ids["pad_id"]))
+            return PretrainedTokenizer(_hf_tokenizers().Tokenizer.from_str(text), source=str(path), special_ids=special)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{ids_path} is corrupted: {err}") from None
+        except Exception as err:  # the Rust side raises a plain Exception on any schema problem
+            raise CheckpointError(f"{path} is not a valid Hugging Face tokenizer.json: {err}") from None
     model_type = data.get("model", {}).get("type") if isinstance(data.get("model"), dict) else None
     if model_type != "BPE":
         raise CheckpointError(

@@ -58,3 +58,21 @@ class KVCache:
         """Attention mask (B, 1, 1, kv_len) for one query per row at `positions`: row b sees keys <= positions[b]."""
         keys = torch.arange(kv_len, device=positions.device)
         return (keys[None, :] <= positions[:, None])[:, None, None, :]
+
+    def select(self, rows: Tensor) -> None:
+        """Keep (and reorder, or repeat) the batch rows `rows` (R,): each layer becomes (R, max_len, H_kv, Dh)."""
+        rows = rows.to(self.k[0].device)
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.batch = int(rows.shape[0])
+
+    def grow(self, max_len: int) -> None:
+        """Reallocate every layer to hold max_len positions (>= the current length), keeping what is written."""
+        if max_len <= self.max_len:
+            return
+        def longer(t: Tensor) -> Tensor:
+            out = t.new_zeros((t.shape[0], max_len, *t.shape[2:]))
+            out[:, : self.max_len] = t
+            return out
+        self.k, self.v = [longer(k) for k in self.k], [longer(v) for v in self.v]
+        self.max_len = max_len

@@ -135,13 +135,10 @@ def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes
     model.eval()
     try:
         with torch.inference_mode():
-            if mode == "exact":
-                out = model.recurrent_forward(ids, cache=cache, return_logits=False)
-            else:
-                out = model(ids, passes=passes, cache=cache, return_logits=False, tol=tol)
+            out = prefill(model, ids, cache, mode, passes, tol=tol)
             rows, last = torch.arange(B, device=device), lengths - 1
             state, logits = out.hidden[rows, last], model.head(out.top[rows, last])  # (B, D), (B, V)
-            used = out.passes_used if mode != "exact" else 0
+            used = out.passes_used
             del out
             positions = lengths.clone()
             finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -160,6 +157,17 @@ def _decode(model, ids: Tensor, lengths: Tensor, max_new: int, mode: str, passes
                 positions += 1
     finally:
         model.train(was_training)
+
+
+def prefill(model, ids: Tensor, cache: KVCache | None, mode: str, passes: int, *, tol: float | None = None,
+            return_logits: bool = False):
+    """Run right-padded prompts ids (B, T) through `model` as `mode` reads them, writing `cache`: the exact
+    recurrence for "exact" (passes_used 0), else `passes` Jacobi passes (1 + prefill passes for "fused")."""
+    if mode == "exact":
+        out = model.recurrent_forward(ids, cache=cache, return_logits=return_logits)
+        out.passes_used = 0
+        return out
+    return model(ids, passes=passes, cache=cache, return_logits=return_logits, tol=tol)
 
 
 def _step(model, ks: list[Tensor], vs: list[Tensor], tokens, positions, prev, plain, kv_len: int, mask):

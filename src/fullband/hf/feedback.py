@@ -6,149 +6,277 @@ previous position's top hidden state (the base model's `last_hidden_state`, afte
 fusion operator, and the exact recurrence runs token by token through the model's own KV cache. The wrapped
 model's weights are not touched; the new ones are the fusion and `norm_in`, whose gain starts at the
 embedding RMS so fused inputs begin at the scale of plain ones.
+
+The wrapper is a full-bandwidth model for the rest of fullband: `forward(ids, passes=k, targets=...)` is the
+same multi-pass objective as FullbandLM's (jitter, prefix mixin, z-loss; `fullband train` with
+`model.hf_path`), its `config` is a ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks`
+are the HF model's layers (activation checkpointing, FSDP), and a saved folder (config.json with the HF
+config inside + model.safetensors) loads back with `FullbandLM.load` / `load_feedback`.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fullband.errors import ConfigError, InputError
-from fullband.model.decoder import ModelOutput, plain_positions, shift_right
+from fullband.errors import CheckpointError, ConfigError, InputError
+from fullband.model.config import ModelConfig
+from fullband.model.decoder import ModelOutput, _check_passes, check_ids, multipass, plain_positions, shift_right
 from fullband.model.fusion import FUSION_TYPES, build_fusion, embedding_rms, fused_input, init_fusion_weight_
 from fullband.model.layers import RMSNorm
 
+HF_CONFIG_KEY = "hf_config"  # config.json of a saved wrapper: the wrapped model's transformers config
+
+
+def config_for(hf_config: Any, base: ModelConfig | None = None, **changes: Any) -> ModelConfig:
+    """A ModelConfig describing a HF model: its vocabulary, width, depth, heads and context from `hf_config`,
+    the feedback and multi-pass fields from `base` (defaults when None) and `changes`."""
+    get = lambda *names, default=None: next((getattr(hf_config, n) for n in names  # noqa: E731
+                                            if getattr(hf_config, n, None) is not None), default)
+    d_model = get("hidden_size", "n_embd", "d_model")
+    sizes = dict(
+        vocab_size=get("vocab_size"),
+        d_model=d_model,
+        n_layers=get("num_hidden_layers", "n_layer", "num_layers"),
+        max_seq_len=get("max_position_embeddings", "n_positions", "max_seq_len", default=2048),
+        d_ff=get("intermediate_size", "n_inner"),
+        tie_embeddings=bool(get("tie_word_embeddings", default=False)),
+        input_norm=False,
+    )
+    heads = get("num_attention_heads", "n_head")
+    kv = get("num_key_value_heads", default=heads)
+    head_ok = heads and d_model % heads == 0 and (d_model // heads) % 2 == 0 and heads % (kv or heads) == 0
+    sizes.update(n_heads=heads if head_ok else 1, n_kv_heads=(kv or heads) if head_ok else 1)
+    if "bos_token_id" not in changes and (base is None or base.bos_token_id is None):
+        sizes["bos_token_id"] = get("bos_token_id", "eos_token_id")
+    values = {**(base.to_dict() if base is not None else {}), **sizes, **changes}
+    return ModelConfig.from_dict(values)
+
 
 class LatentFeedback(nn.Module):
-    """A HF causal LM with latent feedback: `forward(ids, passes=k)` (Jacobi passes) and `recurrent_forward`."""
+    """A HF causal LM with latent feedback: Jacobi passes (`forward`), the exact recurrence (`recurrent_forward`)
+    and decoding in every mode (`generate`), all through the wrapped model."""
 
-    def __init__(self, model: nn.Module, fusion: str = "gated", bos_token_id: int | None = None) -> None:
+    def __init__(self, model: nn.Module, fusion: str | None = None, bos_token_id: int | None = None, *,
+                 config: ModelConfig | None = None) -> None:
         super().__init__()
         name = type(model).__name__
-        cfg = getattr(model, "config", None)
-        if cfg is None or not hasattr(model, "get_input_embeddings") or not hasattr(model, "base_model"):
+        hf_cfg = getattr(model, "config", None)
+        if hf_cfg is None or not hasattr(model, "get_input_embeddings") or not hasattr(model, "base_model"):
             raise ConfigError(f"add_latent_feedback needs a Hugging Face PreTrainedModel; got {name}")
-        if getattr(cfg, "is_encoder_decoder", False):
+        if getattr(hf_cfg, "is_encoder_decoder", False):
             raise ConfigError(f"add_latent_feedback wraps decoder-only causal LMs; {name} is an encoder-decoder")
         head = model.get_output_embeddings()
         emb = model.get_input_embeddings()
         if head is None or emb is None or model.base_model is model:
             raise ConfigError(f"{name} has no separate base model, input embedding and LM head; add_latent_feedback "
                               "needs a *ForCausalLM / *LMHeadModel whose base model accepts inputs_embeds")
-        if fusion not in FUSION_TYPES:
+        if "inputs_embeds" not in inspect.signature(model.base_model.forward).parameters:
+            raise ConfigError(f"{type(model.base_model).__name__}.forward takes no inputs_embeds; add_latent_feedback "
+                              "feeds the fused inputs as inputs_embeds")
+        if fusion is not None and fusion not in FUSION_TYPES:
             raise ConfigError(f"fusion={fusion!r} is unknown; accepted: {', '.join(FUSION_TYPES)}")
+        changes = {k: v for k, v in (("fusion", fusion), ("bos_token_id", bos_token_id)) if v is not None}
+        self.config = config_for(hf_cfg, config, **changes)
+        if not self.config.has_feedback:
+            raise ConfigError("add_latent_feedback needs a fusion; accepted: " + ", ".join(FUSION_TYPES))
         self.hf = model
         d_model = emb.weight.shape[1]
-        self.fusion = build_fusion(fusion, d_model)
-        self.norm_in = RMSNorm(d_model, getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_epsilon", 1e-6))
-        self.bos_token_id = bos_token_id if bos_token_id is not None else getattr(cfg, "bos_token_id", None)
+        self.fusion = build_fusion(self.config.fusion, d_model)
+        self.norm_in = RMSNorm(d_model, getattr(hf_cfg, "rms_norm_eps", None) or getattr(hf_cfg, "layer_norm_epsilon", 1e-6))
         for p in self.fusion.parameters():
             init_fusion_weight_(p)
         with torch.no_grad():
             self.norm_in.weight.fill_(embedding_rms(emb.weight))
         # the base model's KV-cache keyword: `cache` in newer transformers, else past_key_values
         self._cache_arg = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
-        dtype = emb.weight.dtype
-        self.fusion.to(dtype)
-        self.norm_in.to(dtype)
+        self.fusion.to(emb.weight.dtype)
+        self.norm_in.to(emb.weight.dtype)
 
-    # ---------------------------------------------------------------- pieces
-    def _plain(self, input_ids: Tensor, plain_prefix: int = 0, plain_mask: Tensor | None = None) -> Tensor:
-        return plain_positions(input_ids, self.bos_token_id, plain_mask, plain_prefix)
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.config.bos_token_id
 
-    def _fuse(self, e: Tensor, prev: Tensor, plain: Tensor) -> Tensor:
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The wrapped model's decoder layers (for activation checkpointing, compile and FSDP)."""
+        n = self.config.n_layers
+        for module in self.hf.base_model.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == n:
+                return module
+        raise ConfigError(f"{type(self.hf).__name__}: no list of {n} layers found in its base model")
+
+    # ---------------------------------------------------------------- the pieces `multipass` calls
+    def plain_positions(self, input_ids: Tensor, plain_mask: Tensor | None = None, plain_prefix: int = 0) -> Tensor:
+        return plain_positions(input_ids, self.config.bos_token_id, plain_mask, plain_prefix)
+
+    def embed_inputs(self, input_ids: Tensor) -> Tensor:
+        return self.hf.get_input_embeddings()(input_ids)
+
+    def fuse_inputs(self, e: Tensor, prev: Tensor | None, plain: Tensor | None = None) -> Tensor:
+        if prev is None:
+            return e
         return fused_input(self.fusion, self.norm_in, e, prev, plain, normalise_gate=True)
 
-    def _check(self, input_ids: Tensor) -> None:
-        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
-            raise InputError("input_ids must be an integer tensor of shape (B, T)")
-        if input_ids.numel() == 0:
-            raise InputError(f"input_ids is empty (shape {tuple(input_ids.shape)})")
+    def head(self, top: Tensor) -> Tensor:
+        return self.hf.get_output_embeddings()(top)
+
+    def check_ids(self, input_ids: Tensor) -> None:
+        check_ids(input_ids, self.config.vocab_size, self.config.max_seq_len)
+
+    def _stack(self, x: Tensor, write_cache: bool = False) -> tuple[Tensor, Tensor]:
+        state = self.hf.base_model(inputs_embeds=x, use_cache=False).last_hidden_state
+        return state, state
 
     # ---------------------------------------------------------------- forward
-    def forward(self, input_ids: Tensor, passes: int = 1, *, plain_mask: Tensor | None = None) -> ModelOutput:
-        """k Jacobi passes over the sequence; pass 1 is exactly the wrapped model."""
-        self._check(input_ids)
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise InputError(f"passes={passes!r} is invalid; accepted: an integer >= 1")
-        e = self.hf.get_input_embeddings()(input_ids)
-        plain = self._plain(input_ids, plain_mask=plain_mask)
-        state = None
-        x = e
-        for j in range(passes):
-            if j > 0:
-                x = self._fuse(e, shift_right(state), plain)
-            state = self.hf.base_model(inputs_embeds=x, use_cache=False).last_hidden_state
-        return ModelOutput(logits=self.hf.get_output_embeddings()(state), hidden=state, top=state, passes_used=passes)
+    def forward(self, input_ids: Tensor, passes: int = 1, *, targets: Tensor | None = None,
+                plain_mask: Tensor | None = None, generator: torch.Generator | None = None,
+                return_logits: bool = True, z_loss: float = 0.0, tol: float | None = None) -> ModelOutput:
+        """k Jacobi passes over the sequence (pass 1 is exactly the wrapped model); with `targets` the
+        multi-pass objective, in training mode with jitter and prefix mixin (see FullbandLM.forward)."""
+        self.check_ids(input_ids)
+        passes = _check_passes(passes, self.config)
+        return multipass(self, input_ids, passes, self._stack, targets=targets, plain_mask=plain_mask,
+                         generator=generator, return_logits=return_logits, z_loss=z_loss, tol=tol)
 
     @torch.no_grad()
     def recurrent_forward(self, input_ids: Tensor, plain_prefix: int = 0) -> ModelOutput:
         """The exact recurrence, one position at a time through the wrapped model's own KV cache."""
-        self._check(input_ids)
+        self.check_ids(input_ids)
         _, hidden = self._recur(input_ids, plain_prefix, keep=True)
-        return ModelOutput(logits=self.hf.get_output_embeddings()(hidden), hidden=hidden, top=hidden)
+        return ModelOutput(logits=self.head(hidden), hidden=hidden, top=hidden)
 
     def _recur(self, input_ids: Tensor, plain_prefix: int, keep: bool = False):
         """(cache, last state (B, 1, D)), or every state (B, T, D) with keep=True."""
-        plain = self._plain(input_ids, plain_prefix)
-        e = self.hf.get_input_embeddings()(input_ids)
+        plain = self.plain_positions(input_ids, plain_prefix=plain_prefix)
+        e = self.embed_inputs(input_ids)
         past, state, states = None, None, []
         for t in range(input_ids.shape[1]):
             x = e[:, t : t + 1]
             if state is not None:
-                x = self._fuse(x, state, plain[:, t : t + 1])
-            out = self.hf.base_model(inputs_embeds=x, use_cache=True, **{self._cache_arg: past})
-            past, state = self._past(out), out.last_hidden_state
+                x = self.fuse_inputs(x, state, plain[:, t : t + 1])
+            past, state = self._run_cached(x, past)
             states.append(state)
         return past, (torch.cat(states, dim=1) if keep else state)
 
-    @staticmethod
-    def _past(out):
-        return getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    def _run_cached(self, x: Tensor, past):
+        out = self.hf.base_model(inputs_embeds=x, use_cache=True, **{self._cache_arg: past})
+        # transformers 5 returns `cache` (reading the old name warns), 4.x `past_key_values`
+        past = out["cache"] if "cache" in out else out["past_key_values"]
+        return past, out.last_hidden_state
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int, *, mode: str = "soft",
-                 prefill_passes: int = 1) -> Tensor:
-        """Greedy decoding in a feedback mode through the wrapped model's KV cache: (B, T) prompts of one length
-        -> (B, max_new_tokens) new tokens. STANDARD is the wrapped model's own greedy decoding; SOFT feeds each
-        position's top state into the next; FUSED first runs 1 + prefill_passes Jacobi passes over the prompt;
-        EXACT processes the prompt by the recurrence."""
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, mode: str = "soft", prefill_passes: int = 1,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> Tensor:
+        """Decoding in a feedback mode through the wrapped model's KV cache: (B, T) prompts of one length ->
+        (B, max_new_tokens) new tokens. STANDARD is the wrapped model's own decoding; SOFT feeds each position's
+        top state into the next; FUSED first runs 1 + prefill_passes Jacobi passes over the prompt; EXACT runs
+        the prompt through the recurrence. temperature 0 is greedy; else sampling with top_k / top_p."""
         from fullband.decode.generate import MODES
+        from fullband.decode.sampling import sample
 
-        self._check(input_ids)
+        self.check_ids(input_ids)
         if mode not in MODES:
             raise InputError(f"mode={mode!r} is not a decoding mode; accepted: {', '.join(MODES)}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer >= 1")
         if isinstance(prefill_passes, bool) or not isinstance(prefill_passes, int) or prefill_passes < 0:
             raise InputError(f"prefill_passes={prefill_passes!r} is invalid; accepted: an integer >= 0")
-        emb, head = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
-        if mode == "exact":
-            past, state = self._recur(input_ids, 0)
-        else:
-            x = emb(input_ids)
-            if mode == "fused" and prefill_passes > 0:
-                x = self._fuse(x, shift_right(self.forward(input_ids, passes=prefill_passes).hidden),
-                               self._plain(input_ids))
-            out = self.hf.base_model(inputs_embeds=x, use_cache=True)
-            past, state = self._past(out), out.last_hidden_state[:, -1:]
-        new = []
-        for s in range(max_new_tokens):
-            token = head(state).argmax(-1)  # (B, 1)
-            new.append(token)
-            if s == max_new_tokens - 1:
-                break
-            x = emb(token)
-            if mode != "standard":
-                plain = token == self.bos_token_id if self.bos_token_id is not None else torch.zeros_like(token, dtype=torch.bool)
-                x = self._fuse(x, state, plain)
-            out = self.hf.base_model(inputs_embeds=x, use_cache=True, **{self._cache_arg: past})
-            past, state = self._past(out), out.last_hidden_state
-        return torch.cat(new, dim=1)
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
+            raise InputError(f"temperature={temperature!r} is invalid; accepted: a number >= 0 (0 = greedy)")
+        if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
+            raise InputError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
+        was_training = self.training
+        self.eval()
+        generator = None if seed is None else torch.Generator(input_ids.device).manual_seed(seed)
+        try:
+            if mode == "exact":
+                past, state = self._recur(input_ids, 0)
+            else:
+                x = self.embed_inputs(input_ids)
+                if mode == "fused" and prefill_passes > 0:
+                    x = self.fuse_inputs(x, shift_right(self.forward(input_ids, passes=prefill_passes).hidden),
+                                         self.plain_positions(input_ids))
+                past, state = self._run_cached(x, None)
+                state = state[:, -1:]
+            new = []
+            for s in range(max_new_tokens):
+                logits = self.head(state)[:, 0]  # (B, V)
+                token = sample(logits, temperature=float(temperature), top_k=top_k, top_p=top_p, generator=generator)
+                new.append(token)
+                if s == max_new_tokens - 1:
+                    break
+                x = self.embed_inputs(token[:, None])
+                if mode != "standard":
+                    bos = self.config.bos_token_id
+                    plain = (token == bos)[:, None] if bos is not None else None
+                    x = self.fuse_inputs(x, state, plain)
+                past, state = self._run_cached(x, past)
+        finally:
+            self.train(was_training)
+        return torch.stack(new, dim=1)
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint_metadata(self) -> dict:
+        """Written into config.json beside the ModelConfig, so the folder rebuilds the wrapped model."""
+        return {HF_CONFIG_KEY: self.hf.config.to_dict()}
+
+    def save(self, directory: str | Path, **extra) -> Path:
+        from fullband.checkpoint import save_model
+
+        return save_model(self, directory, **extra)
 
 
-def add_latent_feedback(model: nn.Module, fusion: str = "gated", bos_token_id: int | None = None) -> LatentFeedback:
-    """Wrap a Hugging Face decoder-only LM with latent feedback (see LatentFeedback)."""
-    return LatentFeedback(model, fusion=fusion, bos_token_id=bos_token_id)
+def add_latent_feedback(model: nn.Module, fusion: str = "gated", bos_token_id: int | None = None,
+                        config: ModelConfig | None = None) -> LatentFeedback:
+    """Wrap a Hugging Face decoder-only LM with latent feedback (see LatentFeedback). `config` sets the
+    multi-pass training knobs (jitter, prefix_mixin_prob, ...); its architecture fields are taken from `model`."""
+    return LatentFeedback(model, fusion=fusion, bos_token_id=bos_token_id, config=config)
+
+
+def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torch.dtype = torch.float32,
+                    **kwargs: Any) -> LatentFeedback:
+    """Load the causal LM at `path` (a local folder, or a hub id when online) and wrap it with latent feedback."""
+    from fullband.hf.llama import _transformers
+
+    tf = _transformers()
+    try:
+        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.hf_path={path!r} could not be loaded as a causal LM: {err}") from None
+    return LatentFeedback(model, config=config)
+
+
+def load_feedback(directory: str | Path, *, device: str | torch.device = "cpu",
+                  dtype: torch.dtype | None = None) -> LatentFeedback:
+    """Rebuild a saved LatentFeedback (config.json with the HF config + model.safetensors)."""
+    from fullband.checkpoint import CONFIG_FILE, load_state, read_config
+    from fullband.hf.llama import _transformers
+
+    tf = _transformers()
+    directory = Path(directory)
+    data = json.loads((directory / CONFIG_FILE).read_text())
+    hf_dict = dict(data[HF_CONFIG_KEY])
+    model_type = hf_dict.pop("model_type", None)
+    try:
+        hf_config = tf.AutoConfig.for_model(model_type, **hf_dict)
+    except (KeyError, ValueError) as err:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: cannot rebuild the wrapped model "
+                              f"(model_type={model_type!r}): {err}") from None
+    hf_model = tf.AutoModelForCausalLM.from_config(hf_config)
+    wrapper = LatentFeedback(hf_model, config=read_config(directory))
+    state = load_state(directory)
+    try:
+        wrapper.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{directory}: weights do not match the wrapped {type(hf_model).__name__}: {err}") from None
+    wrapper = wrapper.to(device)
+    return wrapper.to(dtype) if dtype is not None else wrapper
+

@@ -55,6 +55,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     input_norm: bool = True
     tie_embeddings: bool = True
+    # Warm start from a Hugging Face causal LM (a folder, or a hub id when online): `fullband train` wraps it with
+    # latent feedback (fullband.hf.add_latent_feedback); the sizes above then come from that model.
+    hf_path: str = ""
     # Training-time behaviour of the multi-pass forward (all inactive in eval mode).
     jitter: float = 0.02
     prefix_mixin_prob: float = 0.5
@@ -95,6 +98,8 @@ class ModelConfig:
         if self.sliding_window is not None:
             _check_int("sliding_window", self.sliding_window, minimum=1)
         _check_int("global_every", self.global_every, minimum=0)
+        if not isinstance(self.hf_path, str):
+            raise ConfigError(f"hf_path={self.hf_path!r} must be a string (a folder or a hub id; empty: none)")
         for name in ("qk_norm", "attn_gate", "detach_between_passes", "input_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")

@@ -78,16 +78,8 @@ class FullbandLM(nn.Module):
         """Normal(0, init_std) weights; residual-branch outputs scaled by 1/sqrt(2L) so the top state's norm
         stays O(1) as depth grows; fusion matrices at 1/sqrt(fan_in) (DECISION: the fused input starts at
         unit scale, gates spread over sigmoid's range); every norm gain at 1."""
-        cfg = self.config
         for name, p in self.named_parameters():
-            if p.ndim == 1 or name.endswith("qk_gain"):
-                nn.init.ones_(p)
-            elif name.startswith("fusion."):
-                init_fusion_weight_(p)
-            elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
-                nn.init.normal_(p, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-            else:
-                nn.init.normal_(p, std=cfg.init_std)
+            init_parameter_(name, p, self.config)
 
     # ---------------------------------------------------------------- pieces
     def plain_positions(self, input_ids: Tensor, plain_mask: Tensor | None = None, plain_prefix: int = 0) -> Tensor:
@@ -140,60 +132,19 @@ class FullbandLM(nn.Module):
         when z_loss > 0. A `cache` receives the last pass's keys and values. With `tol`, iteration stops early
         once the RMS update ||h^(j) - h^(j-1)|| of every row is below tol (adaptive prefill); `passes` caps it.
         """
-        cfg = self.config
         self.check_ids(input_ids)
-        passes = _check_passes(passes, cfg)
-        B, T = input_ids.shape
-        e = self.embed_inputs(input_ids)  # (B, T, D)
-        plain = self.plain_positions(input_ids, plain_mask)
-        cos, sin = self.rotary.prefix(T, e.dtype)
-        local = self._window_mask(torch.arange(T, device=e.device), torch.arange(T, device=e.device), T)
-        out = ModelOutput(logits=None, hidden=e, top=e)
-        training = self.training
-        state = logits = None
-        for j in range(passes):
-            x = e
-            if j > 0:
-                prev = state.detach() if cfg.detach_between_passes else state
-                if training and cfg.jitter > 0:
-                    noise = torch.empty(prev.shape, dtype=prev.dtype, device=prev.device)
-                    prev = prev + noise.uniform_(-cfg.jitter, cfg.jitter, generator=generator)
-                prev = shift_right(prev)  # position t reads h_{t-1}
-                mask = plain
-                if training and cfg.prefix_mixin_prob > 0:
-                    mask = plain | self._prefix_mixin(B, T, input_ids.device, generator)
-                x = self.fuse_inputs(e, prev, mask)
-            last = j == passes - 1
-            # with a tolerance any pass may be the last, so each one (re)writes the cache
-            new_state, top = self.body(x, cos, sin, cache=cache if (last or tol is not None) else None, window_mask=local)
-            if tol is not None and j > 0:  # Jacobi convergence: RMS update of every row below tol
-                update = (new_state - state).float().pow(2).mean(dim=(1, 2)).sqrt()
-                out.update_rms.append(update)
-                last = last or bool((update < tol).all())
-            state = new_state
-            out.pass_hidden.append(state)
-            out.passes_used = j + 1
-            if targets is not None or training or (last and return_logits):
-                logits = self.head(top)
-                if targets is not None:
-                    flat = logits.flatten(0, 1).float()
-                    out.pass_losses.append(F.cross_entropy(flat, targets.flatten()))
-                    if z_loss > 0:
-                        out.pass_z.append(flat.logsumexp(-1).pow(2).mean())
-                elif training:
-                    out.pass_logits.append(logits)
-            if last:
-                break
-        out.hidden, out.top = state, top
-        out.logits = logits if return_logits else None
-        if targets is not None:
-            terms = out.pass_losses
-            if z_loss > 0:
-                terms = [ce + z_loss * z for ce, z in zip(out.pass_losses, out.pass_z)]
-            out.loss = terms[0]
-            if len(terms) > 1:
-                out.loss = out.loss + cfg.pass_loss_weight * torch.stack(terms[1:]).mean()
-        return out
+        passes = _check_passes(passes, self.config)
+        T = input_ids.shape[1]
+        dtype = self.embed.weight.dtype
+        cos, sin = self.rotary.prefix(T, dtype)
+        span = torch.arange(T, device=input_ids.device)
+        local = self._window_mask(span, span, T)
+
+        def stack(x: Tensor, write_cache: bool) -> tuple[Tensor, Tensor]:
+            return self.body(x, cos, sin, cache=cache if write_cache else None, window_mask=local)
+
+        return multipass(self, input_ids, passes, stack, targets=targets, plain_mask=plain_mask, generator=generator,
+                         return_logits=return_logits, z_loss=z_loss, tol=tol, cache=cache)
 
     def _window_mask(self, q_pos: Tensor, k_pos: Tensor, span: int) -> Tensor | None:
         """Sliding-window visibility for the local layers; None when there are none or the window covers `span`."""
@@ -201,12 +152,6 @@ class FullbandLM(nn.Module):
         if not self._has_local or window >= span:
             return None
         return window_mask(q_pos, k_pos, window)
-
-    def _prefix_mixin(self, B: int, T: int, device: torch.device, generator: torch.Generator | None) -> Tensor:
-        """(B, T) bool: with probability prefix_mixin_prob a sequence reverts positions t <= p, p ~ U[0, T)."""
-        use = torch.rand(B, device=device, generator=generator) < self.config.prefix_mixin_prob
-        p = torch.randint(0, T, (B,), device=device, generator=generator)
-        return use[:, None] & (torch.arange(T, device=device)[None, :] <= p[:, None])
 
     # ---------------------------------------------------------------- exact recurrence and decode step
     @torch.no_grad()
@@ -263,24 +208,7 @@ class FullbandLM(nn.Module):
     # ---------------------------------------------------------------- checks and checkpoints
     def check_ids(self, input_ids: Tensor) -> None:
         """Raise InputError unless input_ids is an integer (B, T) tensor of in-vocabulary ids, T <= max_seq_len."""
-        cfg = self.config
-        if not isinstance(input_ids, Tensor):
-            raise InputError(f"input_ids must be a torch.Tensor of shape (B, T), got {type(input_ids).__name__}")
-        if input_ids.ndim != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise InputError(
-                f"input_ids must be an integer tensor of shape (B, T); got dtype {input_ids.dtype}, "
-                f"shape {tuple(input_ids.shape)}"
-            )
-        if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-            raise InputError(f"input_ids is empty (shape {tuple(input_ids.shape)}); need B >= 1 and T >= 1")
-        if input_ids.shape[1] > cfg.max_seq_len:
-            raise InputError(
-                f"sequence length {input_ids.shape[1]} exceeds max_seq_len={cfg.max_seq_len}"
-            )
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= cfg.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InputError(f"token id {bad} is out of range; accepted: 0 <= id < vocab_size={cfg.vocab_size}")
+        check_ids(input_ids, self.config.vocab_size, self.config.max_seq_len)
 
     def num_params(self, *, fusion: bool = True) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if fusion or not n.startswith("fusion."))
@@ -295,6 +223,102 @@ class FullbandLM(nn.Module):
         from fullband.checkpoint import load_model
 
         return load_model(directory, device=device, dtype=dtype)
+
+
+def multipass(net, input_ids: Tensor, passes: int, stack, *, targets: Tensor | None = None,
+              plain_mask: Tensor | None = None, generator: torch.Generator | None = None, return_logits: bool = True,
+              z_loss: float = 0.0, tol: float | None = None, cache=None) -> ModelOutput:
+    """The time-parallel multi-pass forward of FullbandLM.forward, for any `net` with `config` (the multi-pass
+    knobs, bos_token_id), `training`, `embed_inputs`, `plain_positions`, `fuse_inputs` and `head`;
+    `stack(x, write_cache)` runs the network on stack inputs x (B, T, D) -> (fed-back state, top)."""
+    cfg = net.config
+    B, T = input_ids.shape
+    e = net.embed_inputs(input_ids)  # (B, T, D)
+    plain = net.plain_positions(input_ids, plain_mask)
+    out = ModelOutput(logits=None, hidden=e, top=e)
+    training = net.training
+    state = logits = None
+    for j in range(passes):
+        x = e
+        if j > 0:
+            prev = state.detach() if cfg.detach_between_passes else state
+            if training and cfg.jitter > 0:
+                noise = torch.empty(prev.shape, dtype=prev.dtype, device=prev.device)
+                prev = prev + noise.uniform_(-cfg.jitter, cfg.jitter, generator=generator)
+            prev = shift_right(prev)  # position t reads h_{t-1}
+            mask = plain
+            if training and cfg.prefix_mixin_prob > 0:
+                mask = plain | prefix_mixin(B, T, cfg.prefix_mixin_prob, input_ids.device, generator)
+            x = net.fuse_inputs(e, prev, mask)
+        last = j == passes - 1
+        # with a tolerance any pass may be the last, so each one (re)writes the cache
+        new_state, top = stack(x, cache is not None and (last or tol is not None))
+        if tol is not None and j > 0:  # Jacobi convergence: RMS update of every row below tol
+            update = (new_state - state).float().pow(2).mean(dim=(1, 2)).sqrt()
+            out.update_rms.append(update)
+            last = last or bool((update < tol).all())
+        state = new_state
+        out.pass_hidden.append(state)
+        out.passes_used = j + 1
+        if targets is not None or training or (last and return_logits):
+            logits = net.head(top)
+            if targets is not None:
+                flat = logits.flatten(0, 1).float()
+                out.pass_losses.append(F.cross_entropy(flat, targets.flatten()))
+                if z_loss > 0:
+                    out.pass_z.append(flat.logsumexp(-1).pow(2).mean())
+            elif training:
+                out.pass_logits.append(logits)
+        if last:
+            break
+    out.hidden, out.top = state, top
+    out.logits = logits if return_logits else None
+    if targets is not None:
+        terms = out.pass_losses
+        if z_loss > 0:
+            terms = [ce + z_loss * z for ce, z in zip(out.pass_losses, out.pass_z)]
+        out.loss = terms[0]
+        if len(terms) > 1:
+            out.loss = out.loss + cfg.pass_loss_weight * torch.stack(terms[1:]).mean()
+    return out
+
+
+def prefix_mixin(B: int, T: int, prob: float, device: torch.device, generator: torch.Generator | None) -> Tensor:
+    """(B, T) bool: with probability `prob` a sequence reverts positions t <= p, p ~ U[0, T), to plain inputs."""
+    use = torch.rand(B, device=device, generator=generator) < prob
+    p = torch.randint(0, T, (B,), device=device, generator=generator)
+    return use[:, None] & (torch.arange(T, device=device)[None, :] <= p[:, None])
+
+
+@torch.no_grad()
+def init_parameter_(name: str, p: Tensor, cfg: ModelConfig) -> Tensor:
+    """The initialisation of FullbandLM parameter `name` (see FullbandLM.reset_parameters)."""
+    if p.ndim == 1 or name.endswith("qk_gain"):
+        return nn.init.ones_(p)
+    if name.startswith("fusion."):
+        return init_fusion_weight_(p)
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+        return nn.init.normal_(p, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+    return nn.init.normal_(p, std=cfg.init_std)
+
+
+def check_ids(input_ids: Tensor, vocab_size: int, max_seq_len: int) -> None:
+    """Raise InputError unless input_ids is an integer (B, T) tensor of ids in [0, vocab_size), T <= max_seq_len."""
+    if not isinstance(input_ids, Tensor):
+        raise InputError(f"input_ids must be a torch.Tensor of shape (B, T), got {type(input_ids).__name__}")
+    if input_ids.ndim != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise InputError(
+            f"input_ids must be an integer tensor of shape (B, T); got dtype {input_ids.dtype}, "
+            f"shape {tuple(input_ids.shape)}"
+        )
+    if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+        raise InputError(f"input_ids is empty (shape {tuple(input_ids.shape)}); need B >= 1 and T >= 1")
+    if input_ids.shape[1] > max_seq_len:
+        raise InputError(f"sequence length {input_ids.shape[1]} exceeds max_seq_len={max_seq_len}")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InputError(f"token id {bad} is out of range; accepted: 0 <= id < vocab_size={vocab_size}")
 
 
 def plain_positions(input_ids: Tensor, bos_token_id: int | None, plain_mask: Tensor | None = None,

@@ -46,10 +46,23 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (S, Dh/2)
-        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1).float(), persistent=False)
-        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], -1).float(), persistent=False)
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+        dh = self.head_dim
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, dh, 2, dtype=torch.float64, device=device) / dh)
+        freqs = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=device), inv_freq)  # (S, Dh/2)
+        return torch.cat([freqs.cos(), freqs.cos()], -1).float(), torch.cat([-freqs.sin(), freqs.sin()], -1).float()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """Recompute the tables in place (after a loader left these non-persistent buffers uninitialised)."""
+        cos, sin = self._tables(self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def prefix(self, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Tables for positions 0..length-1, shaped (1, T, 1, Dh) to broadcast over (B, T, heads, Dh)."""

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fullband.checkpoint import load_state, write_model_files
+from fullband.checkpoint import load_state, model_metadata, write_model_files
 from fullband.errors import CheckpointError
 from fullband.train.parallel import Dist, barrier, is_fsdp, unwrap
 
@@ -69,7 +69,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
     if fsdp:  # optimizer state is sharded like the parameters: one file per rank
         torch.save(optimizer.state_dict(), tmp / f"optimizer.rank{d.rank}.pt")
     if d.main:
-        write_model_files(tmp, unwrap(model).config, state, tokenizer=tokenizer)
+        write_model_files(tmp, unwrap(model).config, state, tokenizer=tokenizer, metadata=model_metadata(unwrap(model)))
         if not fsdp:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(

@@ -123,7 +123,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        if self.train.seq_len > self.model.max_seq_len:
+        if self.train.seq_len > self.model.max_seq_len and not self.model.hf_path:  # hf: checked against the model
             raise ConfigError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 f"lower train.seq_len or raise model.max_seq_len"

@@ -11,7 +11,7 @@ from pathlib import Path
 from fullband.data.corpus import resolve_corpus
 from fullband.data.sampler import WindowSampler, validation_batches
 from fullband.data.shards import tokenize_corpus
-from fullband.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from fullband.data.tokenizer import ByteTokenizer, PretrainedTokenizer, load_tokenizer, train_bpe
 from fullband.errors import ConfigError
 from fullband.model.config import ModelConfig
 from fullband.train.parallel import Dist, barrier
@@ -41,7 +41,7 @@ def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None) -> RunData:
     data = cfg.data
     corpus = resolve_corpus(data.corpus, text_field=data.text_field, val_percent=data.val_percent)
     cache = cache_root(data.cache_dir)
-    tokenizer = _tokenizer(data, corpus, cache, d, run_dir)
+    tokenizer = _tokenizer(data, corpus, cache, d, run_dir, cfg.model.hf_path)
     model_cfg = _fit_model_config(cfg.model, tokenizer)
     streams = {}
     for rank_turn in (True, False):  # rank 0 tokenises and caches; then everybody opens the cache
@@ -56,9 +56,11 @@ def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None) -> RunData:
     return RunData(tokenizer, streams["train"], streams["val"], sampler, val, model_cfg)
 
 
-def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None):
+def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None, hf_path: str = ""):
     if run_dir is not None:  # resuming: the run's own tokenizer, whatever the recipe says
         return load_tokenizer(run_dir)
+    if data.tokenizer == "byte" and hf_path:  # a pretrained model reads its own vocabulary
+        return PretrainedTokenizer.from_pretrained(hf_path)
     if data.tokenizer == "byte":
         return ByteTokenizer()
     if data.tokenizer == "bpe":

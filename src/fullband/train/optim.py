@@ -141,6 +141,26 @@ ADAMW_ROUTES: tuple[Route, ...] = tuple(
 )
 ROUTES: dict[str, tuple[Route, ...]] = {"normuon": NORMUON_ROUTES, "adamw": ADAMW_ROUTES}
 
+# A pretrained Hugging Face model wrapped with latent feedback (model.hf_path): its own weights continue on
+# AdamW (adam_lr; their layout differs per architecture, e.g. GPT-2 stores Conv1D weights transposed, so no
+# per-matrix NorMuon split applies); the new fusion matrices take NorMuon as in a native model (AdamW under
+# optim.name="adamw"). Norm gains and biases never decay.
+_HF_NORMS = r"^hf\..*(norm|ln_[0-9f]|layernorm)[^.]*\.(weight|bias)$"
+HF_ROUTES: tuple[Route, ...] = (
+    Route(r"^fusion\.(w_u|w_g|w_h|w_cat)\.weight$", "normuon"),
+    Route(r"^norm_in\.weight$", "adam", wd_mult=0.0),
+    Route(_HF_NORMS, "adam", wd_mult=0.0),
+    Route(r"^hf\..*\.bias$", "adam", wd_mult=0.0),
+    Route(r"^hf\.", "adam", decay="matrix"),
+)
+
+
+def hf_routes(name: str) -> tuple[Route, ...]:
+    """The routing table for a wrapped HF model under optimizer `name`."""
+    if name == "adamw":
+        return tuple(dataclasses.replace(r, optimizer="adam", splits=None) for r in HF_ROUTES)
+    return HF_ROUTES
+
 # Segments wrappers insert into parameter names (DDP, torch.compile, activation checkpointing, FSDP1).
 _WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 

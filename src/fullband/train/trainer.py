@@ -20,6 +20,7 @@ import torch
 from fullband.errors import ConfigError, FullbandError
 from fullband.eval.loss import validation_loss
 from fullband.model.decoder import FullbandLM
+from fullband.train.optim import hf_routes
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
 from fullband.train.data import RunData, prepare_data
@@ -65,6 +66,8 @@ class Trainer:
         self.cfg = cfg
         self.resume_from: Path | None = None
         self.run_dir = Path(cfg.log.run_dir)
+        if cfg.model.hf_path:  # the sizes come from the pretrained model, before anything is compared or checked
+            cfg.model = hf_model_config(cfg)
         if resume is not None:
             self.run_dir, self.resume_from = _resolve_resume(Path(resume))
             _check_resume_config(self.run_dir, cfg)
@@ -77,13 +80,25 @@ class Trainer:
         self.data: RunData = prepare_data(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
         cfg.model = self.data.model_config
         torch.manual_seed(cfg.train.seed)
-        model = FullbandLM(cfg.model)
-        self.warm_started = warm_start(model, cfg.train.init_from) if cfg.train.init_from and resume is None else None
+        if cfg.model.hf_path:
+            from fullband.hf.feedback import from_pretrained
+
+            model = from_pretrained(cfg.model.hf_path, cfg.model)
+            # DECISION: no dropout, as in the paper's recipe; it would also make the loss depend on each rank's
+            # RNG, so a run would no longer replay the same way at any world size or after a resume
+            dropped = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+            for m in dropped:
+                m.p = 0.0
+            self.warm_started = {"hf_path": cfg.model.hf_path, "dropout_disabled": len(dropped)}
+        else:
+            model = FullbandLM(cfg.model)
+            self.warm_started = warm_start(model, cfg.train.init_from) if cfg.train.init_from and resume is None else None
         model = model.to(self.d.device)
         self.model = parallelize(model, d=self.d, mode=cfg.train.parallel,
                                  activation_checkpointing=cfg.train.activation_checkpointing,
                                  compile=cfg.train.compile)
-        self.optimizer = build_optimizer(unwrap(self.model), cfg.optim)
+        self.optimizer = build_optimizer(unwrap(self.model), cfg.optim,
+                                         routes=hf_routes(cfg.optim.name) if cfg.model.hf_path else None)
         self.schedule = cfg.train.schedule
         self.step = 0
         self.tokens = 0
@@ -236,6 +251,27 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------- helpers
+def hf_model_config(cfg: RunConfig):
+    """cfg.model with the sizes of the pretrained model at model.hf_path (its feedback and multi-pass fields kept)."""
+    from fullband.hf.feedback import config_for
+    from fullband.hf.llama import _transformers
+
+    model = cfg.model
+    if cfg.train.init_from:
+        raise ConfigError(f"model.hf_path={model.hf_path!r} and train.init_from={cfg.train.init_from!r} both name a "
+                          "warm start; accepted: one of them")
+    try:
+        hf_config = _transformers().AutoConfig.from_pretrained(model.hf_path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.hf_path={model.hf_path!r} is not a Hugging Face model folder (or reachable hub id): "
+                          f"{err}") from None
+    filled = config_for(hf_config, model, bos_token_id=model.bos_token_id)
+    if cfg.train.seq_len > filled.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds the context of {model.hf_path} "
+                          f"({filled.max_seq_len} positions); lower train.seq_len")
+    return filled
+
+
 def warm_start(model: FullbandLM, path: str) -> dict:
     """Copy every weight of the model folder `path` whose name and shape match (e.g. a standard checkpoint into
     a full-bandwidth model: the fusion weights keep their fresh initialisation). Returns what was copied/kept."""

@@ -1,0 +1,132 @@
+"""`fullband convert`: native checkpoint folder <-> transformers folder (and a Llama folder into either).
+
+  native   config.json with "format": "fullband" + model.safetensors (+ tokenizer.json)   FullbandLM.load
+  hf       config.json with "model_type": "fullband" + model.safetensors                 AutoModelForCausalLM
+  llama    a LlamaForCausalLM folder (read only; converted through fullband.hf.from_llama)
+
+Weights are copied unchanged (HF names are the native ones under `model.`), so native -> hf -> native is
+bitwise. The destination is written to a temporary sibling folder and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fullband.errors import CheckpointError, ConfigError
+
+KINDS = ("native", "hf", "llama")
+TARGETS = ("hf", "native")
+BYTE_TOKENIZER_FILE = "fullband_tokenizer.json"  # our byte tokenizer, kept beside an HF folder for the way back
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def detect(src: str | Path) -> str:
+    """The kind of checkpoint folder `src` is: 'native', 'hf' or 'llama'."""
+    path = Path(src) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{str(src)!r} is not a checkpoint folder: {path.name} is missing")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if data.get("format") == "fullband":
+        return "native"
+    kind = {"fullband": "hf", "llama": "llama"}.get(data.get("model_type"))
+    if kind is None:
+        raise CheckpointError(f"{path}: neither a fullband checkpoint (format 'fullband') nor a transformers "
+                              f"folder of model_type 'fullband' or 'llama' (model_type={data.get('model_type')!r})")
+    return kind
+
+
+def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: torch.dtype | None = None,
+            fusion: str = "gated", overwrite: bool = False) -> tuple[str, str]:
+    """Convert folder `src` into `dst` (format `to`: 'hf' or 'native'; default the other one, 'native' for a
+    Llama). Returns (source kind, target kind)."""
+    from fullband.checkpoint import _replace_dir
+
+    src, dst = Path(src), Path(dst)
+    kind = detect(src)
+    target = to if to is not None else ("hf" if kind == "native" else "native")
+    if target not in TARGETS:
+        raise ConfigError(f"to={target!r} is not a target format; accepted: {', '.join(TARGETS)}")
+    if kind == target:
+        raise ConfigError(f"{str(src)!r} is already a {kind} folder; accepted targets from it: "
+                          f"{', '.join(t for t in TARGETS if t != kind)}")
+    if dst.exists() and not overwrite and any(dst.iterdir()):
+        raise CheckpointError(f"{str(dst)!r} exists and is not empty; choose another folder, or overwrite=True (--overwrite)")
+    if dst.resolve() == src.resolve():
+        raise CheckpointError("source and destination are the same folder")
+    native, tokenizer_dir = _read_native(src, kind, fusion)
+    if dtype is not None:
+        native = native.to(dtype)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    try:
+        if target == "hf":
+            _write_hf(native, tmp, tokenizer_dir, kind)
+        else:
+            _write_native(native, tmp, tokenizer_dir, kind)
+        _replace_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return kind, target
+
+
+def _read_native(src: Path, kind: str, fusion: str):
+    if kind == "native":
+        from fullband.model.decoder import FullbandLM
+
+        return FullbandLM.load(src), src
+    if kind == "llama":
+        from fullband.hf.llama import from_llama
+
+        return from_llama(str(src), fusion=fusion), src
+    from fullband.hf.modeling import FullbandForCausalLM
+
+    return FullbandForCausalLM.from_pretrained(src).to_native(), src
+
+
+def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str) -> None:
+    from fullband.hf.modeling import FullbandForCausalLM
+
+    FullbandForCausalLM.from_native(native).save_pretrained(out)
+    if kind == "llama":  # an HF tokenizer already: copy its files
+        for name in HF_TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, out / name)
+        return
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        return
+    from fullband.data.tokenizer import SPECIAL_TOKENS, BPETokenizer, load_tokenizer
+
+    if isinstance(load_tokenizer(tokenizer_dir), BPETokenizer):  # AutoTokenizer reads it as a fast tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        bos, eos, pad = SPECIAL_TOKENS
+        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"), bos_token=bos,
+                                eos_token=eos, pad_token=pad).save_pretrained(out)
+    else:  # the byte tokenizer has no transformers counterpart; keep it for the way back
+        shutil.copy2(tokenizer_dir / "tokenizer.json", out / BYTE_TOKENIZER_FILE)
+
+
+def _write_native(native, out: Path, tokenizer_dir: Path, kind: str) -> None:
+    from fullband.checkpoint import write_model_files
+
+    write_model_files(out, native.config, native.state_dict())
+    byte = tokenizer_dir / BYTE_TOKENIZER_FILE
+    if byte.is_file():
+        shutil.copy2(byte, out / "tokenizer.json")
+    elif (tokenizer_dir / "tokenizer.json").is_file():
+        from fullband.data.tokenizer import load_tokenizer
+
+        try:
+            load_tokenizer(tokenizer_dir)
+        except CheckpointError:  # a tokenizer the native tools cannot read: leave it with its model
+            return
+        shutil.copy2(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")

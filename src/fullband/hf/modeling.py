@@ -1,0 +1,365 @@
+"""Hugging Face transformers classes for full-bandwidth models: FullbandConfig and FullbandForCausalLM.
+
+FullbandForCausalLM is a thin adapter: it holds a native FullbandLM (`.model`, the source of truth) and maps
+the transformers calling convention onto it, so `save_pretrained` / `from_pretrained`, the Auto classes and
+`generate` (greedy, sampling, beam search, num_return_sequences) work, in every feedback mode:
+
+    model.generate(ids, max_new_tokens=32, feedback_mode="fused", prefill_passes=2)
+
+The fed-back state of each sequence lives in the cache (FeedbackCache) next to its keys and values, so beam
+search reordering and num_return_sequences expansion move both together. Prompts of different lengths are
+left-padded (transformers' convention, `attention_mask`); each row is run from its first real token, at its
+own positions, exactly as `fullband.generate` runs a ragged batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from fullband.decode.cache import KVCache
+from fullband.decode.generate import MODES, prefill
+from fullband.errors import ConfigError, InputError, closest
+from fullband.model.config import ModelConfig
+from fullband.model.decoder import FullbandLM, init_parameter_
+from fullband.model.layers import Rotary
+
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+class FullbandConfig(PretrainedConfig):
+    """A ModelConfig as a transformers config, plus the default decoding mode of `generate`.
+
+    Every ModelConfig field is an attribute of the same name (standard aliases such as `hidden_size` map to
+    them); `feedback_mode` ("standard" | "soft" | "fused" | "exact", default "soft", as `fullband.generate`) and
+    `prefill_passes` (fused passes over the prompt, default 1) are what `generate` and `forward` use unless
+    given per call.
+    """
+
+    model_type = "fullband"
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "num_key_value_heads": "n_kv_heads",
+        "intermediate_size": "d_ff",
+        "max_position_embeddings": "max_seq_len",
+        "initializer_range": "init_std",
+    }
+
+    def __init__(self, feedback_mode: str = "soft", prefill_passes: int = 1, use_cache: bool = True,
+                 **kwargs: Any) -> None:
+        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_FIELDS}
+        for alias, name in self.attribute_map.items():
+            if alias in kwargs:
+                fields.setdefault(name, kwargs.pop(alias))
+        resolved = ModelConfig(**fields)  # validates every field, with errors naming it
+        for name, value in resolved.to_dict().items():
+            if name != "bos_token_id":
+                setattr(self, name, value)
+        self.feedback_mode = _check_mode(feedback_mode, "feedback_mode")
+        self.prefill_passes = _check_passes(prefill_passes)
+        self.use_cache = bool(use_cache)
+        kwargs["bos_token_id"] = resolved.bos_token_id
+        # the native model ties (or not) its own head; transformers must not tie anything
+        kwargs["tie_word_embeddings"] = False
+        super().__init__(**kwargs)
+
+    def to_model_config(self) -> ModelConfig:
+        return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS})
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, **kwargs: Any) -> "FullbandConfig":
+        return cls(**config.to_dict(), **kwargs)
+
+
+class FeedbackCache:
+    """Keys/values of every layer (a growing native KVCache), each row's next position, and each row's
+    fed-back state h (B, D) from its last position: everything a decode step reads, reordered together."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, kv: KVCache, positions: Tensor, state: Tensor) -> None:
+        self.kv, self.positions, self.state = kv, positions, state
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.kv.k)
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.kv.k)
+
+    def __len__(self) -> int:
+        return len(self.kv.k)
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv.batch
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held by the longest row."""
+        return int(self.positions.max())
+
+    def _select(self, rows: Tensor) -> None:
+        rows = rows.to(self.state.device)
+        self.kv.select(rows)
+        self.positions = self.positions.index_select(0, rows)
+        self.state = self.state.index_select(0, rows)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search: row i continues the sequence of row beam_idx[i], with its keys, values and state."""
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(torch.arange(self.kv.batch, device=self.state.device).repeat_interleave(repeats))
+
+    def crop(self, max_length: int) -> None:
+        raise InputError("FeedbackCache cannot be cropped: the fed-back state of a dropped position is gone "
+                         "(assisted / speculative decoding is not supported with latent feedback)")
+
+
+class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = FullbandConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config: FullbandConfig) -> None:
+        super().__init__(config)
+        self.model = FullbandLM(config.to_model_config())
+        for name, module in self.model.named_modules():
+            module._fullband_name = name
+        self.post_init()
+
+    # ---------------------------------------------------------------- transformers plumbing
+    @torch.no_grad()
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """The native initialisation for parameters a checkpoint did not provide; RoPE tables recomputed."""
+        if isinstance(module, Rotary):
+            module.reset_tables()
+            return
+        prefix = getattr(module, "_fullband_name", None)
+        if prefix is None:
+            return
+        for name, p in module.named_parameters(recurse=False):
+            init_parameter_(f"{prefix}.{name}" if prefix else name, p, self.model.config)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache is a FeedbackCache, built by the first forward
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self) -> torch.nn.Module | None:
+        return self.model.lm_head
+
+    @classmethod
+    def from_native(cls, model: FullbandLM, **config_kwargs: Any) -> "FullbandForCausalLM":
+        """Wrap a native model's weights (copied, in its dtype) in the transformers class."""
+        hf = cls(FullbandConfig.from_model_config(model.config, **config_kwargs))
+        dtype = next(model.parameters()).dtype
+        hf.model.load_state_dict(model.state_dict())
+        return hf.to(dtype)
+
+    def to_native(self) -> FullbandLM:
+        """A native FullbandLM with these weights (copied)."""
+        native = FullbandLM(self.config.to_model_config())
+        native.load_state_dict(self.model.state_dict())
+        return native.to(self.dtype)
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: FeedbackCache | None = None,
+        past_key_values: FeedbackCache | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        feedback_mode: str | None = None,
+        prefill_passes: int | None = None,
+        passes: int | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Logits of `input_ids` (B, T) as `feedback_mode` reads them.
+
+        Without a cache: "standard" / "soft" run one pass, "fused" 1 + prefill_passes Jacobi passes, "exact" the
+        exact recurrence; `passes=k` asks for k Jacobi passes directly. `labels` (B, T) (-100 = ignore; shifted
+        inside, as transformers does) give the loss, for passes > 1 the multi-pass objective NTP(1) +
+        pass_loss_weight * mean(NTP(2..k)). `attention_mask` marks each row's real tokens (one contiguous run;
+        left or right padding); padded positions get zero logits. With use_cache, the returned FeedbackCache
+        continues the rows; given one, every new token is one decode step (the state of the previous position
+        is fed back unless the mode is "standard"). `position_ids` are ignored: positions count real tokens.
+        """
+        if inputs_embeds is not None:
+            raise InputError("FullbandForCausalLM needs input_ids: latent feedback fuses each token's embedding "
+                             "with the previous state, so inputs_embeds cannot be used")
+        if input_ids is None:
+            raise InputError("input_ids is required")
+        cache = cache if cache is not None else past_key_values
+        mode = _check_mode(feedback_mode if feedback_mode is not None else self.config.feedback_mode, "feedback_mode")
+        k = _check_passes(prefill_passes if prefill_passes is not None else self.config.prefill_passes)
+        model = self.model
+        if mode != "standard" and not model.config.has_feedback:
+            raise InputError(f"feedback_mode={mode!r} needs feedback weights; this model has fusion='none'")
+        if cache is not None:
+            if not isinstance(cache, FeedbackCache):
+                raise InputError(f"FullbandForCausalLM continues only its own FeedbackCache; got "
+                                 f"{type(cache).__name__} (let generate build the cache)")
+            if labels is not None:
+                raise InputError("labels cannot be combined with a cache; score whole sequences without one")
+            top = self._decode(input_ids, cache, mode)
+            return self._output(None, self._logits(top, logits_to_keep), cache)
+
+        model.check_ids(input_ids)
+        ids, starts, lengths = _left_align(input_ids, attention_mask)
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        B, T = ids.shape
+        if passes is not None:
+            _check_passes(passes, minimum=1, name="passes")
+            run_passes, run_mode = passes, "fused" if passes > 1 else "standard"
+        else:
+            run_passes, run_mode = (1 + k if mode == "fused" else 1), mode
+        targets = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise InputError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}; "
+                                 f"got {tuple(labels.shape)}")
+            aligned = _gather_rows(labels.to(ids.device), starts, lengths, fill=-100)
+            targets = F.pad(aligned[:, 1:], (0, 1), value=-100)
+        kv = None
+        if use_cache:
+            if int(lengths.max()) >= model.config.max_seq_len:
+                raise InputError(f"prompt length {int(lengths.max())} leaves no room to generate within "
+                                 f"max_seq_len={model.config.max_seq_len}")
+            kv = KVCache.for_model(model, B, min(max(2 * T, T + 64), model.config.max_seq_len))
+        if targets is not None:
+            if run_mode == "exact":
+                raise InputError("labels with feedback_mode='exact' are not supported; train with passes=k")
+            out = model(ids, passes=run_passes, targets=targets, cache=kv)
+        else:
+            out = prefill(model, ids, kv, run_mode, run_passes, return_logits=False)
+        new_cache = None
+        if kv is not None:
+            rows = torch.arange(B, device=ids.device)
+            new_cache = FeedbackCache(kv, lengths.clone(), out.hidden[rows, lengths - 1])
+        top = _scatter_rows(out.top, starts, lengths, input_ids.shape[1])
+        return self._output(out.loss, self._logits(top, logits_to_keep), new_cache)
+
+    def _decode(self, input_ids: Tensor, cache: FeedbackCache, mode: str) -> Tensor:
+        """One decode step per new column of input_ids (B, n) -> top outputs (B, n, D); updates the cache."""
+        model, kv = self.model, cache.kv
+        if input_ids.ndim != 2 or input_ids.shape[0] != kv.batch:
+            raise InputError(f"input_ids for a cached step must be (B={kv.batch}, n); got {tuple(input_ids.shape)}")
+        model.check_ids(input_ids)
+        bos = model.config.bos_token_id
+        tops = []
+        for t in range(input_ids.shape[1]):
+            tokens = input_ids[:, t]
+            positions = cache.positions
+            kv_len = int(positions.max()) + 1
+            if kv_len > model.config.max_seq_len:
+                raise InputError(f"sequence length {kv_len} exceeds max_seq_len={model.config.max_seq_len}")
+            if kv_len > kv.max_len:
+                kv.grow(min(2 * kv.max_len, model.config.max_seq_len))
+            ragged = bool((positions != positions[0]).any())
+            mask = kv.visible(positions, kv_len) if ragged else None
+            prev, plain = None, None
+            if mode != "standard":
+                prev = cache.state
+                plain = tokens == bos if bos is not None else None
+            state, top = model.step(tokens, positions, kv, prev=prev, plain=plain, kv_len=kv_len, mask=mask)
+            cache.state, cache.positions = state, positions + 1
+            tops.append(top)
+        return torch.stack(tops, dim=1)
+
+    def _logits(self, top: Tensor, logits_to_keep: int) -> Tensor:
+        if logits_to_keep:
+            top = top[:, -logits_to_keep:]
+        return self.model.head(top)
+
+    @staticmethod
+    def _output(loss: Tensor | None, logits: Tensor, cache: FeedbackCache | None) -> CausalLMOutputWithPast:
+        # transformers 5 names the field `cache`, 4.x `past_key_values`
+        key = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{key: cache})
+
+
+def _check_mode(mode: Any, name: str) -> str:
+    if mode not in MODES:
+        hint = closest(mode, MODES) if isinstance(mode, str) else ""
+        raise ConfigError(f"{name}={mode!r} is not a decoding mode{hint}; accepted: {', '.join(MODES)}")
+    return mode
+
+
+def _check_passes(value: Any, minimum: int = 0, name: str = "prefill_passes") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} is invalid; accepted: an integer >= {minimum}")
+    return value
+
+
+def _left_align(input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Move each row's real tokens (one contiguous run of attention_mask == 1) to start at position 0:
+    -> ids (B, T) right-padded, starts (B,), lengths (B,)."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        zeros = torch.zeros(B, dtype=torch.long, device=device)
+        return input_ids, zeros, torch.full((B,), T, dtype=torch.long, device=device)
+    mask = attention_mask.to(device=device).bool()
+    if mask.shape != (B, T):
+        raise InputError(f"attention_mask must have the shape of input_ids {(B, T)}; got {tuple(mask.shape)}")
+    lengths = mask.sum(1)
+    if bool((lengths == 0).any()):
+        raise InputError(f"attention_mask row {int((lengths == 0).nonzero()[0])} has no real token")
+    starts = mask.long().argmax(1)
+    span = torch.arange(T, device=device)[None, :]
+    if not torch.equal(mask, (span >= starts[:, None]) & (span < (starts + lengths)[:, None])):
+        raise InputError("attention_mask must mark one contiguous run of real tokens per row (left or right "
+                         "padding); got a row with a gap")
+    if bool((starts == 0).all()):
+        return input_ids, starts, lengths
+    return _gather_rows(input_ids, starts, lengths, fill=0), starts, lengths
+
+
+def _gather_rows(x: Tensor, starts: Tensor, lengths: Tensor, fill: int) -> Tensor:
+    """(B, T) -> (B, T): row b's entries [starts[b], starts[b] + lengths[b]) moved to the front, `fill` after."""
+    T = x.shape[1]
+    span = torch.arange(T, device=x.device)[None, :]
+    index = (starts[:, None] + span).clamp(max=T - 1)
+    return torch.where(span < lengths[:, None], x.gather(1, index), torch.full_like(x, fill))
+
+
+def _scatter_rows(top: Tensor, starts: Tensor, lengths: Tensor, T: int) -> Tensor:
+    """Inverse of _left_align for outputs (B, T, D): row b's first lengths[b] back at starts[b]; zeros elsewhere."""
+    if bool((starts == 0).all()):
+        span = torch.arange(T, device=top.device)[None, :, None]
+        return top.masked_fill(span >= lengths[:, None, None], 0.0)
+    span = torch.arange(T, device=top.device)[None, :]
+    src = (span - starts[:, None]).clamp(min=0)
+    keep = (span >= starts[:, None]) & (span < (starts + lengths)[:, None])
+    moved = top.gather(1, src[..., None].expand(-1, -1, top.shape[-1]))
+    return moved.masked_fill(~keep[..., None], 0.0)
+
+
+AutoConfig.register(FullbandConfig.model_type, FullbandConfig, exist_ok=True)
+AutoModelForCausalLM.register(FullbandConfig, FullbandForCausalLM, exist_ok=True)

@@ -1,0 +1,275 @@
+"""The transformers classes (FullbandConfig, FullbandForCausalLM) against the native model: logits, save /
+from_pretrained through the Auto classes, HF `generate` in every feedback mode (greedy = fullband.generate token
+for token, ragged left-padded batches, sampling, beam search with the fed-back state reordered with the beams),
+and `fullband convert` both ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from fullband import generate
+from fullband.decode.score import score
+from fullband.errors import CheckpointError, ConfigError, InputError
+
+transformers = pytest.importorskip("transformers")
+from fullband.hf import FeedbackCache, FullbandConfig, FullbandForCausalLM  # noqa: E402
+
+MODES = ("standard", "soft", "fused", "exact")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    native = tiny_model(seed=4)
+    return native, FullbandForCausalLM.from_native(native).eval()
+
+
+def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def test_forward_is_the_native_model_in_every_mode(pair):
+    native, hf = pair
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, native(ids).logits)  # standard / soft: one pass
+        assert torch.equal(hf(ids, feedback_mode="fused", prefill_passes=2).logits, native(ids, passes=3).logits)
+        assert torch.equal(hf(ids, passes=4).logits, native(ids, passes=4).logits)
+        exact = hf(ids, feedback_mode="exact", use_cache=False).logits
+    assert torch.allclose(exact, native.recurrent_forward(ids).logits, atol=1e-6)
+    # labels: transformers' shifted loss; with passes > 1 the multi-pass objective of the native model
+    with torch.no_grad():
+        loss = hf(ids, labels=ids).loss
+        ref = torch.nn.functional.cross_entropy(native(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        assert torch.allclose(loss, ref, atol=1e-6)
+        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+        assert torch.allclose(hf(ids, labels=ids, passes=3).loss, native(ids, passes=3, targets=targets).loss)
+
+
+def test_padded_rows_score_as_alone(pair):
+    native, hf = pair
+    prompts = [[256, 5, 6, 7, 8, 9], [256, 40, 41], [256, 3, 4, 5, 6, 7, 8, 9]]
+    ids, mask = _left_pad(prompts)
+    right = torch.tensor([p + [0] * (8 - len(p)) for p in prompts])
+    with torch.no_grad():
+        left_out = hf(ids, attention_mask=mask, feedback_mode="fused", prefill_passes=1).logits
+        right_out = hf(right, attention_mask=(right != 0).long() | (torch.arange(8) == 0), feedback_mode="fused",
+                       prefill_passes=1).logits
+        for row, p in enumerate(prompts):
+            alone = native(torch.tensor([p]), passes=2).logits[0]
+            assert torch.allclose(left_out[row, 8 - len(p):], alone, atol=1e-5)
+            assert torch.allclose(right_out[row, : len(p)], alone, atol=1e-5)
+            assert left_out[row, : 8 - len(p)].abs().sum() == 0  # padding gets zero logits
+
+
+def test_save_pretrained_round_trip_through_the_auto_classes(pair, tmp_path):
+    native, hf = pair
+    hf.save_pretrained(tmp_path / "m")
+    data = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert data["model_type"] == "fullband" and data["d_model"] == 64 and data["feedback_mode"] == "soft"
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "m")
+    assert isinstance(config, FullbandConfig) and config.to_model_config() == native.config
+    assert config.hidden_size == 64 and config.num_hidden_layers == 2  # standard aliases
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert isinstance(loaded, FullbandForCausalLM)
+    a, b = hf.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the RoPE tables are not in the file; from_pretrained must rebuild them
+    assert torch.equal(loaded.model.rotary.cos, native.rotary.cos)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, feedback_mode="fused").logits, hf(ids, feedback_mode="fused").logits)
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    assert bf16.model.embed.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_generate_equals_fullband_generate(pair, mode):
+    native, hf = pair
+    prompts = [[256, 5, 6, 7, 8, 9, 10], [256, 40, 41], [256, 3, 4, 5, 6]]
+    ids, mask = _left_pad(prompts)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                      feedback_mode=mode, prefill_passes=2)
+    assert out[:, ids.shape[1]:].tolist() == generate(native, prompts, 10, mode=mode, prefill_passes=2)
+    same = torch.tensor([prompts[0], [256, 9, 8, 7, 6, 5, 4]])
+    out = hf.generate(same, max_new_tokens=10, min_new_tokens=10, do_sample=False, feedback_mode=mode,
+                      prefill_passes=2)
+    assert out[:, 7:].tolist() == generate(native, same.tolist(), 10, mode=mode, prefill_passes=2)
+
+
+def test_config_default_mode_drives_generate(pair):
+    native, hf = pair
+    prompt = torch.tensor([[256, 11, 12, 13]])
+    default = hf.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)[:, 4:]
+    assert default.tolist() == generate(native, prompt.tolist(), 6)  # both default to soft, 1 prefill pass
+    hf.config.feedback_mode, hf.config.prefill_passes = "fused", 3
+    try:
+        fused = hf.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)[:, 4:]
+    finally:
+        hf.config.feedback_mode, hf.config.prefill_passes = "soft", 1
+    assert fused.tolist() == generate(native, prompt.tolist(), 6, mode="fused", prefill_passes=3)
+
+
+def test_sampling_and_num_return_sequences(pair):
+    native, hf = pair
+    prompts = [[256, 5, 6, 7, 8], [256, 40, 41]]
+    ids, mask = _left_pad(prompts)
+    # top_k=1 sampling is greedy whatever the temperature: the sampled path sees the mode's logits
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=True, top_k=1,
+                      temperature=1.7, num_return_sequences=2, feedback_mode="fused", prefill_passes=1)
+    assert out.shape == (4, 5 + 8)
+    greedy = generate(native, prompts, 8, mode="fused", prefill_passes=1)
+    assert out[:, 5:].tolist() == [greedy[0], greedy[0], greedy[1], greedy[1]]
+    torch.manual_seed(7)
+    a = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, num_return_sequences=3)
+    torch.manual_seed(7)
+    b = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, num_return_sequences=3)
+    assert a.shape[0] == 6 and torch.equal(a, b)
+    assert len({tuple(r) for r in a[:, 5:].tolist()}) > 1  # sampling at temperature 1 varies
+
+
+@pytest.mark.parametrize("mode", ["soft", "fused"])
+def test_beam_search_carries_each_beams_state(pair, mode, monkeypatch):
+    native, hf = pair
+    prompt = [256, 5, 6, 7, 8, 9, 10]
+
+    def beams():
+        r = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, num_beams=4,
+                        num_return_sequences=4, do_sample=False, length_penalty=0.0, feedback_mode=mode,
+                        prefill_passes=2, output_scores=True, return_dict_in_generate=True)
+        seqs = r.sequences[:, len(prompt):].tolist()
+        ref = [score(native, [prompt], [s], mode=mode, prefill_passes=2)[0][0] for s in seqs]
+        return torch.tensor(ref, dtype=torch.float64), r.sequences_scores.double()
+
+    # with length_penalty 0 a beam's score is its summed log-probability, which must be the teacher-forced
+    # score of the same tokens decoded in the same mode
+    ref, got = beams()
+    assert torch.allclose(got, ref, atol=1e-4)
+    # the check can fail: a cache that reorders keys and values but not the fed-back state
+    keep = FeedbackCache.reorder_cache
+
+    def kv_only(self, beam_idx):
+        state = self.state
+        keep(self, beam_idx)
+        self.state = state
+
+    monkeypatch.setattr(FeedbackCache, "reorder_cache", kv_only)
+    ref, got = beams()
+    assert not torch.allclose(got, ref, atol=1e-4)
+
+
+def test_cache_select_and_repeat_move_the_state_with_the_rows(pair):
+    native, hf = pair
+    ids = torch.randint(0, 256, (3, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = hf(ids, use_cache=True, feedback_mode="soft")
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        state, k0 = cache.state.clone(), cache.kv.k[0].clone()
+        cache.reorder_cache(torch.tensor([2, 0, 1]))
+        assert torch.equal(cache.state, state[[2, 0, 1]]) and torch.equal(cache.kv.k[0], k0[[2, 0, 1]])
+        cache.batch_repeat_interleave(2)
+        assert cache.batch_size == 6 and torch.equal(cache.state, state[[2, 2, 0, 0, 1, 1]])
+        cache.batch_select_indices(torch.tensor([0, 2, 4]))
+        step = hf(torch.tensor([[7], [8], [9]]), cache=cache, feedback_mode="soft").logits[:, -1]
+        plain = hf(torch.cat([ids[[2, 0, 1]], torch.tensor([[7], [8], [9]])], 1), feedback_mode="exact",
+                   use_cache=False)
+    # one cached soft step after a plain prompt = the recurrence with a plain prefix of 6, uncached
+    ref = native.recurrent_forward(torch.cat([ids[[2, 0, 1]], torch.tensor([[7], [8], [9]])], 1),
+                                   plain_prefix=6).logits[:, -1]
+    assert torch.allclose(step, ref, atol=1e-5)
+    assert plain.logits.shape == (3, 7, 259)
+    with pytest.raises(InputError, match="cannot be cropped"):
+        cache.crop(3)
+
+
+def test_bad_input_is_named(pair):
+    native, hf = pair
+    ids = torch.tensor([[256, 1, 2]])
+    with pytest.raises(ConfigError, match="feedback_mode='fussed'.*did you mean 'fused'"):
+        hf(ids, feedback_mode="fussed")
+    with pytest.raises(ConfigError, match="prefill_passes=-1"):
+        hf(ids, prefill_passes=-1)
+    with pytest.raises(InputError, match="inputs_embeds cannot be used"):
+        hf(inputs_embeds=torch.zeros(1, 3, 64))
+    with pytest.raises(InputError, match="continues only its own FeedbackCache; got DynamicCache"):
+        hf(ids, cache=transformers.DynamicCache())
+    with pytest.raises(InputError, match="contiguous run of real tokens"):
+        hf(ids, attention_mask=torch.tensor([[1, 0, 1]]))
+    with pytest.raises(InputError, match="token id 300 is out of range"):
+        hf(torch.tensor([[256, 300]]))
+    with pytest.raises(ConfigError, match="d_model=65 is not divisible by n_heads=4"):
+        FullbandConfig(d_model=65, n_heads=4)
+    with pytest.raises(ConfigError, match="feedback_mode='greedy'"):
+        FullbandConfig(feedback_mode="greedy")
+    none = FullbandForCausalLM.from_native(tiny_model(fusion="none"))
+    with pytest.raises(InputError, match="needs feedback weights"):
+        none(ids, feedback_mode="soft")
+    assert none(ids, feedback_mode="standard").logits.shape == (1, 3, 259)
+
+
+# ---------------------------------------------------------------------- fullband convert
+def test_convert_native_to_hf_and_back_is_bitwise(tmp_path):
+    from fullband.cli import main
+    from fullband.data.tokenizer import ByteTokenizer, load_tokenizer
+    from fullband.model.decoder import FullbandLM
+
+    native = tiny_model(seed=5)
+    native.save(tmp_path / "native", tokenizer=ByteTokenizer())
+    assert main(["convert", str(tmp_path / "native"), str(tmp_path / "hf")]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, feedback_mode="fused").logits, native(ids, passes=2).logits)
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    back = FullbandLM.load(tmp_path / "back")
+    a, b = native.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert isinstance(load_tokenizer(tmp_path / "back"), ByteTokenizer)
+    # refusals: an existing destination, a same-format conversion
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        from fullband.hf.convert import convert
+
+        convert(tmp_path / "native", tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "x"), "--to", "hf"]) == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_convert_keeps_a_bpe_tokenizer_usable_by_autotokenizer(tmp_path):
+    from fullband.data.tokenizer import load_tokenizer, train_bpe
+    from fullband.hf.convert import convert
+
+    texts = ["def f(x):\n    return x + 1\n" * 20, "import os\nprint(os.getcwd())\n" * 20]
+    tok = train_bpe(texts, 300, show_progress=False)
+    native = tiny_model(seed=6, vocab_size=300, bos_token_id=tok.bos_id)
+    native.save(tmp_path / "native", tokenizer=tok)
+    convert(tmp_path / "native", tmp_path / "hf")
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def g(y):\n    return os.getcwd()\n"
+    assert auto(text, add_special_tokens=False)["input_ids"] == tok.encode(text, bos=False)
+    assert auto.bos_token_id == tok.bos_id and auto.eos_token_id == tok.eos_id
+    convert(tmp_path / "hf", tmp_path / "back")
+    assert load_tokenizer(tmp_path / "back").encode(text) == tok.encode(text)
+
+
+def test_convert_a_llama_folder_into_the_hf_class(tmp_path):
+    from test_hf import tiny_llama
+
+    from fullband.hf.convert import convert
+
+    llama = tiny_llama(False, seed=2)
+    llama.save_pretrained(tmp_path / "llama")
+    assert convert(tmp_path / "llama", tmp_path / "fb", to="hf") == ("llama", "hf")
+    fb = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fb").eval()
+    ids = torch.randint(2, 101, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (fb(ids, feedback_mode="standard").logits - llama(ids).logits).abs().max().item()
+    assert diff <= 1e-4
+    ref = llama.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    out = fb.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, feedback_mode="standard")
+    assert torch.equal(out, ref)

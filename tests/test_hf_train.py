@@ -1,0 +1,206 @@
+"""`fullband train` warm-started from a pretrained Hugging Face model (`model.hf_path`): tiny random Llama and
+GPT-2 folders with their own tokenizer (built here, nothing downloaded) are wrapped with latent feedback and
+trained with the multi-pass objective; checkpoints reload as the wrapped model, decode in every mode and
+resume exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fullband.errors import ConfigError
+from fullband.train.config import load_run_config
+from fullband.train.trainer import Trainer, train
+
+transformers = pytest.importorskip("transformers")
+
+RECIPE = """
+[model]
+hf_path = "{hf_path}"
+jitter = 0.02
+prefix_mixin_prob = 0.5
+
+[data]
+corpus = "{corpus}"
+cache_dir = "{cache}"
+val_percent = 10.0
+
+[train]
+steps = {steps}
+seq_len = 32
+global_batch_tokens = 256
+micro_batch = 4
+passes = [{{until = 0.3, probs = {{"1" = 1.0}}}}, {{until = 1.0, probs = {{"2" = 0.6, "3" = 0.4}}}}]
+warmup_steps = 1
+
+[optim]
+adam_lr = 0.003
+
+[log]
+run_dir = "{run_dir}"
+eval_every = 3
+eval_windows = 4
+ckpt_every = 3
+keep_last = 3
+progress = false
+"""
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory, corpus):
+    """Tiny random Llama and GPT-2 folders with a BPE tokenizer trained on the test corpus."""
+    from fullband.data.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("hf")
+    texts = [p.read_text(errors="ignore") for p in sorted(Path(corpus).glob("*.py"))[:10]]
+    tok = train_bpe(texts, 320, show_progress=False)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf_tokenizer, bos_token="<bos>",
+                                                eos_token="<eos>", pad_token="<pad>")
+    torch.manual_seed(0)
+    models = {
+        "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
+            tie_word_embeddings=False)),
+        "gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=1)),
+    }
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        fast.save_pretrained(root / name)
+    return root
+
+
+def recipe(tmp_path, corpus, cache, hf_path, name="run", steps=6) -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(RECIPE.format(hf_path=hf_path, corpus=corpus, cache=cache, steps=steps, run_dir=tmp_path / name))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_train_from_a_pretrained_hf_model(tmp_path, corpus, cache, hf_folders, kind):
+    from fullband import FullbandLM
+    from fullband.data.tokenizer import PretrainedTokenizer, load_tokenizer
+    from fullband.hf import LatentFeedback
+
+    hf_path = hf_folders / kind
+    cfg = load_run_config(recipe(tmp_path, corpus, cache, hf_path))
+    result = train(cfg)
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss_pass" in r]
+    assert [r["k"] for r in steps][:2] == [1, 1] and {r["k"] for r in steps[2:]} <= {2, 3}
+    assert all(len(r["loss_pass"]) == r["k"] for r in steps)
+    assert set(result["eval"]) == {"1", "2"}
+    saved = json.loads((run / "run.json").read_text())["model"]
+    assert saved["hf_path"] == str(hf_path) and saved["d_model"] == 64 and saved["vocab_size"] == 320
+    assert saved["bos_token_id"] == 0  # the pretrained tokenizer's BOS
+    # the checkpoint reloads as the wrapped model, with the trained weights
+    model = FullbandLM.load(run / "step_000006")
+    assert isinstance(model, LatentFeedback) and type(model.hf).__name__ == type(
+        transformers.AutoModelForCausalLM.from_pretrained(hf_path)).__name__
+    weights = load_file(str(run / "step_000006" / "model.safetensors"))
+    original = load_file(str(hf_path / "model.safetensors"))
+    first = next(k for k in original if k.endswith("weight") and original[k].ndim == 2)
+    assert not torch.equal(weights["hf." + first], original[first])  # the HF weights trained too
+    assert {"fusion.w_u.weight", "fusion.w_g.weight", "norm_in.weight"} <= set(weights)
+    tok = load_tokenizer(run / "step_000006")
+    assert isinstance(tok, PretrainedTokenizer) and tok.bos_id == 0 and tok.eos_id == 1
+    model.eval()
+    ids = torch.tensor([tok.encode("def f(x):\n    return")])
+    with torch.no_grad():
+        rebuilt = transformers.AutoModelForCausalLM.from_pretrained(hf_path)
+        rebuilt.load_state_dict({k[3:]: v for k, v in weights.items() if k.startswith("hf.")}, strict=False)
+        assert torch.allclose(model(ids, passes=1).logits, rebuilt.eval()(ids).logits, atol=1e-5)
+        jacobi = model(ids, passes=ids.shape[1] + 1).hidden
+    assert torch.allclose(jacobi, model.recurrent_forward(ids).hidden, atol=1e-4)
+    for mode in ("standard", "soft", "fused", "exact"):
+        assert model.generate(ids, 5, mode=mode, prefill_passes=2).shape == (1, 5)
+
+
+def test_hf_run_resumes_bitwise(tmp_path, corpus, cache, hf_folders, monkeypatch):
+    hf_path = hf_folders / "gpt2"
+    train(load_run_config(recipe(tmp_path, corpus, cache, hf_path, "whole", steps=9)))
+
+    class Stop(Exception):
+        pass
+
+    step = Trainer.train_step
+
+    def stop_at_5(self, i):
+        if i == 4:
+            raise Stop
+        return step(self, i)
+
+    part = recipe(tmp_path, corpus, cache, hf_path, "part", steps=9)
+    monkeypatch.setattr(Trainer, "train_step", stop_at_5)
+    with pytest.raises(Stop):
+        train(load_run_config(part))
+    monkeypatch.setattr(Trainer, "train_step", step)
+    train(load_run_config(part), resume=tmp_path / "part")  # from step_000003
+
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss_pass"] for r in rows if "loss_pass" in r]
+
+    assert losses(tmp_path / "part") == losses(tmp_path / "whole")
+    a = load_file(str(tmp_path / "whole" / "step_000009" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "step_000009" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hf_routes_put_every_weight_in_one_group(hf_folders):
+    from fullband.hf.feedback import from_pretrained
+    from fullband.train.optim import OptimConfig, hf_routes, routing_report
+
+    for kind in ("llama", "gpt2"):
+        model = from_pretrained(str(hf_folders / kind))
+        rows = routing_report(model, OptimConfig(), hf_routes("normuon"))
+        names = [r[0] for r in rows]
+        assert sorted(names) == sorted(n for n, p in model.named_parameters())
+        kinds = {name: (opt, wd) for name, opt, _, wd in rows}
+        assert kinds["fusion.w_u.weight"][0] == "normuon"
+        assert all(opt == "adam" for name, (opt, _) in kinds.items() if name.startswith("hf."))
+        norms = [n for n in names if "norm" in n or ".ln_" in n or n.endswith(".bias")]
+        assert norms and all(kinds[n][1] == 0.0 for n in norms)
+
+
+def test_hf_path_bad_input(tmp_path, corpus, cache, hf_folders):
+    with pytest.raises(ConfigError, match="model.hf_path='.*nowhere' is not a Hugging Face model folder"):
+        train(load_run_config(recipe(tmp_path, corpus, cache, tmp_path / "nowhere")))
+    path = recipe(tmp_path, corpus, cache, hf_folders / "gpt2")
+    with pytest.raises(ConfigError, match="both name a warm start"):
+        train(load_run_config(path, ["train.init_from=somewhere"]))
+    with pytest.raises(ConfigError, match=r"train.seq_len=256 exceeds the context of .* \(128 positions\)"):
+        train(load_run_config(path, ["train.seq_len=256", "train.global_batch_tokens=1024", "train.micro_batch=2"]))
+    assert not (tmp_path / "run").exists()
+
+
+def test_hf_run_under_two_process_ddp_matches_one_process(tmp_path, corpus, cache, hf_folders):
+    import os
+    import subprocess
+    import sys
+
+    hf_path = hf_folders / "gpt2"  # GPT-2 has dropout layers: the trainer turns them off, so ranks agree
+    one = recipe(tmp_path, corpus, cache, hf_path, "one", steps=5)
+    two = recipe(tmp_path, corpus, cache, hf_path, "two", steps=5)
+    train(load_run_config(one, ["train.micro_batch=2"]))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "fullband.cli", "train", str(two), "--set", "train.micro_batch=2"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss_pass"] for r in rows if "loss_pass" in r]
+
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 5 and any(len(x) > 1 for x in a)
+    for x, y in zip(a, b):
+        assert len(x) == len(y) and max(abs(p - q) for p, q in zip(x, y)) <= 1e-5, (x, y)
