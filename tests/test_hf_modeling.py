@@ -273,3 +273,39 @@ def test_convert_a_llama_folder_into_the_hf_class(tmp_path):
     ref = llama.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     out = fb.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, feedback_mode="standard")
     assert torch.equal(out, ref)
+
+
+def test_saved_folder_loads_without_fullband_through_trust_remote_code(pair, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    native, hf = pair
+    hf.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_fullband.FullbandForCausalLM"
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
+    ref = {"ids": ids, "logits": native(ids, passes=3).logits.detach(),
+           "tokens": torch.tensor(generate(native, ids.tolist(), 6, mode="fused", prefill_passes=2))}
+    torch.save(ref, tmp_path / "ref.pt")
+    reader = f"""
+import sys
+sys.modules["fullband"] = None  # a machine without fullband: any import of it fails
+import torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained({str(tmp_path / "m")!r}, trust_remote_code=True)
+ref = torch.load({str(tmp_path / "ref.pt")!r})
+assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
+with torch.no_grad():
+    diff = (m(ref["ids"], feedback_mode="fused", prefill_passes=2).logits - ref["logits"]).abs().max().item()
+out = m.generate(ref["ids"], max_new_tokens=6, min_new_tokens=6, do_sample=False, feedback_mode="fused",
+                 prefill_passes=2)[:, 9:]
+m.save_pretrained({str(tmp_path / "again")!r})  # the standalone module saves itself again
+print("DIFF", diff, "SAME", torch.equal(out, ref["tokens"]))
+"""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "DIFF 0.0 SAME True" in done.stdout
+    assert (tmp_path / "again" / "modeling_fullband.py").read_text() == (tmp_path / "m" / "modeling_fullband.py").read_text()

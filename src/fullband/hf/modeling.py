@@ -15,6 +15,7 @@ own positions, exactly as `fullband.generate` runs a ragged batch.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,12 @@ from fullband.model.decoder import FullbandLM, init_parameter_
 from fullband.model.layers import Rotary
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+# save_pretrained writes this self-contained module and points the Auto classes at it (trust_remote_code)
+REMOTE_FILE = "modeling_fullband.py"
+AUTO_MAP = {
+    "AutoConfig": "modeling_fullband.FullbandConfig",
+    "AutoModelForCausalLM": "modeling_fullband.FullbandForCausalLM",
+}
 
 
 class FullbandConfig(PretrainedConfig):
@@ -168,13 +175,21 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Module | None:
         return self.model.lm_head
 
+    def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> None:
+        """transformers' save_pretrained, plus modeling_fullband.py and `auto_map`, so the folder also loads
+        where fullband is not installed: AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)."""
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        (Path(save_directory) / REMOTE_FILE).write_text(_remote_source())
+
     @classmethod
     def from_native(cls, model: FullbandLM, **config_kwargs: Any) -> "FullbandForCausalLM":
-        """Wrap a native model's weights (copied, in its dtype) in the transformers class."""
+        """Wrap a native model's weights (copied, in its dtype) in the transformers class, in eval mode (as
+        from_pretrained returns it: in training mode the fused passes add the training-time jitter)."""
         hf = cls(FullbandConfig.from_model_config(model.config, **config_kwargs))
         dtype = next(model.parameters()).dtype
         hf.model.load_state_dict(model.state_dict())
-        return hf.to(dtype)
+        return hf.to(dtype).eval()
 
     def to_native(self) -> FullbandLM:
         """A native FullbandLM with these weights (copied)."""
@@ -302,6 +317,15 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         # transformers 5 names the field `cache`, 4.x `past_key_values`
         key = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{key: cache})
+
+
+def _remote_source() -> str:
+    """The standalone module's text: generated from the package, or (in that module itself) its own file."""
+    if globals().get("_STANDALONE"):
+        return Path(__file__).read_text()
+    from fullband.hf.remote import standalone_source
+
+    return standalone_source()
 
 
 def _check_mode(mode: Any, name: str) -> str:
