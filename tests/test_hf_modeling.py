@@ -85,7 +85,9 @@ def test_save_pretrained_round_trip_through_the_auto_classes(pair, tmp_path):
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(loaded(ids, feedback_mode="fused").logits, hf(ids, feedback_mode="fused").logits)
-    bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    from fullband.hf.llama import dtype_kwarg
+
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", **dtype_kwarg(torch.bfloat16))
     assert bf16.model.embed.weight.dtype == torch.bfloat16
 
 

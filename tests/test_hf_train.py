@@ -204,3 +204,23 @@ def test_hf_run_under_two_process_ddp_matches_one_process(tmp_path, corpus, cach
     assert len(a) == len(b) == 5 and any(len(x) > 1 for x in a)
     for x, y in zip(a, b):
         assert len(x) == len(y) and max(abs(p - q) for p, q in zip(x, y)) <= 1e-5, (x, y)
+
+
+def test_hf_run_with_activation_checkpointing_gives_the_same_losses(tmp_path, corpus, cache, hf_folders):
+    hf_path = hf_folders / "llama"
+    plain = train(load_run_config(recipe(tmp_path, corpus, cache, hf_path, "plain", steps=4)))
+    trainer = Trainer(load_run_config(recipe(tmp_path, corpus, cache, hf_path, "ckpt", steps=4),
+                                      ["train.activation_checkpointing=true"]))
+    try:
+        assert all(type(block).__name__ == "CheckpointWrapper" for block in trainer.model.blocks)
+        trainer.run()
+    finally:
+        trainer.close()
+
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss_pass"] for r in rows if "loss_pass" in r]
+
+    a, b = losses(tmp_path / "plain"), losses(tmp_path / "ckpt")
+    assert len(a) == 4 and all(abs(x - y) <= 1e-6 for r, s in zip(a, b) for x, y in zip(r, s))
+    assert plain["steps"] == 4

@@ -125,3 +125,34 @@ def test_bad_model_args_are_named(setup):
         FullbandHarnessLM(checkpoint=str(tmp / "ckpt"), mode="fusd")
     with pytest.raises(ConfigError, match="needs model_args checkpoint"):
         FullbandHarnessLM()
+
+
+def test_the_harness_hf_model_reads_a_converted_folder(setup, tmp_path):
+    """A checkpoint converted with `fullband convert` is an ordinary transformers model to lm-eval's own `hf`
+    backend: its loglikelihoods (one plain pass, BOS prepended) equal the `fullband` model's in STANDARD mode."""
+    pytest.importorskip("accelerate")  # lm-eval's hf backend needs it (the `eval` extra installs it)
+    pytest.importorskip("transformers")
+    from lm_eval.tasks import TaskManager
+
+    import fullband.hf  # noqa: F401  (registers model_type "fullband" with the Auto classes)
+    from fullband.data.tokenizer import train_bpe
+    from fullband.hf.convert import convert
+
+    tmp, rows, _ = setup
+    texts = [json.dumps(r) for r in rows] * 20 + ["def f(x):\n    return x\nimport os\n" * 30]
+    tok = train_bpe(texts, 300, show_progress=False)
+    tiny_model(seed=3, vocab_size=300, bos_token_id=tok.bos_id).save(tmp_path / "native", tokenizer=tok)
+    convert(tmp_path / "native", tmp_path / "hf")
+    manager = TaskManager(include_path=str(tmp))
+    ours = lm_eval.simple_evaluate(model=FullbandHarnessLM(checkpoint=str(tmp_path / "native"), mode="standard"),
+                                   tasks=["fb_mc"], task_manager=manager, log_samples=True)
+    from lm_eval.models.huggingface import HFLM
+
+    hflm = HFLM(pretrained=str(tmp_path / "hf"), add_bos_token=True, dtype="float32", device="cpu")
+    theirs = lm_eval.simple_evaluate(model=hflm, tasks=["fb_mc"], task_manager=manager, log_samples=True)
+
+    def lls(res):
+        return [float(r[0][0]) for s in sorted(res["samples"]["fb_mc"], key=lambda s: s["doc_id"]) for r in s["resps"]]
+
+    assert lls(theirs) == pytest.approx(lls(ours), abs=1e-4)
+    assert theirs["results"]["fb_mc"]["acc,none"] == ours["results"]["fb_mc"]["acc,none"]

@@ -244,11 +244,11 @@ def add_latent_feedback(model: nn.Module, fusion: str = "gated", bos_token_id: i
 def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torch.dtype = torch.float32,
                     **kwargs: Any) -> LatentFeedback:
     """Load the causal LM at `path` (a local folder, or a hub id when online) and wrap it with latent feedback."""
-    from fullband.hf.llama import _transformers
+    from fullband.hf.llama import _transformers, dtype_kwarg
 
     tf = _transformers()
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        model = tf.AutoModelForCausalLM.from_pretrained(path, **dtype_kwarg(dtype), **kwargs)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.hf_path={path!r} could not be loaded as a causal LM: {err}") from None
     return LatentFeedback(model, config=config)

@@ -34,6 +34,14 @@ def _transformers():
     return transformers
 
 
+def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """from_pretrained's dtype keyword: `dtype` from transformers 4.56, `torch_dtype` before."""
+    from packaging.version import Version
+
+    name = "dtype" if Version(_transformers().__version__) >= Version("4.56") else "torch_dtype"
+    return {name: dtype}
+
+
 def config_from_llama(hf_config: Any, *, fusion: str = "gated", max_seq_len: int | None = None,
                       **overrides: Any) -> ModelConfig:
     """The ModelConfig that computes what a LlamaConfig describes (plus a feedback fusion of kind `fusion`)."""
@@ -80,7 +88,7 @@ def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = N
     `LlamaForCausalLM.from_pretrained`. In STANDARD mode it reproduces the Llama's logits."""
     tf = _transformers()
     if isinstance(model, str):
-        model = tf.LlamaForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+        model = tf.LlamaForCausalLM.from_pretrained(model, **dtype_kwarg(torch.float32))
     if not isinstance(model, tf.PreTrainedModel) or not hasattr(model, "config"):
         raise FullbandError(f"from_llama expects a LlamaForCausalLM or a path to one; got {type(model).__name__}")
     cfg = config_from_llama(model.config, fusion=fusion, max_seq_len=max_seq_len, **overrides)
