@@ -149,6 +149,20 @@ def test_latent_feedback_generate_matches_the_references(kind):
         full = torch.cat([prompt, toks], dim=1)
         rec = fb.recurrent_forward(full, plain_prefix=plain_prefix).logits
         assert torch.equal(toks, rec[:, T - 1 : -1].argmax(-1)), mode
+    # uncached reference for SOFT: the Jacobi fixed point over prompt + generated tokens, the prompt kept plain
+    soft = fb.generate(prompt, n, mode="soft")
+    full = torch.cat([prompt, soft], dim=1)
+    plain = torch.zeros_like(full, dtype=torch.bool)
+    plain[:, :T] = True
+    with torch.no_grad():
+        jacobi = fb(full, passes=n + 2, plain_mask=plain).logits
+    assert torch.equal(soft, jacobi[:, T - 1 : -1].argmax(-1))
+    # sampling: reproducible with a seed, top_k=1 is greedy at any temperature
+    a = fb.generate(prompt, n, mode="fused", temperature=1.0, seed=3)
+    assert torch.equal(a, fb.generate(prompt, n, mode="fused", temperature=1.0, seed=3))
+    assert torch.equal(fb.generate(prompt, n, mode="soft", temperature=2.0, top_k=1, seed=1), soft)
+    with pytest.raises(InputError, match="has no native decode step"):
+        generate(fb, prompt.tolist(), 2)
     with torch.no_grad():
         first = fb(prompt, passes=3).logits[:, -1].argmax(-1)
     fused = fb.generate(prompt, n, mode="fused", prefill_passes=2)

@@ -224,3 +224,15 @@ def test_hf_run_with_activation_checkpointing_gives_the_same_losses(tmp_path, co
     a, b = losses(tmp_path / "plain"), losses(tmp_path / "ckpt")
     assert len(a) == 4 and all(abs(x - y) <= 1e-6 for r, s in zip(a, b) for x, y in zip(r, s))
     assert plain["steps"] == 4
+
+
+def test_native_only_tools_refuse_a_wrapped_checkpoint(tmp_path, corpus, cache, hf_folders):
+    from fullband.errors import CheckpointError
+    from fullband.eval.commands import load
+
+    train(load_run_config(recipe(tmp_path, corpus, cache, hf_folders / "gpt2", steps=3)))
+    with pytest.raises(CheckpointError, match="wrapped with latent feedback .* fullband eval needs a native"):
+        load(tmp_path / "run" / "step_000003")
+    lmeval = pytest.importorskip("fullband.lmeval") if pytest.importorskip("lm_eval") else None
+    with pytest.raises(CheckpointError, match="lm-eval model 'fullband' needs a native FullbandLM"):
+        lmeval.FullbandHarnessLM(checkpoint=str(tmp_path / "run" / "step_000003"))

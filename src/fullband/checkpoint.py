@@ -183,3 +183,18 @@ def _is_wrapped_hf(directory: str | Path) -> bool:
     from fullband.hf.feedback import HF_CONFIG_KEY
 
     return HF_CONFIG_KEY in json.loads((Path(directory) / CONFIG_FILE).read_text())
+
+
+def load_native(directory: str | Path, purpose: str, **kwargs):
+    """load_model for tools that run the native engine (KV cache, decode step): a folder holding a wrapped HF
+    model (model.hf_path runs) is refused with what to use instead."""
+    from fullband.model.decoder import FullbandLM
+
+    model = load_model(directory, **kwargs)
+    if not isinstance(model, FullbandLM):
+        raise CheckpointError(
+            f"{str(directory)!r} holds a Hugging Face model wrapped with latent feedback (a model.hf_path run); "
+            f"{purpose} needs a native FullbandLM. Decode it with `fullband generate` or its .generate(); a Llama "
+            f"can be converted to a native model first (`fullband convert LLAMA_FOLDER OUT`)"
+        )
+    return model

@@ -43,9 +43,9 @@ class FullbandHarnessLM(LM):
             raise ConfigError("--model fullband needs model_args checkpoint=DIR (a fullband model folder)")
         import torch
 
+        from fullband.checkpoint import load_native
         from fullband.data.tokenizer import load_tokenizer
         from fullband.decode.generate import MODES
-        from fullband.model.decoder import FullbandLM
 
         if mode not in MODES:
             raise ConfigError(f"mode={mode!r} is not a decoding mode{closest(str(mode), MODES)}; accepted: {', '.join(MODES)}")
@@ -61,7 +61,7 @@ class FullbandHarnessLM(LM):
 
             warnings.warn(f"device={device!r} asked for but CUDA is not available; using the CPU", stacklevel=2)
             device = "cpu"
-        self.model = FullbandLM.load(checkpoint, device=device, dtype=dtypes[dtype]).eval()
+        self.model = load_native(checkpoint, "the lm-eval model 'fullband'", device=device, dtype=dtypes[dtype]).eval()
         self.tokenizer = load_tokenizer(checkpoint)
         self.mode, self.prefill_passes = mode, prefill_passes
         self.batch_size, self.max_gen_toks = int(batch_size), int(max_gen_toks)

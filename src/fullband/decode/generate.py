@@ -58,6 +58,10 @@ def stream(
     fused passes until the RMS state update falls below `prefill_tol`, at most `max_prefill_passes`.
     `forced_tokens` (B, max_new_tokens) feeds the given tokens instead of sampled ones (teacher forcing): each
     Step's logits then score the forced token, exactly as decoding in `mode` would see it."""
+    if not callable(getattr(model, "step", None)):
+        raise InputError(f"{type(model).__name__} has no native decode step; fullband.generate / stream / score need a "
+                         "FullbandLM (a model wrapped with add_latent_feedback decodes with its own .generate; a "
+                         "Llama converts to a FullbandLM with `fullband convert`)")
     cfg = model.config
     ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
     _check_int("max_new_tokens", max_new_tokens, 1)

@@ -20,7 +20,9 @@ from fullband.model.decoder import FullbandLM
 
 # ---------------------------------------------------------------------- inputs
 def load(checkpoint: str | Path) -> tuple[FullbandLM, object]:
-    model = FullbandLM.load(checkpoint)
+    from fullband.checkpoint import load_native
+
+    model = load_native(checkpoint, "fullband eval")
     return model, load_tokenizer(checkpoint)
 
 
