@@ -311,3 +311,15 @@ print("DIFF", diff, "SAME", torch.equal(out, ref["tokens"]))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "DIFF 0.0 SAME True" in done.stdout
     assert (tmp_path / "again" / "modeling_fullband.py").read_text() == (tmp_path / "m" / "modeling_fullband.py").read_text()
+
+
+def test_cache_grows_past_its_first_allocation(pair):
+    native, hf = pair
+    prompt = [[256, 7, 8]]  # the cache starts with room for 3 + 64 positions, then doubles (up to max_seq_len 160)
+    out = hf.generate(torch.tensor(prompt), max_new_tokens=150, min_new_tokens=150, do_sample=False,
+                      feedback_mode="soft", return_dict_in_generate=True)
+    cache = out.cache if "cache" in out else out.past_key_values
+    assert cache.kv.max_len == 160 and int(cache.positions[0]) == 152
+    assert out.sequences[:, 3:].tolist() == generate(native, prompt, 150, mode="soft")
+    with pytest.raises(InputError, match="exceeds max_seq_len=160"):
+        hf.generate(torch.tensor(prompt), max_new_tokens=170, min_new_tokens=170, do_sample=False)
