@@ -131,6 +131,23 @@ def test_latent_feedback_rejects_what_it_cannot_wrap():
     with pytest.raises(ConfigError, match="fusion='gate'"):
         add_latent_feedback(_tiny_hf("gpt2"), fusion="gate")
 
+    class IdsOnly(torch.nn.Module):  # a base model that cannot take inputs_embeds
+        def forward(self, input_ids):
+            return input_ids
+
+    class Custom(torch.nn.Module):
+        config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50)
+        base_model = IdsOnly()
+
+        def get_input_embeddings(self):
+            return torch.nn.Embedding(50, 32)
+
+        def get_output_embeddings(self):
+            return torch.nn.Linear(32, 50)
+
+    with pytest.raises(ConfigError, match="IdsOnly.forward takes no inputs_embeds"):
+        add_latent_feedback(Custom())
+
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_latent_feedback_generate_matches_the_references(kind):
