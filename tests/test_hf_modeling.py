@@ -201,6 +201,11 @@ def test_bad_input_is_named(pair):
         hf(inputs_embeds=torch.zeros(1, 3, 64))
     with pytest.raises(InputError, match="continues only its own FeedbackCache; got DynamicCache"):
         hf(ids, cache=transformers.DynamicCache())
+    with pytest.raises(InputError, match="use_cache=False.*feedback_mode='soft'"):
+        hf.generate(ids, max_new_tokens=2, use_cache=False)
+    assert hf.generate(ids, max_new_tokens=2, min_new_tokens=2, use_cache=False, do_sample=False,
+                       feedback_mode="standard").tolist() == [ids[0].tolist() + generate(native, ids.tolist(), 2,
+                                                                                       mode="standard")[0]]
     with pytest.raises(InputError, match="contiguous run of real tokens"):
         hf(ids, attention_mask=torch.tensor([[1, 0, 1]]))
     with pytest.raises(InputError, match="token id 300 is out of range"):

@@ -175,6 +175,17 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Module | None:
         return self.model.lm_head
 
+    def generate(self, *args: Any, **kwargs: Any):
+        """transformers' generate; the feedback modes need the cache (it carries each sequence's state), so
+        use_cache=False is refused for them (without it every step would re-read the text as a prompt)."""
+        config = kwargs.get("generation_config") or self.generation_config
+        use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
+        mode = kwargs.get("feedback_mode", self.config.feedback_mode)
+        if use_cache is False and mode != "standard":
+            raise InputError(f"generate(use_cache=False) cannot decode in feedback_mode={mode!r}: the fed-back state "
+                             "lives in the cache; use the cache, or feedback_mode='standard'")
+        return super().generate(*args, **kwargs)
+
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> None:
         """transformers' save_pretrained, plus modeling_fullband.py and `auto_map`, so the folder also loads
         where fullband is not installed: AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)."""
