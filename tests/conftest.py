@@ -32,13 +32,15 @@ def random_ids(batch: int, length: int, *, seed: int = 1, vocab: int = 256) -> t
     return torch.randint(0, vocab, (batch, length), generator=g)
 
 
-MICRO = """
-[model]
-vocab_size = 259
+MICRO_MODEL = """vocab_size = 259
 d_model = 32
 n_layers = 2
 n_heads = 2
-max_seq_len = 128
+max_seq_len = 128"""
+MICRO_PASSES = '[{until = 0.3, probs = {"1" = 1.0}}, {until = 1.0, probs = {"1" = 0.4, "2" = 0.4, "3" = 0.2}}]'
+MICRO = """
+[model]
+{model}
 
 [data]
 corpus = "{corpus}"
@@ -50,7 +52,7 @@ steps = {steps}
 seq_len = 32
 global_batch_tokens = 256
 micro_batch = {micro}
-passes = [{{until = 0.3, probs = {{"1" = 1.0}}}}, {{until = 1.0, probs = {{"1" = 0.4, "2" = 0.4, "3" = 0.2}}}}]
+passes = {passes}
 warmup_steps = 2
 cooldown_fraction = 0.3
 
@@ -87,9 +89,20 @@ def cache(tmp_path_factory):
 
 
 def write_config(tmp_path, corpus, cache, name: str = "run", **kw):
-    """A micro training recipe (2 layers, D 32, 32-token windows) in tmp_path/NAME.toml."""
-    values = dict(steps=8, micro=4, ckpt_every=4, keep_last=2, run_dir=tmp_path / name, corpus=corpus, cache=cache)
+    """A micro training recipe (2 layers, D 32, 32-token windows) in tmp_path/NAME.toml; `model` replaces the
+    [model] section's body, `passes` the pass schedule."""
+    values = dict(steps=8, micro=4, ckpt_every=4, keep_last=2, run_dir=tmp_path / name, corpus=corpus, cache=cache,
+                  model=MICRO_MODEL, passes=MICRO_PASSES)
     values.update(kw)
     path = tmp_path / f"{name}.toml"
     path.write_text(MICRO.format(**values))
     return path
+
+
+def losses(run_dir) -> list[list[float]]:
+    """Every step's per-pass training losses from a run's metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss_pass"] for r in rows if "loss_pass" in r]

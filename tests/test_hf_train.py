@@ -16,38 +16,11 @@ from fullband.errors import ConfigError
 from fullband.train.config import load_run_config
 from fullband.train.trainer import Trainer, train
 
+from conftest import losses, write_config  # the corpus and cache fixtures live in conftest too
+
 transformers = pytest.importorskip("transformers")
 
-RECIPE = """
-[model]
-hf_path = "{hf_path}"
-jitter = 0.02
-prefix_mixin_prob = 0.5
-
-[data]
-corpus = "{corpus}"
-cache_dir = "{cache}"
-val_percent = 10.0
-
-[train]
-steps = {steps}
-seq_len = 32
-global_batch_tokens = 256
-micro_batch = 4
-passes = [{{until = 0.3, probs = {{"1" = 1.0}}}}, {{until = 1.0, probs = {{"2" = 0.6, "3" = 0.4}}}}]
-warmup_steps = 1
-
-[optim]
-adam_lr = 0.003
-
-[log]
-run_dir = "{run_dir}"
-eval_every = 3
-eval_windows = 4
-ckpt_every = 3
-keep_last = 3
-progress = false
-"""
+HF_PASSES = '[{until = 0.3, probs = {"1" = 1.0}}, {until = 1.0, probs = {"2" = 0.6, "3" = 0.4}}]'
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +49,9 @@ def hf_folders(tmp_path_factory, corpus):
 
 
 def recipe(tmp_path, corpus, cache, hf_path, name="run", steps=6) -> Path:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(RECIPE.format(hf_path=hf_path, corpus=corpus, cache=cache, steps=steps, run_dir=tmp_path / name))
-    return path
+    """The micro recipe of conftest with the model named by hf_path (its sizes replace the [model] ones)."""
+    return write_config(tmp_path, corpus, cache, name, steps=steps, ckpt_every=3, keep_last=3, passes=HF_PASSES,
+                        model=f'hf_path = "{hf_path}"\njitter = 0.02\nprefix_mixin_prob = 0.5')
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -142,11 +115,6 @@ def test_hf_run_resumes_bitwise(tmp_path, corpus, cache, hf_folders, monkeypatch
         train(load_run_config(part))
     monkeypatch.setattr(Trainer, "train_step", step)
     train(load_run_config(part), resume=tmp_path / "part")  # from step_000003
-
-    def losses(run):
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss_pass"] for r in rows if "loss_pass" in r]
-
     assert losses(tmp_path / "part") == losses(tmp_path / "whole")
     a = load_file(str(tmp_path / "whole" / "step_000009" / "model.safetensors"))
     b = load_file(str(tmp_path / "part" / "step_000009" / "model.safetensors"))
@@ -155,11 +123,11 @@ def test_hf_run_resumes_bitwise(tmp_path, corpus, cache, hf_folders, monkeypatch
 
 def test_hf_routes_put_every_weight_in_one_group(hf_folders):
     from fullband.hf.feedback import from_pretrained
-    from fullband.train.optim import OptimConfig, hf_routes, routing_report
+    from fullband.train.optim import HF_ROUTE_TABLES, OptimConfig, routing_report
 
     for kind in ("llama", "gpt2"):
         model = from_pretrained(str(hf_folders / kind))
-        rows = routing_report(model, OptimConfig(), hf_routes("normuon"))
+        rows = routing_report(model, OptimConfig(), HF_ROUTE_TABLES["normuon"])
         names = [r[0] for r in rows]
         assert sorted(names) == sorted(n for n, p in model.named_parameters())
         kinds = {name: (opt, wd) for name, opt, _, wd in rows}
@@ -195,11 +163,6 @@ def test_hf_run_under_two_process_ddp_matches_one_process(tmp_path, corpus, cach
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-
-    def losses(run):
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss_pass"] for r in rows if "loss_pass" in r]
-
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(a) == len(b) == 5 and any(len(x) > 1 for x in a)
     for x, y in zip(a, b):
@@ -216,11 +179,6 @@ def test_hf_run_with_activation_checkpointing_gives_the_same_losses(tmp_path, co
         trainer.run()
     finally:
         trainer.close()
-
-    def losses(run):
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss_pass"] for r in rows if "loss_pass" in r]
-
     a, b = losses(tmp_path / "plain"), losses(tmp_path / "ckpt")
     assert len(a) == 4 and all(abs(x - y) <= 1e-6 for r, s in zip(a, b) for x, y in zip(r, s))
     assert plain["steps"] == 4

@@ -20,12 +20,7 @@ from fullband.errors import ConfigError
 from fullband.train.config import load_run_config
 from fullband.train.trainer import TrainingDiverged, train
 
-from conftest import write_config  # the corpus and cache fixtures live in conftest too
-
-
-def losses(run_dir: Path) -> list[list[float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss_pass"] for r in rows if "loss_pass" in r]
+from conftest import losses, write_config  # the corpus and cache fixtures live in conftest too
 
 
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:

@@ -19,6 +19,7 @@ from fullband.errors import CheckpointError, ConfigError
 from fullband.model.config import ModelConfig
 
 CONFIG_FILE = "config.json"
+HF_CONFIG_KEY = "hf_config"  # in config.json of a wrapped Hugging Face model: its transformers config
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "fullband"
 FORMAT_VERSION = 1
@@ -90,6 +91,11 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 def read_config(directory: str | Path) -> ModelConfig:
     """The ModelConfig of a checkpoint folder, with an error naming the folder and file on any problem."""
+    return _model_config(directory, read_config_file(directory))
+
+
+def read_config_file(directory: str | Path) -> dict:
+    """The checked contents of a checkpoint folder's config.json."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint folder {str(directory)!r} does not exist (or is not a folder)")
@@ -110,11 +116,14 @@ def read_config(directory: str | Path) -> ModelConfig:
             f"{path} has format_version={data['format_version']}, newer than this fullband reads "
             f"({FORMAT_VERSION}); upgrade fullband"
         )
+    return data
+
+
+def _model_config(directory: str | Path, data: dict) -> ModelConfig:
+    path = Path(directory) / CONFIG_FILE
     try:
         return ModelConfig.from_dict(data["model"], source=str(path))
-    except ConfigError as err:
-        raise CheckpointError(f"{path}: invalid model config: {err}") from None
-    except TypeError as err:
+    except (ConfigError, TypeError) as err:
         raise CheckpointError(f"{path}: invalid model config: {err}") from None
 
 
@@ -134,13 +143,13 @@ def load_state(directory: str | Path) -> dict[str, torch.Tensor]:
 def load_model(directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Rebuild the model a folder describes and load its weights, checking names and shapes first."""
     from fullband.model.decoder import FullbandLM
-    from fullband.model.layers import Rotary
 
-    config = read_config(directory)
-    if _is_wrapped_hf(directory):
+    data = read_config_file(directory)
+    config = _model_config(directory, data)
+    if HF_CONFIG_KEY in data:  # a Hugging Face model wrapped with latent feedback (a model.hf_path run)
         from fullband.hf.feedback import load_feedback
 
-        return load_feedback(directory, device=device, dtype=dtype)
+        return load_feedback(directory, config, data[HF_CONFIG_KEY], device=device, dtype=dtype)
     state = load_state(directory)
     with torch.device("meta"):
         model = FullbandLM(config)
@@ -152,7 +161,7 @@ def load_model(directory: str | Path, *, device: str | torch.device = "cpu", dty
             f"(d_model={config.d_model}, n_layers={config.n_layers}, fusion={config.fusion!r}): " + "; ".join(problems)
         )
     model = model.to_empty(device=device)
-    model.rotary = Rotary(config.head_dim, config.max_seq_len, config.rope_theta).to(device)
+    model.rotary.reset_tables()  # non-persistent buffers: to_empty left them uninitialised
     model.load_state_dict(state, strict=True)
     if dtype is not None:
         model = model.to(dtype)
@@ -176,13 +185,6 @@ def _compare(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
 def _few(items: list[str], n: int = 4) -> str:
     more = f" and {len(items) - n} more" if len(items) > n else ""
     return ", ".join(items[:n]) + more
-
-
-def _is_wrapped_hf(directory: str | Path) -> bool:
-    """Whether the folder holds a Hugging Face model wrapped with latent feedback (config.json has its HF config)."""
-    from fullband.hf.feedback import HF_CONFIG_KEY
-
-    return HF_CONFIG_KEY in json.loads((Path(directory) / CONFIG_FILE).read_text())
 
 
 def load_native(directory: str | Path, purpose: str, **kwargs):

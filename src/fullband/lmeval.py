@@ -45,10 +45,9 @@ class FullbandHarnessLM(LM):
 
         from fullband.checkpoint import load_native
         from fullband.data.tokenizer import load_tokenizer
-        from fullband.decode.generate import MODES
+        from fullband.decode.generate import check_mode
 
-        if mode not in MODES:
-            raise ConfigError(f"mode={mode!r} is not a decoding mode{closest(str(mode), MODES)}; accepted: {', '.join(MODES)}")
+        check_mode(mode, error=ConfigError)
         if str(batch_size).startswith("auto"):
             batch_size = 8
         if not str(batch_size).isdigit() or int(batch_size) < 1:

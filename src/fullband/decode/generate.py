@@ -64,19 +64,17 @@ def stream(
                          "Llama converts to a FullbandLM with `fullband convert`)")
     cfg = model.config
     ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
-    _check_int("max_new_tokens", max_new_tokens, 1)
-    if mode not in MODES:
-        hint = closest(mode, MODES) if isinstance(mode, str) else ""
-        raise InputError(f"mode={mode!r} is not a decoding mode{hint}; accepted: {', '.join(MODES)}")
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_mode(mode)
     tol = None
     if prefill_passes == "auto":
-        _check_int("max_prefill_passes", max_prefill_passes, 1)
+        check_int("max_prefill_passes", max_prefill_passes, 1)
         if isinstance(prefill_tol, bool) or not isinstance(prefill_tol, int | float) or not prefill_tol > 0:
             raise InputError(f"prefill_tol={prefill_tol!r} is invalid; accepted: a number > 0")
         prefill_passes, tol = max_prefill_passes, float(prefill_tol)
     elif isinstance(prefill_passes, str):
         raise InputError(f"prefill_passes={prefill_passes!r} is invalid; accepted: an integer >= 0 or 'auto'")
-    _check_int("prefill_passes", prefill_passes, 0)
+    check_int("prefill_passes", prefill_passes, 0)
     if mode != "standard" and not cfg.has_feedback:
         raise InputError(f"mode={mode!r} needs feedback weights; this model has fusion='none' (use mode='standard')")
     longest = int(lengths.max())
@@ -86,15 +84,8 @@ def stream(
             f"max_seq_len={cfg.max_seq_len}; shorten the prompt or ask for at most "
             f"{max(cfg.max_seq_len - longest, 0)} new tokens"
         )
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
-        raise InputError(f"temperature={temperature!r} is invalid; accepted: a number >= 0 (0 = greedy)")
-    if top_k is not None:
-        _check_int("top_k", top_k, 1)
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
-        raise InputError(f"top_p={top_p!r} is invalid; accepted: 0 < top_p <= 1")
+    check_sampling(temperature, top_k, top_p, seed)
     stops = _check_stop_tokens(stop_tokens, cfg.vocab_size)
-    if seed is not None:
-        _check_int("seed", seed, 0)
     forced = None
     if forced_tokens is not None:
         forced = torch.as_tensor(forced_tokens)
@@ -250,9 +241,29 @@ def _pack_prompts(prompts, vocab_size: int) -> tuple[Tensor, Tensor]:
     return ids, lengths
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def check_int(name: str, value, minimum: int, error: type[Exception] = InputError) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InputError(f"{name}={value!r} is invalid; accepted: an integer >= {minimum}")
+        raise error(f"{name}={value!r} is invalid; accepted: an integer >= {minimum}")
+    return value
+
+
+def check_mode(mode, name: str = "mode", error: type[Exception] = InputError) -> str:
+    if mode not in MODES:
+        hint = closest(mode, MODES) if isinstance(mode, str) else ""
+        raise error(f"{name}={mode!r} is not a decoding mode{hint}; accepted: {', '.join(MODES)}")
+    return mode
+
+
+def check_sampling(temperature, top_k, top_p, seed) -> None:
+    """Raise InputError for a sampling setting `sample` cannot honour."""
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
+        raise InputError(f"temperature={temperature!r} is invalid; accepted: a number >= 0 (0 = greedy)")
+    if top_k is not None:
+        check_int("top_k", top_k, 1)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
+        raise InputError(f"top_p={top_p!r} is invalid; accepted: 0 < top_p <= 1")
+    if seed is not None:
+        check_int("seed", seed, 0)
 
 
 def _check_stop_tokens(stop_tokens, vocab_size: int) -> Tensor | None:

@@ -21,11 +21,8 @@ if importlib.util.find_spec("transformers") is not None:
 
 
 def __getattr__(name: str):
-    if name in _MODELING:
+    if name in _MODELING:  # only reached without transformers: say how to install it
         from fullband.hf.llama import _transformers
 
-        _transformers()  # a clear error when the extra is missing
-        from fullband.hf import modeling
-
-        return getattr(modeling, name)
+        _transformers()
     raise AttributeError(f"module 'fullband.hf' has no attribute {name!r}")

@@ -61,16 +61,16 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
         raise CheckpointError(f"{str(dst)!r} exists and is not empty; choose another folder, or overwrite=True (--overwrite)")
     if dst.resolve() == src.resolve():
         raise CheckpointError("source and destination are the same folder")
-    native, tokenizer_dir = _read_native(src, kind, fusion)
+    native = _read_native(src, kind, fusion)
     if dtype is not None:
         native = native.to(dtype)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
     try:
         if target == "hf":
-            _write_hf(native, tmp, tokenizer_dir, kind)
+            _write_hf(native, tmp, src, kind)
         else:
-            _write_native(native, tmp, tokenizer_dir, kind)
+            _write_native(native, tmp, src)
         _replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,14 +82,14 @@ def _read_native(src: Path, kind: str, fusion: str):
     if kind == "native":
         from fullband.model.decoder import FullbandLM
 
-        return FullbandLM.load(src), src
+        return FullbandLM.load(src)
     if kind == "llama":
         from fullband.hf.llama import from_llama
 
-        return from_llama(str(src), fusion=fusion), src
+        return from_llama(str(src), fusion=fusion)
     from fullband.hf.modeling import FullbandForCausalLM
 
-    return FullbandForCausalLM.from_pretrained(src).to_native(), src
+    return FullbandForCausalLM.from_pretrained(src).to_native()
 
 
 def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str) -> None:
@@ -115,7 +115,7 @@ def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str) -> None:
         shutil.copy2(tokenizer_dir / "tokenizer.json", out / BYTE_TOKENIZER_FILE)
 
 
-def _write_native(native, out: Path, tokenizer_dir: Path, kind: str) -> None:
+def _write_native(native, out: Path, tokenizer_dir: Path) -> None:
     from fullband.checkpoint import write_model_files
 
     write_model_files(out, native.config, native.state_dict())

@@ -11,27 +11,24 @@ The wrapper is a full-bandwidth model for the rest of fullband: `forward(ids, pa
 same multi-pass objective as FullbandLM's (jitter, prefix mixin, z-loss; `fullband train` with
 `model.hf_path`), its `config` is a ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks`
 are the HF model's layers (activation checkpointing, FSDP), and a saved folder (config.json with the HF
-config inside + model.safetensors) loads back with `FullbandLM.load` / `load_feedback`.
+config inside + model.safetensors) loads back with `FullbandLM.load`.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from fullband.checkpoint import HF_CONFIG_KEY
 from fullband.errors import CheckpointError, ConfigError, InputError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import ModelOutput, _check_passes, check_ids, multipass, plain_positions, shift_right
 from fullband.model.fusion import FUSION_TYPES, build_fusion, embedding_rms, fused_input, init_fusion_weight_
 from fullband.model.layers import RMSNorm
-
-HF_CONFIG_KEY = "hf_config"  # config.json of a saved wrapper: the wrapped model's transformers config
-
 
 def config_for(hf_config: Any, base: ModelConfig | None = None, **changes: Any) -> ModelConfig:
     """A ModelConfig describing a HF model: its vocabulary, width, depth, heads and context from `hf_config`,
@@ -97,10 +94,6 @@ class LatentFeedback(nn.Module):
         self._cache_arg = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
         self.fusion.to(emb.weight.dtype)
         self.norm_in.to(emb.weight.dtype)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.config.bos_token_id
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -178,18 +171,14 @@ class LatentFeedback(nn.Module):
         (B, max_new_tokens) new tokens. STANDARD is the wrapped model's own decoding; SOFT feeds each position's
         top state into the next; FUSED first runs 1 + prefill_passes Jacobi passes over the prompt; EXACT runs
         the prompt through the recurrence. temperature 0 is greedy; else sampling with top_k / top_p."""
-        from fullband.decode.generate import MODES
+        from fullband.decode.generate import check_int, check_mode, check_sampling
         from fullband.decode.sampling import sample
 
         self.check_ids(input_ids)
-        if mode not in MODES:
-            raise InputError(f"mode={mode!r} is not a decoding mode; accepted: {', '.join(MODES)}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer >= 1")
-        if isinstance(prefill_passes, bool) or not isinstance(prefill_passes, int) or prefill_passes < 0:
-            raise InputError(f"prefill_passes={prefill_passes!r} is invalid; accepted: an integer >= 0")
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
-            raise InputError(f"temperature={temperature!r} is invalid; accepted: a number >= 0 (0 = greedy)")
+        check_mode(mode)
+        check_int("max_new_tokens", max_new_tokens, 1)
+        check_int("prefill_passes", prefill_passes, 0)
+        check_sampling(temperature, top_k, top_p, seed)
         if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
             raise InputError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
                              f"max_seq_len={self.config.max_seq_len}")
@@ -254,29 +243,27 @@ def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torc
     return LatentFeedback(model, config=config)
 
 
-def load_feedback(directory: str | Path, *, device: str | torch.device = "cpu",
-                  dtype: torch.dtype | None = None) -> LatentFeedback:
-    """Rebuild a saved LatentFeedback (config.json with the HF config + model.safetensors)."""
-    from fullband.checkpoint import CONFIG_FILE, load_state, read_config
+def load_feedback(directory: str | Path, config: ModelConfig, hf_config: dict, *,
+                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LatentFeedback:
+    """Rebuild a saved LatentFeedback from its folder's ModelConfig and HF config (config.json, read by
+    fullband.checkpoint.load_model) and its model.safetensors."""
+    from fullband.checkpoint import CONFIG_FILE, load_state
     from fullband.hf.llama import _transformers
 
     tf = _transformers()
     directory = Path(directory)
-    data = json.loads((directory / CONFIG_FILE).read_text())
-    hf_dict = dict(data[HF_CONFIG_KEY])
+    hf_dict = dict(hf_config)
     model_type = hf_dict.pop("model_type", None)
     try:
-        hf_config = tf.AutoConfig.for_model(model_type, **hf_dict)
+        hf_model_config = tf.AutoConfig.for_model(model_type, **hf_dict)
     except (KeyError, ValueError) as err:
         raise CheckpointError(f"{directory / CONFIG_FILE}: cannot rebuild the wrapped model "
                               f"(model_type={model_type!r}): {err}") from None
-    hf_model = tf.AutoModelForCausalLM.from_config(hf_config)
-    wrapper = LatentFeedback(hf_model, config=read_config(directory))
-    state = load_state(directory)
+    hf_model = tf.AutoModelForCausalLM.from_config(hf_model_config)
+    wrapper = LatentFeedback(hf_model, config=config)
     try:
-        wrapper.load_state_dict(state, strict=True)
+        wrapper.load_state_dict(load_state(directory), strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"{directory}: weights do not match the wrapped {type(hf_model).__name__}: {err}") from None
     wrapper = wrapper.to(device)
     return wrapper.to(dtype) if dtype is not None else wrapper
-

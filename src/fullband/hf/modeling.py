@@ -25,13 +25,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fullband.decode.cache import KVCache
-from fullband.decode.generate import MODES, prefill
-from fullband.errors import ConfigError, InputError, closest
+from fullband.decode.generate import check_int, check_mode, prefill
+from fullband.errors import ConfigError, InputError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM, init_parameter_
 from fullband.model.layers import Rotary
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+# transformers 5 names the output's cache field `cache`, 4.x `past_key_values`
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 # save_pretrained writes this self-contained module and points the Auto classes at it (trust_remote_code)
 REMOTE_FILE = "modeling_fullband.py"
 AUTO_MAP = {
@@ -70,8 +72,8 @@ class FullbandConfig(PretrainedConfig):
         for name, value in resolved.to_dict().items():
             if name != "bos_token_id":
                 setattr(self, name, value)
-        self.feedback_mode = _check_mode(feedback_mode, "feedback_mode")
-        self.prefill_passes = _check_passes(prefill_passes)
+        self.feedback_mode = check_mode(feedback_mode, "feedback_mode", ConfigError)
+        self.prefill_passes = check_int("prefill_passes", prefill_passes, 0, ConfigError)
         self.use_cache = bool(use_cache)
         kwargs["bos_token_id"] = resolved.bos_token_id
         # the native model ties (or not) its own head; transformers must not tie anything
@@ -88,13 +90,18 @@ class FullbandConfig(PretrainedConfig):
 
 class FeedbackCache:
     """Keys/values of every layer (a growing native KVCache), each row's next position, and each row's
-    fed-back state h (B, D) from its last position: everything a decode step reads, reordered together."""
+    fed-back state h (B, D) from its last position: everything a decode step reads, reordered together.
+
+    `longest` (the largest position, a host int) and `ragged` (rows at different positions) are kept on the host
+    so a decode step never reads the positions back from the device. After a selection of rows both stay as
+    they were: an upper bound and a mask that is merely unneeded are still exact."""
 
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, kv: KVCache, positions: Tensor, state: Tensor) -> None:
+    def __init__(self, kv: KVCache, positions: Tensor, state: Tensor, longest: int, ragged: bool) -> None:
         self.kv, self.positions, self.state = kv, positions, state
+        self.longest, self.ragged = longest, ragged
 
     @property
     def is_linear(self) -> list[bool]:
@@ -113,7 +120,7 @@ class FeedbackCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held by the longest row."""
-        return int(self.positions.max())
+        return self.longest
 
     def _select(self, rows: Tensor) -> None:
         rows = rows.to(self.state.device)
@@ -242,8 +249,10 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None:
             raise InputError("input_ids is required")
         cache = cache if cache is not None else past_key_values
-        mode = _check_mode(feedback_mode if feedback_mode is not None else self.config.feedback_mode, "feedback_mode")
-        k = _check_passes(prefill_passes if prefill_passes is not None else self.config.prefill_passes)
+        mode = check_mode(feedback_mode if feedback_mode is not None else self.config.feedback_mode, "feedback_mode",
+                          ConfigError)
+        k = check_int("prefill_passes", prefill_passes if prefill_passes is not None else self.config.prefill_passes,
+                      0, ConfigError)
         model = self.model
         if mode != "standard" and not model.config.has_feedback:
             raise InputError(f"feedback_mode={mode!r} needs feedback weights; this model has fusion='none'")
@@ -261,7 +270,7 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         B, T = ids.shape
         if passes is not None:
-            _check_passes(passes, minimum=1, name="passes")
+            check_int("passes", passes, 1, ConfigError)
             run_passes, run_mode = passes, "fused" if passes > 1 else "standard"
         else:
             run_passes, run_mode = (1 + k if mode == "fused" else 1), mode
@@ -274,8 +283,9 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
             targets = F.pad(aligned[:, 1:], (0, 1), value=-100)
         kv = None
         if use_cache:
-            if int(lengths.max()) >= model.config.max_seq_len:
-                raise InputError(f"prompt length {int(lengths.max())} leaves no room to generate within "
+            longest = int(lengths.max())
+            if longest >= model.config.max_seq_len:
+                raise InputError(f"prompt length {longest} leaves no room to generate within "
                                  f"max_seq_len={model.config.max_seq_len}")
             kv = KVCache.for_model(model, B, min(max(2 * T, T + 64), model.config.max_seq_len))
         if targets is not None:
@@ -287,34 +297,34 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         new_cache = None
         if kv is not None:
             rows = torch.arange(B, device=ids.device)
-            new_cache = FeedbackCache(kv, lengths.clone(), out.hidden[rows, lengths - 1])
+            new_cache = FeedbackCache(kv, lengths.clone(), out.hidden[rows, lengths - 1], longest,
+                                      ragged=bool((lengths != longest).any()))
         top = _scatter_rows(out.top, starts, lengths, input_ids.shape[1])
         return self._output(out.loss, self._logits(top, logits_to_keep), new_cache)
 
     def _decode(self, input_ids: Tensor, cache: FeedbackCache, mode: str) -> Tensor:
         """One decode step per new column of input_ids (B, n) -> top outputs (B, n, D); updates the cache."""
         model, kv = self.model, cache.kv
+        # token ids are not range-checked here (two device reads per token): they come from generate's own logits
         if input_ids.ndim != 2 or input_ids.shape[0] != kv.batch:
             raise InputError(f"input_ids for a cached step must be (B={kv.batch}, n); got {tuple(input_ids.shape)}")
-        model.check_ids(input_ids)
         bos = model.config.bos_token_id
         tops = []
         for t in range(input_ids.shape[1]):
             tokens = input_ids[:, t]
             positions = cache.positions
-            kv_len = int(positions.max()) + 1
+            kv_len = cache.longest + 1
             if kv_len > model.config.max_seq_len:
                 raise InputError(f"sequence length {kv_len} exceeds max_seq_len={model.config.max_seq_len}")
             if kv_len > kv.max_len:
                 kv.grow(min(2 * kv.max_len, model.config.max_seq_len))
-            ragged = bool((positions != positions[0]).any())
-            mask = kv.visible(positions, kv_len) if ragged else None
+            mask = kv.visible(positions, kv_len) if cache.ragged else None
             prev, plain = None, None
             if mode != "standard":
                 prev = cache.state
                 plain = tokens == bos if bos is not None else None
             state, top = model.step(tokens, positions, kv, prev=prev, plain=plain, kv_len=kv_len, mask=mask)
-            cache.state, cache.positions = state, positions + 1
+            cache.state, cache.positions, cache.longest = state, positions + 1, kv_len
             tops.append(top)
         return torch.stack(tops, dim=1)
 
@@ -325,9 +335,7 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
 
     @staticmethod
     def _output(loss: Tensor | None, logits: Tensor, cache: FeedbackCache | None) -> CausalLMOutputWithPast:
-        # transformers 5 names the field `cache`, 4.x `past_key_values`
-        key = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{key: cache})
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
 
 def _remote_source() -> str:
@@ -337,19 +345,6 @@ def _remote_source() -> str:
     from fullband.hf.remote import standalone_source
 
     return standalone_source()
-
-
-def _check_mode(mode: Any, name: str) -> str:
-    if mode not in MODES:
-        hint = closest(mode, MODES) if isinstance(mode, str) else ""
-        raise ConfigError(f"{name}={mode!r} is not a decoding mode{hint}; accepted: {', '.join(MODES)}")
-    return mode
-
-
-def _check_passes(value: Any, minimum: int = 0, name: str = "prefill_passes") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} is invalid; accepted: an integer >= {minimum}")
-    return value
 
 
 def _left_align(input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

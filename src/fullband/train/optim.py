@@ -122,6 +122,7 @@ SPLITS: dict[str, Callable[[ModelConfig], tuple[int, ...]]] = {
 }
 
 _BLOCK = r"^blocks\.\d+\."
+_FUSION = r"^fusion\.(w_u|w_g|w_h|w_cat)\.weight$"
 _GAINS = r"^(norm_in|norm_out|blocks\.\d+\.(attn_norm|mlp_norm))\.weight$"
 # First match wins. Embedding: wd_mult 1 times adam_weight_decay (0 by default). Gains never decay: decay
 # pulls them toward 0, not toward their init of 1.
@@ -129,16 +130,20 @@ NORMUON_ROUTES: tuple[Route, ...] = (
     Route(_BLOCK + r"attn\.wqkv\.weight$", "normuon", splits="qkv"),
     Route(_BLOCK + r"mlp\.w_in\.weight$", "normuon", splits="gate_up"),
     Route(_BLOCK + r"(attn\.wo|attn\.w_gate|mlp\.w_down)\.weight$", "normuon"),
-    Route(r"^fusion\.(w_u|w_g|w_h|w_cat)\.weight$", "normuon"),
+    Route(_FUSION, "normuon"),
     Route(r"^embed\.weight$", "adam"),
     Route(r"^lm_head\.weight$", "adam"),
     Route(_GAINS, "adam", wd_mult=0.0),
     Route(_BLOCK + r"attn\.qk_gain$", "adam", wd_mult=0.0),
 )
-# name="adamw": the same rows, every one on AdamW; matrices keep the matrix weight decay.
-ADAMW_ROUTES: tuple[Route, ...] = tuple(
-    dataclasses.replace(r, optimizer="adam", splits=None, decay=r.decay) for r in NORMUON_ROUTES
-)
+
+
+def _on_adamw(routes: tuple[Route, ...]) -> tuple[Route, ...]:
+    """name="adamw": the same rows, every one on AdamW; matrices keep the matrix weight decay."""
+    return tuple(dataclasses.replace(r, optimizer="adam", splits=None, decay=r.decay) for r in routes)
+
+
+ADAMW_ROUTES: tuple[Route, ...] = _on_adamw(NORMUON_ROUTES)
 ROUTES: dict[str, tuple[Route, ...]] = {"normuon": NORMUON_ROUTES, "adamw": ADAMW_ROUTES}
 
 # A pretrained Hugging Face model wrapped with latent feedback (model.hf_path): its own weights continue on
@@ -147,7 +152,7 @@ ROUTES: dict[str, tuple[Route, ...]] = {"normuon": NORMUON_ROUTES, "adamw": ADAM
 # optim.name="adamw"). Norm gains and biases never decay.
 _HF_NORMS = r"^hf\..*(norm|ln_[0-9f]|layernorm)[^.]*\.(weight|bias)$"
 HF_ROUTES: tuple[Route, ...] = (
-    Route(r"^fusion\.(w_u|w_g|w_h|w_cat)\.weight$", "normuon"),
+    Route(_FUSION, "normuon"),
     Route(r"^norm_in\.weight$", "adam", wd_mult=0.0),
     Route(_HF_NORMS, "adam", wd_mult=0.0),
     Route(r"^hf\..*\.bias$", "adam", wd_mult=0.0),
@@ -155,11 +160,7 @@ HF_ROUTES: tuple[Route, ...] = (
 )
 
 
-def hf_routes(name: str) -> tuple[Route, ...]:
-    """The routing table for a wrapped HF model under optimizer `name`."""
-    if name == "adamw":
-        return tuple(dataclasses.replace(r, optimizer="adam", splits=None) for r in HF_ROUTES)
-    return HF_ROUTES
+HF_ROUTE_TABLES: dict[str, tuple[Route, ...]] = {"normuon": HF_ROUTES, "adamw": _on_adamw(HF_ROUTES)}
 
 # Segments wrappers insert into parameter names (DDP, torch.compile, activation checkpointing, FSDP1).
 _WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")

@@ -20,11 +20,10 @@ import torch
 from fullband.errors import ConfigError, FullbandError
 from fullband.eval.loss import validation_loss
 from fullband.model.decoder import FullbandLM
-from fullband.train.optim import hf_routes
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
 from fullband.train.data import RunData, prepare_data
-from fullband.train.optim import build_optimizer
+from fullband.train.optim import HF_ROUTE_TABLES, build_optimizer
 from fullband.train.parallel import Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync
 from fullband.train.parallel import parallelize, shutdown, unwrap
 from fullband.train.schedule import in_cooldown, wsd_factor
@@ -98,7 +97,7 @@ class Trainer:
                                  activation_checkpointing=cfg.train.activation_checkpointing,
                                  compile=cfg.train.compile)
         self.optimizer = build_optimizer(unwrap(self.model), cfg.optim,
-                                         routes=hf_routes(cfg.optim.name) if cfg.model.hf_path else None)
+                                         routes=HF_ROUTE_TABLES[cfg.optim.name] if cfg.model.hf_path else None)
         self.schedule = cfg.train.schedule
         self.step = 0
         self.tokens = 0
