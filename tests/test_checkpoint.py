@@ -28,7 +28,7 @@ def test_roundtrip_is_exact(tmp_path):
 def test_save_replaces_atomically_and_leaves_no_temp(tmp_path):
     a, b = tiny_model(seed=1), tiny_model(seed=2)
     a.save(tmp_path / "c")
-    b.save(tmp_path / "c")
+    b.save(tmp_path / "c", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
     loaded = FullbandLM.load(tmp_path / "c")
     assert torch.equal(loaded.embed.weight, b.embed.weight)
@@ -43,7 +43,7 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path):
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        tiny_model(seed=2).save(tmp_path / "c", tokenizer=Broken())
+        tiny_model(seed=2).save(tmp_path / "c", tokenizer=Broken(), overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
     assert torch.equal(FullbandLM.load(tmp_path / "c").embed.weight, a.embed.weight)
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from fullband.errors import FullbandError
+from fullband.errors import FullbandError, InputError
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -20,19 +23,101 @@ def _dtype(name: str):
     return getattr(torch, name)
 
 
+def _device(name: str) -> str:
+    """--device checked before any work: a device torch knows and this machine has."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise InputError(f"--device {name!r} is not a device; accepted: cpu, cuda, cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {name!r}: CUDA is not available on this machine; accepted: cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                             f"accepted: cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu" and not (dev.type == "mps" and torch.backends.mps.is_available()):
+        raise InputError(f"--device {name!r} is not available here; accepted: cpu, cuda, cuda:N")
+    return name
+
+
+def _utf8(text: str, flag: str) -> str:
+    """`text` from the command line, refused when it is not valid UTF-8 (undecodable bytes arrive as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = ord(text[err.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"character U+{bad:04X}"
+        raise InputError(f"{flag} is not valid UTF-8 ({byte} at position {err.start}); accepted: UTF-8 text") from None
+    return text
+
+
+def _prefill_passes(text: str) -> int | str:
+    """--prefill-passes: an integer >= 0 or 'auto' (adaptive prefill, see --prefill-tol)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0 or 'auto'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer >= 0 or 'auto'")
+    return value
+
+
+def _count(minimum: int):
+    """argparse type: an integer >= minimum, refused at parse time (before any work)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer >= {minimum}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _tolerance(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is out of range; accepted: a finite number > 0")
+    return value
+
+
+def _seed(text: str) -> int:
+    """argparse type: a seed, 0 <= seed < 2**63."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer 0 <= seed < 2**63")
+    return value
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     """Write a randomly initialised checkpoint (config.json + model.safetensors + tokenizer.json)."""
     import torch
 
+    from fullband.checkpoint import MODEL_KIND
     from fullband.data.tokenizer import ByteTokenizer
+    from fullband.files import check_destination
     from fullband.model.decoder import FullbandLM
     from fullband.presets import load_model_config
 
     cfg = load_model_config(args.config, args.set)
+    check_destination(args.out, MODEL_KIND, overwrite=args.overwrite)  # before the model is built
     torch.manual_seed(args.seed)
     model = FullbandLM(cfg)
     tokenizer = ByteTokenizer() if cfg.vocab_size >= ByteTokenizer.vocab_size else None
-    model.save(args.out, tokenizer=tokenizer)
+    model.save(args.out, tokenizer=tokenizer, overwrite=args.overwrite)
     print(f"wrote {args.out}: {model.num_params() / 1e6:.2f}M parameters "
           f"(fusion {(model.num_params() - model.num_params(fusion=False)) / 1e6:.3f}M), fusion={cfg.fusion}")
     return 0
@@ -46,31 +131,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fullband.decode.generate import stream
     from fullband.model.decoder import FullbandLM
 
-    model = FullbandLM.load(args.checkpoint, device=args.device, dtype=_dtype(args.dtype))
+    prompt_text = _utf8(args.prompt, "--prompt")
+    model = FullbandLM.load(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype))
     tokenizer = load_tokenizer(args.checkpoint)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise FullbandError(
             f"the checkpoint's tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}"
         )
-    prompt = tokenizer.encode(args.prompt, bos=True)
-    stops = [] if args.ignore_eos else [tokenizer.eos_id]
+    prompt = tokenizer.encode(prompt_text, bos=True)
+    stops = [] if args.ignore_eos else [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
     t0 = time.perf_counter()
     if not isinstance(model, FullbandLM):  # a wrapped HF model (model.hf_path): decoded through its own KV cache
         new = model.generate(torch.tensor([prompt], device=model.hf.device), args.max_new_tokens, mode=args.mode,
                              prefill_passes=args.prefill_passes, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed)[0].tolist()
-        ids = new[: new.index(stops[0]) + 1] if stops and stops[0] in new else new
-        sys.stdout.write((args.prompt if args.echo else "") + tokenizer.decode(ids) + "\n")
-        print(f"[{len(ids)} tokens, {args.mode}, {len(ids) / (time.perf_counter() - t0):.1f} tok/s]", file=sys.stderr)
+        end = next((i for i, t in enumerate(new) if t in stops), None)
+        ids = new if end is None else new[: end + 1]
+        sys.stdout.write((prompt_text if args.echo else "") + tokenizer.decode(ids) + "\n")
+        _summary(ids, args, stops, t0)
         return 0
     steps = stream(
         model, [prompt], args.max_new_tokens, mode=args.mode, prefill_passes=args.prefill_passes,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stops,
-        compile=args.compile,
+        compile=args.compile, prefill_tol=args.prefill_tol,
     )
     out = sys.stdout
     if args.echo:
-        out.write(args.prompt)
+        out.write(prompt_text)
     ids: list[int] = []
     shown = ""
     with torch.inference_mode():
@@ -84,9 +171,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 out.flush()
                 shown = text
     out.write(tokenizer.decode(ids)[len(shown):] + "\n")
-    dt = time.perf_counter() - t0
-    print(f"[{len(ids)} tokens, {args.mode}, {len(ids) / dt:.1f} tok/s]", file=sys.stderr)
+    out.flush()
+    _summary(ids, args, stops, t0)
     return 0
+
+
+def _summary(ids: list[int], args: argparse.Namespace, stops: list[int], t0: float) -> None:
+    """The generate command's last line on stderr: tokens, mode, speed, and why it stopped."""
+    dt = time.perf_counter() - t0
+    why = f"; stopped at EOS id {ids[-1]} (--ignore-eos to go on)" if ids and ids[-1] in stops else ""
+    print(f"[{len(ids)} tokens, {args.mode}, {len(ids) / dt:.1f} tok/s{why}]", file=sys.stderr)
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
@@ -94,6 +188,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     from fullband.presets import load_model_config
 
     cfg = load_model_config(args.config, args.set)
+    _check_json_out(args.json)
     result = run_decode_bench(
         cfg, batches=args.batch_sizes, dtypes=args.dtypes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         prefill_passes=args.prefill_passes, repeats=args.repeats, hf=not args.no_hf, compile=args.compile,
@@ -102,18 +197,38 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return _report(format_report(result), result, args.json)
 
 
+def _check_json_out(json_path: str | None, key: str = "rows") -> None:
+    """--json PATH, checked before the work runs: a new file, or the results file of an earlier run of the same
+    command (a JSON object with `key`); never a folder or a file of something else."""
+    if not json_path:
+        return
+    from fullband.files import OutputError, check_writable, read_json
+
+    path = Path(json_path)
+    if path.is_dir():
+        raise OutputError(f"--json {json_path!r} is a folder; accepted: a file path for the results")
+    if path.exists() and key not in (read_json(path) or {}):
+        raise OutputError(f"--json {json_path!r} exists and is not an earlier result of this command; nothing was "
+                          "overwritten. Choose a new file")
+    check_writable(path.parent, "--json folder")
+
+
 def _report(text: str, result: dict, json_path: str | None) -> int:
     """Print a benchmark's table and write its results as JSON when asked."""
+    from fullband.files import make_folder, replace_file
+
     print(text)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+        _check_json_out(json_path)
+        make_folder(Path(json_path).parent, "--json folder")
+        replace_file(json_path, json.dumps(result, indent=2) + "\n")
     return 0
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from fullband.bench.train import format_train_report, run_train_bench
 
+    _check_json_out(args.json)
     result = run_train_bench(args.config, overrides=args.set, steps=args.steps, warmup=args.warmup,
                              rounds=args.rounds, log=lambda s: print(s, file=sys.stderr))
     return _report(format_train_report(result), result, args.json)
@@ -139,7 +254,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     corpus = args.corpus[0] if len(args.corpus) == 1 else args.corpus
     tok = train_tokenizer_cli(corpus, args.vocab_size, args.out, text_field=args.text_field,
                               val_percent=args.val_percent, min_frequency=args.min_frequency,
-                              max_chars=args.max_chars, progress=not args.no_progress)
+                              max_chars=args.max_chars, progress=not args.no_progress, overwrite=args.overwrite)
     print(f"wrote {Path(args.out) / 'tokenizer.json'}: BPE with {tok.vocab_size} ids "
           f"(use it with data.tokenizer = {str(args.out)!r})")
     return 0
@@ -148,6 +263,9 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from fullband.eval import commands
 
+    commands.check_out(args.out or Path(args.checkpoint) / "eval", args.what.replace("-", "_"))  # before the work
+    if args.what == "probe":
+        commands.require_sklearn()
     if args.what == "loss":
         commands.eval_loss(args.checkpoint, max_prefill=args.max_prefill, exact=not args.no_exact, seq_len=args.seq_len,
                            windows=args.windows, batch_size=args.batch_size, corpus=args.corpus, out=args.out,
@@ -196,6 +314,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Check a model folder, training checkpoint or run directory; exit status 1 when something is damaged."""
+    from fullband.doctor import diagnose
+
+    _check_json_out(args.json, key="findings")
+    report = diagnose(args.path, hashes=not args.quick)
+    print(report.format())
+    if args.json:
+        from fullband.files import replace_file
+
+        replace_file(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+    return 1 if report.failed else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fullband.demo import run_demo
 
@@ -209,25 +341,31 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("init", help="write a randomly initialised checkpoint")
     s.add_argument("--config", required=True, help="a preset name (tiny, bench-91m) or a .toml/.json file")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model field (repeatable)")
-    s.add_argument("--out", required=True, help="checkpoint folder to write")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", required=True, help="checkpoint folder to write (new or empty)")
+    s.add_argument("--overwrite", action="store_true", help="replace a model folder written earlier (nothing else)")
+    s.add_argument("--seed", type=_seed, default=0)
     s.set_defaults(func=cmd_init)
 
     s = sub.add_parser("generate", help="stream a continuation of a prompt")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--prompt", required=True)
     s.add_argument("--mode", default="soft", help="standard | soft | fused | exact (default soft)")
-    s.add_argument("--prefill-passes", type=int, default=1, help="extra fused passes over the prompt (fused mode)")
-    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--prefill-passes", type=_prefill_passes, default=1,
+                   help="extra fused passes over the prompt (fused mode), or 'auto': iterate until the RMS state "
+                        "update < --prefill-tol (at most 32)")
+    s.add_argument("--prefill-tol", type=_tolerance, default=1e-3, help="tolerance of --prefill-passes auto")
+    s.add_argument("--max-new-tokens", type=_count(1), default=128)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=None)
     s.add_argument("--top-p", type=float, default=None)
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--seed", type=_seed, default=None)
     s.add_argument("--dtype", choices=DTYPES, default="float32")
     s.add_argument("--device", default="cpu")
     s.add_argument("--compile", action="store_true", help="torch.compile the decode step (first call is slow)")
     s.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
-    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    s.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the EOS token(s) (by default the tokenizer's EOS, or a converted "
+                        "model's own EOS ids, end the generation)")
     s.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -255,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = t.add_parser("train", help="train a byte-level BPE (Hugging Face tokenizers) on a corpus")
     s.add_argument("--corpus", action="append", required=True, help="stdlib, a path, a glob, a .jsonl or hf:NAME")
     s.add_argument("--vocab-size", type=int, required=True)
-    s.add_argument("--out", required=True, help="folder for tokenizer.json")
+    s.add_argument("--out", required=True, help="folder for tokenizer.json (new or empty)")
+    s.add_argument("--overwrite", action="store_true", help="replace a tokenizer folder written earlier")
     s.add_argument("--text-field", default="text")
     s.add_argument("--val-percent", type=float, default=1.0, help="held-out share never seen by the tokenizer")
     s.add_argument("--min-frequency", type=int, default=2)
@@ -279,27 +418,29 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--out", help="where to write WHAT.json / WHAT.png (default: CHECKPOINT/eval)")
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("--corpus", help="held-out data (default: the run's corpus, validation split)")
-    data.add_argument("--seq-len", type=int, default=256)
-    data.add_argument("--batch-size", type=int, default=16)
+    data.add_argument("--seq-len", type=_count(1), default=256)
+    data.add_argument("--batch-size", type=_count(1), default=16)
     s = e.add_parser("loss", parents=[common, data], help="held-out loss: STANDARD, FUSED k=1..K, exact")
-    s.add_argument("--windows", type=int, default=256, help="validation windows (0 = all)")
-    s.add_argument("--max-prefill", type=int, default=3)
+    s.add_argument("--windows", type=_count(0), default=256, help="validation windows (0 = all)")
+    s.add_argument("--max-prefill", type=_count(0), default=3)
     s.add_argument("--no-exact", action="store_true", help="skip the (slow) exact recurrence")
-    s.add_argument("--auto", type=float, nargs="*", default=[], metavar="TOL",
+    s.add_argument("--auto", type=_tolerance, nargs="*", default=[], metavar="TOL",
                    help="also adaptive prefill: iterate until the RMS update < TOL")
     s = e.add_parser("stability", parents=[common, data], help="iterate the pass map to k = 1000 (Fig. 3)")
-    s.add_argument("--windows", type=int, default=32)
-    s.add_argument("--ks", type=int, nargs="+", default=None, help="pass counts (default 1 2 3 5 10 30 100 300 1000)")
+    s.add_argument("--windows", type=_count(0), default=32)
+    s.add_argument("--ks", type=_count(1), nargs="+", default=None,
+                   help="pass counts (default 1 2 3 5 10 30 100 300 1000)")
     s = e.add_parser("probe", parents=[common], help="linear probes on synthetic state tracking (Fig. 7)")
     s.add_argument("--tasks", nargs="+", default=["completion", "memory"], choices=["completion", "memory", "registers"])
     s.add_argument("--modes", nargs="+", default=["standard", "one-step", "suffix", "full"],
                    choices=["standard", "one-step", "suffix", "full"])
-    s.add_argument("--suffix", type=int, default=8, help="k of the k-step suffix recurrence")
-    s.add_argument("--scratch", type=int, nargs="+", default=None, help="scratch update counts (default 0 8 32 128 256)")
+    s.add_argument("--suffix", type=_count(1), default=8, help="k of the k-step suffix recurrence")
+    s.add_argument("--scratch", type=_count(0), nargs="+", default=None,
+                   help="scratch update counts (default 0 8 32 128 256)")
     s = e.add_parser("generate-length", parents=[common], help="median generated length and accuracy per mode")
     s.add_argument("--prompts", required=True, help="JSONL with 'prompt' (and optional 'answer') per line")
     s.add_argument("--modes", nargs="+", default=["standard", "soft", "fused:1"], help="MODE or fused:K")
-    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--max-new-tokens", type=_count(1), default=256)
     s.add_argument("--stop-text", default="\\n", help="the answer is the text before this (default: newline)")
     for what in e.choices.values():
         what.set_defaults(func=cmd_eval)
@@ -319,6 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     s.set_defaults(func=cmd_convert)
 
+    s = sub.add_parser("doctor", help="check a model folder, training checkpoint or run directory (read only)")
+    s.add_argument("path", help="a run directory, a step_NNNNNN checkpoint, a model folder or a transformers folder")
+    s.add_argument("--quick", action="store_true", help="compare file sizes only, not the sha256 of every file")
+    s.add_argument("--json", help="also write the findings to this JSON file")
+    s.set_defaults(func=cmd_doctor)
+
     s = sub.add_parser("demo", help="the embedded demo (what `make demo` runs)")
     s.add_argument("--config", default="configs/tiny.toml", help="the recipe to train (default: configs/tiny.toml)")
     s.add_argument("--out", default="runs/demo", help="run directory (a finished run there is reused)")
@@ -326,13 +473,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warnings(command: str) -> None:
+    """fullband's own warnings as one line each on stderr ('fullband generate: warning: ...'), others as usual."""
+    import warnings
+
+    from fullband.errors import FullbandWarning
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, FullbandWarning):
+            print(f"fullband {command}: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _show_warnings(args.command)
     try:
         return args.func(args)
     except FullbandError as err:
         print(f"fullband {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`fullband generate ... | head`): stop quietly, as cat does
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
+    except OSError as err:  # a file-system failure no check foresaw: one line naming the path, not a traceback
+        from fullband.files import output_error
+
+        where = err.filename or "."
+        print(f"fullband {args.command}: error: {output_error(err, where, 'complete the command')}", file=sys.stderr)
+        return 1 if err.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS) else 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -4,9 +4,12 @@ and dotted `section.key=value` overrides, so every config error says where, what
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import tomllib
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fullband.errors import ConfigError, closest
@@ -61,6 +64,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return from_dict(tp, value, where)
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML has nan and inf; no setting of ours means either
+                raise ConfigError(f"{where}={value!r} is not a finite number; accepted: a finite number")
             return float(value)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -120,6 +125,28 @@ def apply_overrides(data: dict, pairs: list[str] | None) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {pair!r}: {part!r} is not a section")
         node[leaf] = value
+    return data
+
+
+def read_settings_file(path: Path, kind: str) -> dict:
+    """The table in a TOML or JSON settings file, with one-line errors for a missing, unreadable, binary or
+    malformed file."""
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {str(path)!r} {what}; accepted: a {kind} file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not a text file (invalid UTF-8 at byte {err.start}); accepted: a {kind} "
+                          "file") from None
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror}") from None
+    try:
+        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: malformed {kind}: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of settings, got a JSON {type(data).__name__}")
     return data
 
 

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from fullband.decode.generate import generate
+from fullband.files import lock_folder, make_folder, replace_file
 from fullband.eval.loss import validation_loss
 from fullband.model.decoder import FullbandLM
 from fullband.train.checkpoint import list_checkpoints, read_trainer_state
 from fullband.train.config import load_run_config
 from fullband.train.data import prepare_data
 from fullband.train.parallel import Dist
-from fullband.train.trainer import train
+from fullband.train.trainer import RUN_FILE, train
 
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 MODES = [("standard", 0), ("soft", 0), ("fused", 1), ("fused", 2), ("exact", 0)]
@@ -32,6 +33,12 @@ def run_demo(config: str | Path = "configs/tiny.toml", run_dir: str | Path = "ru
     run_dir = Path(run_dir)
     overrides = [f'log.run_dir="{run_dir}"']
     cfg = load_run_config(config, overrides)
+    make_folder(run_dir, "demo run directory")
+    with lock_folder(run_dir, "demo run directory", hint=", or pass another --out"):
+        return _demo(cfg, config, run_dir, new_tokens=new_tokens, eval_windows=eval_windows)
+
+
+def _demo(cfg, config, run_dir: Path, *, new_tokens: int, eval_windows: int) -> int:
     t0 = time.perf_counter()
     done = list_checkpoints(run_dir)
     if done and read_trainer_state(done[-1])["step"] >= cfg.train.steps:
@@ -39,7 +46,8 @@ def run_demo(config: str | Path = "configs/tiny.toml", run_dir: str | Path = "ru
     else:
         print(f"training {config} on {cfg.data.corpus!r} ({cfg.train.steps} steps x "
               f"{cfg.train.global_batch_tokens} tokens, pass schedule {cfg.train.passes!r})")
-        train(cfg, resume=run_dir if done else None)
+        started = bool(done) or (run_dir / RUN_FILE).is_file()  # an interrupted run, with or without a checkpoint
+        train(cfg, resume=run_dir if started else None)
     train_seconds = time.perf_counter() - t0
     final = list_checkpoints(run_dir)[-1]
     model = FullbandLM.load(final)
@@ -75,10 +83,10 @@ def run_demo(config: str | Path = "configs/tiny.toml", run_dir: str | Path = "ru
     md = [f"# Demo samples ({final.name})", "", "Prompt:", "", "```python", PROMPT.rstrip(), "```", ""]
     for name, text in samples.items():
         md += [f"## {name}", "", "```python", PROMPT + text, "```", ""]
-    (run_dir / "samples.md").write_text("\n".join(md))
+    replace_file(run_dir / "samples.md", "\n".join(md))
     summary = {"checkpoint": str(final), "wall_seconds": train_seconds, "val_loss": losses, "samples": samples,
                "threads": torch.get_num_threads()}
-    (run_dir / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
+    replace_file(run_dir / "demo.json", json.dumps(summary, indent=2) + "\n")
     print(f"wrote {run_dir}/: metrics.jsonl, loss.png, val_loss.png, samples.md, demo.json, {final.name}/")
     return 0
 

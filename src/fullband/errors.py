@@ -26,6 +26,10 @@ class CheckpointError(FullbandError, OSError):
     """A checkpoint folder is missing, incomplete, corrupted or does not match its config."""
 
 
+class FullbandWarning(UserWarning):
+    """Something was accepted but deserves a look (e.g. config keys filled with defaults)."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)

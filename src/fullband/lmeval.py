@@ -13,6 +13,7 @@ what decoding in that mode sees. `loglikelihood_rolling` scores a text in max_se
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,10 @@ class FullbandHarnessLM(LM):
         check_mode(mode, error=ConfigError)
         if str(batch_size).startswith("auto"):
             batch_size = 8
-        if not str(batch_size).isdigit() or int(batch_size) < 1:
-            raise ConfigError(f"batch_size={batch_size!r} is invalid; accepted: an integer >= 1")
+        batch_size = _int_arg("batch_size", batch_size, 1)
+        max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
+        if prefill_passes != "auto":
+            prefill_passes = _int_arg("prefill_passes", prefill_passes, 0, accepted="an integer >= 0 or 'auto'")
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if dtype not in dtypes:
             raise ConfigError(f"dtype={dtype!r} is invalid; accepted: {', '.join(dtypes)}")
@@ -139,8 +142,15 @@ class FullbandHarnessLM(LM):
             kwargs = dict(kwargs or {})
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
+            max_new = _int_arg("max_gen_toks", kwargs.pop("max_gen_toks", self.max_gen_toks), 1)
+            temperature = kwargs.pop("temperature", 0.0) if kwargs.pop("do_sample", False) else 0.0
+            try:
+                temperature = float(temperature)
+            except (TypeError, ValueError):
+                temperature = float("nan")
+            if not math.isfinite(temperature) or temperature < 0:
+                raise ConfigError(f"temperature={kwargs.get('temperature', temperature)!r} in the task's generation "
+                                  "settings is invalid; accepted: a number >= 0")
             ctx = self.tokenizer.encode(context) or [self._bos]
             max_new = max(1, min(max_new, self.max_length - 1))
             ctx = ctx[-(self.max_length - max_new):]
@@ -150,6 +160,15 @@ class FullbandHarnessLM(LM):
             cuts = [text.index(stop) for stop in until if stop and stop in text]
             out.append(text[: min(cuts)] if cuts else text)
         return out
+
+
+def _int_arg(name: str, value: Any, minimum: int, accepted: str | None = None) -> int:
+    """An integer model arg or generation setting (the harness passes ints, or strings from --model_args)."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} is invalid; accepted: {accepted or f'an integer >= {minimum}'}")
+    return value
 
 
 def main() -> None:

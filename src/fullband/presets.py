@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from fullband.configio import read_settings_file
 from fullband.errors import ConfigError, closest
 from fullband.model.config import ModelConfig
 
@@ -42,14 +42,11 @@ def load_model_config(spec: str, overrides: list[str] | None = None) -> ModelCon
     if spec in PRESETS:
         data, source = dict(PRESETS[spec]), f"preset {spec!r}"
     elif path.suffix in (".toml", ".json"):
-        if not path.is_file():
-            raise ConfigError(f"config file {spec!r} does not exist")
-        try:
-            text = path.read_text()
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-            raise ConfigError(f"{spec}: malformed {path.suffix[1:].upper()}: {err}") from None
-        data, source = dict(data.get("model", data)), spec
+        data = read_settings_file(path, path.suffix[1:].upper())
+        data, source = data.get("model", data), spec
+        if not isinstance(data, dict):
+            raise ConfigError(f"{spec}: [model] is not a table of settings")
+        data = dict(data)
     else:
         raise ConfigError(
             f"config {spec!r} is neither a preset{closest(spec, PRESETS)} nor a .toml/.json file; "

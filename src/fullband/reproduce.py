@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fullband.errors import InputError, closest
+from fullband.files import replace_file
 
 BASE = "configs/tiny.toml"
 
@@ -67,7 +68,7 @@ def train_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Pat
     """Train (or reuse / resume) runs under root/<name>; returns the final checkpoint and the wall time spent."""
     from fullband.train.checkpoint import list_checkpoints, read_trainer_state
     from fullband.train.config import load_run_config
-    from fullband.train.trainer import train
+    from fullband.train.trainer import RUN_FILE, train
 
     run_dir = root / run.name
     overrides = [*run.overrides, *(extra or []), *_SETTINGS["extra"], f'log.run_dir="{run_dir}"', "log.eval_every=0"]
@@ -76,11 +77,12 @@ def train_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Pat
     t0 = time.perf_counter()
     if not (done and read_trainer_state(done[-1])["step"] >= cfg.train.steps):
         print(f"== training {run.name}: {' '.join(run.overrides)}", flush=True)
-        train(cfg, resume=run_dir if done else None)
+        started = bool(done) or (run_dir / RUN_FILE).is_file()  # an interrupted run, with or without a checkpoint
+        train(cfg, resume=run_dir if started else None)
     wall = time.perf_counter() - t0
     meta = run_dir / "wall.json"
     if wall > 5 or not meta.exists():
-        meta.write_text(json.dumps({"train_seconds": wall}))
+        replace_file(meta, json.dumps({"train_seconds": wall}))
     return list_checkpoints(run_dir)[-1], json.loads(meta.read_text())["train_seconds"]
 
 
@@ -123,7 +125,7 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
               f"Hardware: {hardware()}. Wall time of this invocation: {total / 60:.1f} min "
               "(training time per run is in the tables; reused runs cost nothing here).", ""]
     out = docs / f"{exp}.md"
-    out.write_text("\n".join(header + report) + "\n")
+    replace_file(out, "\n".join(header + report) + "\n")
     print(f"wrote {out}")
     return out
 

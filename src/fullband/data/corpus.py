@@ -4,17 +4,20 @@ The train/val split hashes each document's identity (relative path, file + line,
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
 import os
+import stat
 import sysconfig
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from fullband.errors import DataError, closest
+from fullband.errors import DataError, FullbandWarning, closest
 
 SPLITS = ("train", "val")
 DEFAULT_EXTENSIONS = (
@@ -115,6 +118,8 @@ class JsonlFiles:
         for path, key in zip(self.files, self.keys):
             with path.open("rb") as f:
                 for lineno, raw in enumerate(f, start=1):
+                    if lineno == 1:
+                        raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not part of the JSON
                     # Deciding the split first means val reads parse only ~val_percent of the lines.
                     if not raw.strip() or in_val(f"{key}:{lineno}", val_percent) != want_val:
                         continue
@@ -273,9 +278,13 @@ def _file_parts(spec: str, extensions: tuple[str, ...], text_field: str) -> list
             root, label, files = path, "directory", _walk(path, extensions)
         elif path.is_file():
             root, label, files = path.parent, "file", [path]
+        elif path.exists() or path.is_symlink():
+            raise DataError(f"corpus path {spec!r} is not a regular file or folder ({_file_kind(path)}); "
+                            f"accepted: {ACCEPTED}")
         elif any(c in spec for c in "*?["):
             root, label = _glob_root(spec), "glob"
-            files = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
+            matched = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True)]
+            files = _regular_files([p for p in matched if not p.is_dir()], spec)
             if not files:
                 raise DataError(f"corpus glob {spec!r} matches no files; accepted: {ACCEPTED}")
         else:
@@ -300,11 +309,47 @@ def _file_parts(spec: str, extensions: tuple[str, ...], text_field: str) -> list
 
 def _walk(root: Path, extensions: tuple[str, ...]) -> list[Path]:
     found = []
-    for directory, dirs, files in os.walk(root):
+    unreadable: list[str] = []
+    for directory, dirs, files in os.walk(root, onerror=lambda err: unreadable.append(f"{err.filename} ({err.strerror})")):
         # Hidden folders (.git, .venv) and EXCLUDED_DIRS are skipped; pruning in place stops the descent.
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in EXCLUDED_DIRS]
         found += [Path(directory, f) for f in files if not f.startswith(".") and Path(f).suffix.lower() in extensions]
-    return found
+    if unreadable:
+        warnings.warn(f"corpus {str(root)!r}: skipped {len(unreadable)} folder(s) that cannot be read: "
+                      f"{', '.join(unreadable[:5])}", FullbandWarning, stacklevel=4)
+    return _regular_files(found, str(root))
+
+
+def _file_kind(path: Path) -> str:
+    """What a path that is not a regular file is: 'a FIFO', 'a dangling symlink', ..."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "a dangling symlink" if path.is_symlink() else "missing"
+    except OSError as err:
+        return "a symlink loop" if err.errno == errno.ELOOP else f"unreadable: {err.strerror}"
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file" if not stat.S_ISREG(mode) else "a regular file"
+
+
+def _regular_files(paths: list[Path], spec: str) -> list[Path]:
+    """The regular files among `paths` (symlinks to regular files included); the others (FIFOs, sockets, devices,
+    dangling or looping symlinks) are skipped with one warning naming them: reading a FIFO would hang."""
+    kept, skipped = [], []
+    for path in paths:
+        kind = _file_kind(path)
+        if kind == "a regular file":
+            kept.append(path)
+        else:
+            skipped.append(f"{path.name} ({kind})")
+    if skipped:
+        warnings.warn(f"corpus {spec!r}: skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} that "
+                      f"{'is' if len(skipped) == 1 else 'are'} not a regular file: {', '.join(skipped[:5])}"
+                      f"{' ...' if len(skipped) > 5 else ''}", FullbandWarning, stacklevel=4)
+    return kept
 
 
 def _glob_root(pattern: str) -> Path:

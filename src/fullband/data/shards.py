@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -18,10 +17,14 @@ from tqdm.auto import tqdm
 
 from fullband.data.corpus import Corpus
 from fullband.errors import DataError
+from fullband.files import Kind, make_folder, make_temp, sweep_temps, writing
 
 FORMAT = "fullband-tokens"
 VERSION = 1
 MANIFEST = "manifest.json"
+CACHE_KIND = Kind("token cache", frozenset({MANIFEST}), patterns=(r"tokens-\d{5}\.bin",))
+# our temporary folders: `.NAME.*.tmp` (locked while written), and `.NAME.tmp-*` of fullband 0.1.0 (never locked)
+TEMP_PATTERN = r"\.(train|val)-[0-9a-f]{12}\.(.+\.tmp|tmp-.+)"
 SHARD_TOKENS = 64 * 2**20  # ~128 MiB per uint16 shard: large files, few handles
 BATCH_CHARS = 4 * 2**20  # text handed to encode_batch at once: big enough for its thread pool, small in memory
 
@@ -52,6 +55,9 @@ class TokenStream:
         self.path, self.manifest, self.cached = path, manifest, cached  # cached: reused, nothing was tokenised
         self._shards = shards
         self._starts = np.cumsum([0] + [len(s) for s in shards])  # token offset of each shard, then the total
+        tokenizer = manifest.get("tokenizer")
+        vocab = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
+        self._vocab = vocab if isinstance(vocab, int) and vocab > 0 else int(np.iinfo(_dtype(manifest["dtype"])).max) + 1
 
     @classmethod
     def open(cls, directory: str | Path, *, cached: bool = True) -> "TokenStream":
@@ -104,6 +110,9 @@ class TokenStream:
             out[pos - start : pos - start + take] = self._shards[i][lo : lo + take]
             pos += take
             i += 1
+        if len(out) and int(out.max()) >= self._vocab:  # a tokenizer never writes such an id: the file was damaged
+            raise DataError(f"token cache {self.path} is damaged: tokens {start}..{stop} hold id {int(out.max())}, "
+                            f"but its tokenizer has {self._vocab} ids; delete {self.path} and it is rebuilt")
         return out
 
     def __getitem__(self, index: slice) -> np.ndarray:
@@ -133,19 +142,25 @@ def tokenize_corpus(
     key = cache_key(corpus.fingerprint, tokenizer.fingerprint, split)
     cache_dir = Path(cache_dir)
     out = cache_dir / f"{split}-{key}"
+    # temporary folders of writers that were killed (a live writer holds a lock on its own)
+    sweep_temps(cache_dir, TEMP_PATTERN)
     if _read_manifest(out, key) is not None:
         try:
             return TokenStream.open(out, cached=True)
         except DataError:
             shutil.rmtree(out, ignore_errors=True)  # a damaged cache (missing or truncated shard) is rebuilt
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=cache_dir))
+    make_folder(cache_dir, "token cache folder")
+    action = f"tokenise the {split!r} split into the cache"
+    with writing(cache_dir, action):
+        tmp, lock = make_temp(cache_dir, f".{out.name}.")
     try:
-        _write_shards(tmp, corpus, tokenizer, split, key, progress=progress, shard_tokens=shard_tokens)
-        _publish(tmp, out, key)
+        with writing(tmp, action):
+            _write_shards(tmp, corpus, tokenizer, split, key, progress=progress, shard_tokens=shard_tokens)
+            _publish(tmp, out, key)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        lock.release()
     return TokenStream.open(out, cached=False)
 
 
@@ -230,9 +245,13 @@ class _ShardWriter:
 
 
 def _publish(tmp: Path, out: Path, key: str) -> None:
-    """Move the finished folder into place; a stale folder is replaced, a concurrent writer's result is kept."""
+    """Move the finished folder into place; a stale folder of ours is replaced, a concurrent writer's result is
+    kept, and anything else in the way is refused."""
     if _read_manifest(out, key) is not None:
         return  # another process finished the same cache while we tokenised; the caller drops ours
+    if out.is_symlink() or (out.exists() and not (out.is_dir() and CACHE_KIND.recognises(out))):
+        raise DataError(f"{out} is in the way of the token cache and was not written by fullband; move it away "
+                        "(or choose another data.cache_dir)")
     if out.exists():
         shutil.rmtree(out)
     try:

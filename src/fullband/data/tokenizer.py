@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from fullband.errors import CheckpointError, InputError
+from fullband.files import Kind, atomic_folder, check_destination
 
 TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_IDS_FILE = "special_ids.json"  # beside a pretrained model's tokenizer.json: its BOS / EOS / PAD ids
+TOKENIZER_KIND = Kind("tokenizer folder", frozenset({TOKENIZER_FILE, SPECIAL_IDS_FILE}))
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 INSTALL_HINT = "pip install 'fullband[data]'"
 
@@ -37,6 +39,11 @@ class ByteTokenizer:
     kind = "byte"
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation by default (fullband generate stops at them unless --ignore-eos)."""
+        return (self.eos_id,)
 
     @property
     def fingerprint(self) -> str:
@@ -127,6 +134,11 @@ class BPETokenizer:
     def hf_tokenizer(self) -> Any:
         return self._tok
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation by default (fullband generate stops at them unless --ignore-eos)."""
+        return (self.eos_id,)
+
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
         _check_text(text)
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -154,9 +166,20 @@ class PretrainedTokenizer(BPETokenizer):
 
     kind = "pretrained"
 
+    def __init__(self, hf_tokenizer: Any, *, source: str = "the given tokenizer",
+                 special_ids: tuple[int, int, int] | None = None, stop_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(hf_tokenizer, source=source, special_ids=special_ids)
+        self._stop_ids = tuple(stop_ids) or (self.eos_id,)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation by default: the model's own EOS id(s) (a Llama 3 has several)."""
+        return self._stop_ids
+
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "PretrainedTokenizer":
-        """The fast tokenizer of the model at `path` (a folder, or a hub id when online)."""
+    def from_pretrained(cls, path: str | Path, *, stop_ids: tuple[int, ...] = ()) -> "PretrainedTokenizer":
+        """The fast tokenizer of the model at `path` (a folder, or a hub id when online); `stop_ids` (default: its
+        EOS) are the ids that end a generation."""
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -176,11 +199,11 @@ class PretrainedTokenizer(BPETokenizer):
                              "document-start token")
         eos = eos if eos is not None else bos
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-        return cls(backend, source=str(path), special_ids=(bos, eos, pad))
+        return cls(backend, source=str(path), special_ids=(bos, eos, pad), stop_ids=stop_ids)
 
     def save(self, directory: str | Path) -> None:
         super().save(directory)
-        ids = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
+        ids = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id, "stop_ids": list(self.stop_ids)}
         (Path(directory) / SPECIAL_IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
 
 
@@ -236,8 +259,10 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
         try:
             ids = json.loads(ids_path.read_text())
             special = (int(ids["bos_id"]), int(ids["eos_id"]), int(ids["pad_id"]))
-            return PretrainedTokenizer(_hf_tokenizers().Tokenizer.from_str(text), source=str(path), special_ids=special)
-        except (OSError, ValueError, KeyError, TypeError) as err:
+            stops = tuple(int(i) for i in ids.get("stop_ids", ()))
+            return PretrainedTokenizer(_hf_tokenizers().Tokenizer.from_str(text), source=str(path), special_ids=special,
+                                       stop_ids=stops)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{ids_path} is corrupted: {err}") from None
         except Exception as err:  # the Rust side raises a plain Exception on any schema problem
             raise CheckpointError(f"{path} is not a valid Hugging Face tokenizer.json: {err}") from None
@@ -268,22 +293,24 @@ def train_tokenizer_cli(
     min_frequency: int = 2,
     max_chars: int | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> BPETokenizer:
     """`fullband tokenizer train`: train a BPE on the train split of `corpus` and save it to `out`/tokenizer.json.
 
-    `max_chars` stops reading documents once that many characters were taken (BPE training time grows
-    with the text); the held-out split is never seen, so validation loss stays honest.
+    `out` must be new or empty, or (with `overwrite`) a tokenizer folder written earlier; that is checked before
+    the training starts. `max_chars` stops reading documents once that many characters were taken (BPE training
+    time grows with the text); the held-out split is never seen, so validation loss stays honest.
     """
     from fullband.data.corpus import resolve_corpus
 
-    source = resolve_corpus(corpus, text_field=text_field, val_percent=val_percent)
-    if max_chars is not None and (not isinstance(max_chars, int) or max_chars < 1):
+    if max_chars is not None and (isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1):
         raise InputError(f"max_chars={max_chars!r}; accepted: a positive integer or None")
+    check_destination(out, TOKENIZER_KIND, overwrite=overwrite)
+    source = resolve_corpus(corpus, text_field=text_field, val_percent=val_percent)
     tok = train_bpe(_capped(source.documents("train"), max_chars), vocab_size,
                     min_frequency=min_frequency, show_progress=progress)
-    directory = Path(out)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(directory)
+    with atomic_folder(out, TOKENIZER_KIND, overwrite=overwrite, action="save the tokenizer") as tmp:
+        tok.save(tmp)
     return tok
 
 

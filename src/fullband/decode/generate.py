@@ -11,6 +11,7 @@ same decode step (model.step). Ragged batches are right-padded; each row advance
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -66,15 +67,7 @@ def stream(
     ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_mode(mode)
-    tol = None
-    if prefill_passes == "auto":
-        check_int("max_prefill_passes", max_prefill_passes, 1)
-        if isinstance(prefill_tol, bool) or not isinstance(prefill_tol, int | float) or not prefill_tol > 0:
-            raise InputError(f"prefill_tol={prefill_tol!r} is invalid; accepted: a number > 0")
-        prefill_passes, tol = max_prefill_passes, float(prefill_tol)
-    elif isinstance(prefill_passes, str):
-        raise InputError(f"prefill_passes={prefill_passes!r} is invalid; accepted: an integer >= 0 or 'auto'")
-    check_int("prefill_passes", prefill_passes, 0)
+    prefill_passes, tol = check_prefill(prefill_passes, cfg.max_seq_len, prefill_tol, max_prefill_passes)
     if mode != "standard" and not cfg.has_feedback:
         raise InputError(f"mode={mode!r} needs feedback weights; this model has fusion='none' (use mode='standard')")
     longest = int(lengths.max())
@@ -162,7 +155,8 @@ def prefill(model, ids: Tensor, cache: KVCache | None, mode: str, passes: int, *
         out = model.recurrent_forward(ids, cache=cache, return_logits=return_logits)
         out.passes_used = 0
         return out
-    return model(ids, passes=passes, cache=cache, return_logits=return_logits, tol=tol)
+    # T passes reach the fixed point of a T-token prompt; further passes would recompute it unchanged
+    return model(ids, passes=min(passes, ids.shape[1]), cache=cache, return_logits=return_logits, tol=tol)
 
 
 def _step(model, ks: list[Tensor], vs: list[Tensor], tokens, positions, prev, plain, kv_len: int, mask):
@@ -254,16 +248,44 @@ def check_mode(mode, name: str = "mode", error: type[Exception] = InputError) ->
     return mode
 
 
+def check_prefill(prefill_passes, max_seq_len: int, prefill_tol=1e-3, max_prefill_passes: int = 32,
+                  error: type[Exception] = InputError) -> tuple[int, float | None]:
+    """(fused passes to run at most, tolerance or None) for prefill_passes = an integer or "auto".
+
+    The cap is max_seq_len: a prompt of T tokens is exact (the recurrence's fixed point) after T passes, so more
+    can change nothing (and prefill never runs more passes than the prompt is long)."""
+    tol = None
+    if prefill_passes == "auto":
+        check_int("max_prefill_passes", max_prefill_passes, 1, error)
+        if (isinstance(prefill_tol, bool) or not isinstance(prefill_tol, int | float) or not prefill_tol > 0
+                or not math.isfinite(prefill_tol)):
+            raise error(f"prefill_tol={prefill_tol!r} is invalid; accepted: a finite number > 0")
+        prefill_passes, tol, name = max_prefill_passes, float(prefill_tol), "max_prefill_passes"
+    elif isinstance(prefill_passes, str):
+        raise error(f"prefill_passes={prefill_passes!r} is invalid; accepted: an integer >= 0 or 'auto'")
+    else:
+        name = "prefill_passes"
+    check_int(name, prefill_passes, 0, error)
+    if prefill_passes > max_seq_len:
+        raise error(f"{name}={prefill_passes} is above the cap of max_seq_len={max_seq_len}: a prompt is exact "
+                    f"after as many passes as it has tokens, so more cannot change anything; accepted: 0 <= "
+                    f"{name} <= {max_seq_len}")
+    return prefill_passes, tol
+
+
 def check_sampling(temperature, top_k, top_p, seed) -> None:
     """Raise InputError for a sampling setting `sample` cannot honour."""
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
-        raise InputError(f"temperature={temperature!r} is invalid; accepted: a number >= 0 (0 = greedy)")
+    if (isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature >= 0
+            or not math.isfinite(temperature)):
+        raise InputError(f"temperature={temperature!r} is invalid; accepted: a finite number >= 0 (0 = greedy)")
     if top_k is not None:
         check_int("top_k", top_k, 1)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
         raise InputError(f"top_p={top_p!r} is invalid; accepted: 0 < top_p <= 1")
     if seed is not None:
         check_int("seed", seed, 0)
+        if seed >= 2**63:
+            raise InputError(f"seed={seed} is out of range; accepted: an integer 0 <= seed < 2**63")
 
 
 def _check_stop_tokens(stop_tokens, vocab_size: int) -> Tensor | None:

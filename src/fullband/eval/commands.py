@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from fullband.data.sampler import count_windows, read_windows
 from fullband.data.tokenizer import load_tokenizer
 from fullband.errors import ConfigError
+from fullband.files import OutputError, check_writable, make_folder, read_json, replace_file, writing
 from fullband.model.decoder import FullbandLM
 
 
@@ -66,14 +68,42 @@ def bytes_per_token(tokenizer, vocab_size: int) -> torch.Tensor:
     return table
 
 
+def check_out(out: str | Path, name: str) -> Path:
+    """The folder for NAME.json / NAME.png, refused now (before any work) when it is a file or not writable, or
+    when it holds a NAME.json / NAME.png that fullband eval did not write (those are never overwritten)."""
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise OutputError(f"--out {str(out)!r} is a file; accepted: a folder for {name}.json / {name}.png")
+    ours = "checkpoint" in (read_json(out / f"{name}.json") or {})  # every eval result names its checkpoint
+    theirs = [f for f in (f"{name}.json", f"{name}.png") if (out / f).exists() and not ours]
+    if theirs:
+        raise OutputError(f"--out {str(out)!r} holds {' and '.join(theirs)}, not written by fullband eval; nothing "
+                          "was overwritten. Choose another --out")
+    check_writable(out, "--out")
+    return out
+
+
+def require_sklearn() -> None:
+    """The probes fit logistic regressions with scikit-learn: refuse before any model work when it is missing."""
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise ConfigError("the probes need scikit-learn, which is not installed: pip install 'fullband[eval]'") from None
+
+
 def _save(out: Path, name: str, result: dict, fig=None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    """WHAT.json and WHAT.png into `out`, each through a temporary file and a rename."""
+    check_out(out, name)
+    make_folder(out, "--out")
+    replace_file(out / f"{name}.json", json.dumps(result, indent=2) + "\n")
     if fig is not None:
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=120)
         import matplotlib.pyplot as plt
 
+        fig.tight_layout()
+        tmp = out / f".{name}.png.tmp"
+        with writing(out, f"write {name}.png"):
+            fig.savefig(tmp, dpi=120, format="png")
+            os.replace(tmp, out / f"{name}.png")
         plt.close(fig)
 
 
@@ -86,6 +116,13 @@ def _plt():
     return plt
 
 
+def _check_counts(**values: tuple[int, int]) -> None:
+    """ConfigError for the first name=(value, minimum) whose value is not an integer >= minimum."""
+    for name, (value, minimum) in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{name}={value!r} is invalid; accepted: an integer >= {minimum}")
+
+
 # ---------------------------------------------------------------------- eval loss
 @torch.no_grad()
 def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = True, seq_len: int = 256,
@@ -94,6 +131,15 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
     """Held-out loss for STANDARD, FUSED with k = 1..max_prefill prefill passes, adaptive prefill (iterate until
     the RMS state update < tol, at most max_auto fused passes) for each of `auto_tols`, and the exact recurrence."""
     checkpoint = Path(checkpoint)
+    _check_counts(seq_len=(seq_len, 1), windows=(windows, 0), batch_size=(batch_size, 1), max_prefill=(max_prefill, 0),
+                  max_auto=(max_auto, 1))
+    if max_prefill > seq_len:
+        raise ConfigError(f"max_prefill={max_prefill} is above seq_len={seq_len}: {seq_len} passes already make every "
+                          "window exact (the 'exact' row); accepted: 0 <= max_prefill <= seq_len")
+    for tol in auto_tols:
+        if isinstance(tol, bool) or not isinstance(tol, int | float) or not (math.isfinite(tol) and tol > 0):
+            raise ConfigError(f"auto tolerance {tol!r} is invalid; accepted: a finite number > 0")
+    check_out(Path(out) if out else checkpoint / "eval", "loss")
     model, tok = load(checkpoint)
     stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=None)
     seq_len = min(seq_len, model.config.max_seq_len)
@@ -169,6 +215,11 @@ def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windo
     from fullband.eval.stability import KS, contraction, jacobi_sweep
 
     checkpoint = Path(checkpoint)
+    _check_counts(seq_len=(seq_len, 1), windows=(windows, 0), batch_size=(batch_size, 1),
+                  contraction_windows=(contraction_windows, 1))
+    if ks is not None:
+        _check_counts(**{f"ks[{i}]": (k, 1) for i, k in enumerate(ks)})
+    check_out(Path(out) if out else checkpoint / "eval", "stability")
     model, tok = load(checkpoint)
     stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=None)
     seq_len = min(seq_len, model.config.max_seq_len)
@@ -220,7 +271,10 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
     from fullband.data.synthetic import SCRATCH, completion_tracking, delayed_memory, register_last_write
     from fullband.eval.probe import answer_accuracy, final_streams, probe_by_depth
 
+    require_sklearn()
     checkpoint = Path(checkpoint)
+    _check_counts(suffix=(suffix, 1))
+    check_out(Path(out) if out else checkpoint / "eval", "probe")
     model, tok = load(checkpoint)
     scratch = tuple(scratch or SCRATCH)
     build = {"completion": lambda: completion_tracking(scratch=scratch), "memory": lambda: delayed_memory(scratch=scratch),
@@ -267,6 +321,8 @@ def eval_generate_length(checkpoint: str | Path, prompts: str | Path, *, modes=(
     from fullband.eval.generation import generation_lengths, read_prompts
 
     checkpoint = Path(checkpoint)
+    _check_counts(max_new_tokens=(max_new_tokens, 1))
+    check_out(Path(out) if out else checkpoint / "eval", "generate_length")
     model, tok = load(checkpoint)
     rows = read_prompts(prompts)
     res = generation_lengths(model, tok, rows, list(modes), max_new_tokens=max_new_tokens, stop_text=stop_text)

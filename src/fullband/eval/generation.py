@@ -28,7 +28,12 @@ def read_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field
     if not path.is_file():
         raise DataError(f"prompt file {str(path)!r} does not exist")
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is read past
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); accepted: a UTF-8 JSONL file "
+                        "with one {\"prompt\": ...} object per line") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -12,17 +12,30 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from fullband.errors import CheckpointError, ConfigError
+from fullband.files import Kind, atomic_folder, check_destination, read_json
 
 KINDS = ("native", "hf", "llama")
 TARGETS = ("hf", "native")
 BYTE_TOKENIZER_FILE = "fullband_tokenizer.json"  # our byte tokenizer, kept beside an HF folder for the way back
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def _is_hf_fullband(folder: Path) -> bool:
+    data = read_json(folder / "config.json")
+    return data is not None and data.get("model_type") == "fullband"
+
+
+# what save_pretrained and convert write into a transformers folder of ours
+HF_KIND = Kind("transformers fullband folder",
+               frozenset({"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                          "modeling_fullband.py", "chat_template.jinja", "added_tokens.json", BYTE_TOKENIZER_FILE,
+                          *HF_TOKENIZER_FILES}),
+               patterns=(r"model-\d{5}-of-\d{5}\.safetensors",), marker=_is_hf_fullband)
 
 
 def detect(src: str | Path) -> str:
@@ -47,7 +60,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
             fusion: str = "gated", overwrite: bool = False) -> tuple[str, str]:
     """Convert folder `src` into `dst` (format `to`: 'hf' or 'native'; default the other one, 'native' for a
     Llama). Returns (source kind, target kind)."""
-    from fullband.checkpoint import _replace_dir
+    from fullband.checkpoint import MODEL_KIND
 
     src, dst = Path(src), Path(dst)
     kind = detect(src)
@@ -57,25 +70,34 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
     if kind == target:
         raise ConfigError(f"{str(src)!r} is already a {kind} folder; accepted targets from it: "
                           f"{', '.join(t for t in TARGETS if t != kind)}")
-    if dst.exists() and not overwrite and any(dst.iterdir()):
-        raise CheckpointError(f"{str(dst)!r} exists and is not empty; choose another folder, or overwrite=True (--overwrite)")
-    if dst.resolve() == src.resolve():
-        raise CheckpointError("source and destination are the same folder")
+    out_kind = HF_KIND if target == "hf" else MODEL_KIND
+    flag = "overwrite=True (--overwrite)"
+    # before the (slow) read, and again before the rename
+    check_destination(dst, out_kind, overwrite=overwrite, sources=[src], flag=flag, error=CheckpointError)
     native = _read_native(src, kind, fusion)
     if dtype is not None:
         native = native.to(dtype)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
-    try:
+    stops = source_stop_ids(src) if kind == "llama" else []
+    with atomic_folder(dst, out_kind, overwrite=overwrite, sources=[src], flag=flag, error=CheckpointError,
+                       action=f"write the {target} folder") as tmp:
         if target == "hf":
-            _write_hf(native, tmp, src, kind)
+            _write_hf(native, tmp, src, kind, stops)
         else:
-            _write_native(native, tmp, src)
-        _replace_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            _write_native(native, tmp, src, kind, stops)
     return kind, target
+
+
+def source_stop_ids(src: Path) -> list[int]:
+    """The EOS id(s) a transformers folder declares (generation_config.json, else config.json; [] when none):
+    the converted model keeps them as its default stop tokens, as transformers' generate would stop there."""
+    for name in ("generation_config.json", "config.json"):
+        data = read_json(src / name) or {}
+        eos = data.get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos]
+        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+        if ids:
+            return ids
+    return []
 
 
 def _read_native(src: Path, kind: str, fusion: str):
@@ -92,10 +114,11 @@ def _read_native(src: Path, kind: str, fusion: str):
     return FullbandForCausalLM.from_pretrained(src).to_native()
 
 
-def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str) -> None:
+def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int]) -> None:
     from fullband.hf.modeling import FullbandForCausalLM
 
-    FullbandForCausalLM.from_native(native).save_pretrained(out)
+    eos = {"eos_token_id": stops if len(stops) > 1 else stops[0]} if stops else {}
+    FullbandForCausalLM.from_native(native, **eos).save_pretrained(out)
     if kind == "llama":  # an HF tokenizer already: copy its files
         for name in HF_TOKENIZER_FILES:
             if (tokenizer_dir / name).is_file():
@@ -115,18 +138,23 @@ def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str) -> None:
         shutil.copy2(tokenizer_dir / "tokenizer.json", out / BYTE_TOKENIZER_FILE)
 
 
-def _write_native(native, out: Path, tokenizer_dir: Path) -> None:
+def _write_native(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int]) -> None:
+    """model.safetensors + tokenizer + config.json (last: it records the other files)."""
     from fullband.checkpoint import write_model_files
+    from fullband.data.tokenizer import PretrainedTokenizer, load_tokenizer
 
-    write_model_files(out, native.config, native.state_dict())
+    tokenizer = None
     byte = tokenizer_dir / BYTE_TOKENIZER_FILE
-    if byte.is_file():
+    if (tokenizer_dir / "tokenizer.json").is_file() and kind == "llama":
+        # its own tokenizer, with its BOS and EOS ids: fullband generate stops at the EOS, as transformers does
+        tokenizer = PretrainedTokenizer.from_pretrained(tokenizer_dir, stop_ids=tuple(stops))
+    elif byte.is_file():
         shutil.copy2(byte, out / "tokenizer.json")
     elif (tokenizer_dir / "tokenizer.json").is_file():
-        from fullband.data.tokenizer import load_tokenizer
-
         try:
             load_tokenizer(tokenizer_dir)
         except CheckpointError:  # a tokenizer the native tools cannot read: leave it with its model
-            return
-        shutil.copy2(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+            pass
+        else:
+            shutil.copy2(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    write_model_files(out, native.config, native.state_dict(), tokenizer=tokenizer)

@@ -171,13 +171,15 @@ class LatentFeedback(nn.Module):
         (B, max_new_tokens) new tokens. STANDARD is the wrapped model's own decoding; SOFT feeds each position's
         top state into the next; FUSED first runs 1 + prefill_passes Jacobi passes over the prompt; EXACT runs
         the prompt through the recurrence. temperature 0 is greedy; else sampling with top_k / top_p."""
-        from fullband.decode.generate import check_int, check_mode, check_sampling
+        from fullband.decode.generate import check_int, check_mode, check_prefill, check_sampling
         from fullband.decode.sampling import sample
 
         self.check_ids(input_ids)
         check_mode(mode)
         check_int("max_new_tokens", max_new_tokens, 1)
-        check_int("prefill_passes", prefill_passes, 0)
+        if prefill_passes == "auto":
+            raise InputError("prefill_passes='auto' is not available for a wrapped HF model; accepted: an integer >= 0")
+        check_prefill(prefill_passes, self.config.max_seq_len)
         check_sampling(temperature, top_k, top_p, seed)
         if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
             raise InputError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
@@ -243,26 +245,49 @@ def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torc
     return LatentFeedback(model, config=config)
 
 
-def load_feedback(directory: str | Path, config: ModelConfig, hf_config: dict, *,
+SIZE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
+
+
+def load_feedback(directory: str | Path, config: ModelConfig, hf_config: dict, *, header: dict | None = None,
                   device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LatentFeedback:
     """Rebuild a saved LatentFeedback from its folder's ModelConfig and HF config (config.json, read by
-    fullband.checkpoint.load_model) and its model.safetensors."""
-    from fullband.checkpoint import CONFIG_FILE, load_state
+    fullband.checkpoint.load_model) and its model.safetensors. The HF config must describe the same sizes as
+    the ModelConfig, and the model it builds (on the meta device first) the tensors of the weights file's
+    header: nothing full-size is allocated for a folder whose files disagree."""
+    from fullband.checkpoint import CONFIG_FILE, check_shapes, load_state, read_header
     from fullband.hf.llama import _transformers
 
     tf = _transformers()
     directory = Path(directory)
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{directory / CONFIG_FILE}: {HF_CONFIG_KEY!r} is not a table of transformers settings")
     hf_dict = dict(hf_config)
     model_type = hf_dict.pop("model_type", None)
     try:
         hf_model_config = tf.AutoConfig.for_model(model_type, **hf_dict)
-    except (KeyError, ValueError) as err:
+        described = config_for(hf_model_config, config)
+    except (KeyError, ValueError, TypeError, ConfigError) as err:
         raise CheckpointError(f"{directory / CONFIG_FILE}: cannot rebuild the wrapped model "
                               f"(model_type={model_type!r}): {err}") from None
+    differ = [f"{f}: {getattr(described, f)} in {HF_CONFIG_KEY}, {getattr(config, f)} in model"
+              for f in SIZE_FIELDS if getattr(described, f) != getattr(config, f)]
+    if differ:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: its {HF_CONFIG_KEY!r} and 'model' sections describe "
+                              f"different models ({'; '.join(differ)})")
+    header = header if header is not None else read_header(directory)
+    with torch.device("meta"):
+        shell = tf.AutoModelForCausalLM.from_config(hf_model_config)
+        fusion = build_fusion(config.fusion, config.d_model)
+    expected = {f"hf.{k}": tuple(v.shape) for k, v in shell.state_dict().items()}
+    expected.update({f"fusion.{k}": tuple(v.shape) for k, v in fusion.state_dict().items()})
+    expected["norm_in.weight"] = (config.d_model,)
+    del shell, fusion
+    check_shapes(directory, config, expected, header)
+    state = load_state(directory)
     hf_model = tf.AutoModelForCausalLM.from_config(hf_model_config)
     wrapper = LatentFeedback(hf_model, config=config)
     try:
-        wrapper.load_state_dict(load_state(directory), strict=True)
+        wrapper.load_state_dict(state, strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"{directory}: weights do not match the wrapped {type(hf_model).__name__}: {err}") from None
     wrapper = wrapper.to(device)

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fullband.decode.cache import KVCache
-from fullband.decode.generate import check_int, check_mode, prefill
+from fullband.decode.generate import check_int, check_mode, check_prefill, prefill
 from fullband.errors import ConfigError, InputError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM, init_parameter_
@@ -73,7 +73,9 @@ class FullbandConfig(PretrainedConfig):
             if name != "bos_token_id":
                 setattr(self, name, value)
         self.feedback_mode = check_mode(feedback_mode, "feedback_mode", ConfigError)
-        self.prefill_passes = check_int("prefill_passes", prefill_passes, 0, ConfigError)
+        if prefill_passes == "auto":
+            raise ConfigError("prefill_passes='auto' is not available in the transformers class; accepted: an integer >= 0")
+        self.prefill_passes, _ = check_prefill(prefill_passes, resolved.max_seq_len, error=ConfigError)
         self.use_cache = bool(use_cache)
         kwargs["bos_token_id"] = resolved.bos_token_id
         # the native model ties (or not) its own head; transformers must not tie anything
@@ -251,8 +253,10 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         mode = check_mode(feedback_mode if feedback_mode is not None else self.config.feedback_mode, "feedback_mode",
                           ConfigError)
-        k = check_int("prefill_passes", prefill_passes if prefill_passes is not None else self.config.prefill_passes,
-                      0, ConfigError)
+        k = prefill_passes if prefill_passes is not None else self.config.prefill_passes
+        if k == "auto":
+            raise ConfigError("prefill_passes='auto' is not available in the transformers class; accepted: an integer >= 0")
+        k, _ = check_prefill(k, self.model.config.max_seq_len, error=ConfigError)
         model = self.model
         if mode != "standard" and not model.config.has_feedback:
             raise InputError(f"feedback_mode={mode!r} needs feedback weights; this model has fusion='none'")

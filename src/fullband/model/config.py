@@ -6,12 +6,16 @@ The resolved config travels with every checkpoint (`config.json`), so a folder a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from fullband.errors import ConfigError, closest
 
 FUSIONS = ("gated", "additive", "concat", "none")
+# RoPE tables cover max_seq_len positions and are built with the model: 2**20 positions is already 1 GiB of tables
+# at head_dim 128. A longer context is refused rather than allocated (a hostile config.json must not ask for TBs).
+MAX_SEQ_LEN = 2**20
 FEEDBACKS = ("final", "residual")
 
 
@@ -68,6 +72,9 @@ class ModelConfig:
         ints = ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
         for name in ints:
             _check_int(name, getattr(self, name), minimum=1)
+        if self.max_seq_len > MAX_SEQ_LEN:
+            raise ConfigError(f"max_seq_len={self.max_seq_len} is out of range; accepted: 1 <= max_seq_len <= "
+                              f"{MAX_SEQ_LEN} (2**20; the RoPE tables are built for every position)")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         _check_int("n_kv_heads", self.n_kv_heads, minimum=1)
@@ -157,6 +164,9 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
 def _check_float(name: str, value: Any, *, positive: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name}={value!r} must be a number (got {type(value).__name__})")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r} is not a finite number; accepted: a finite number "
+                          f"{'> 0' if positive else '>= 0'}")
     if positive and not value > 0:
         raise ConfigError(f"{name}={value} is out of range; accepted: a number > 0")
     if not positive and not value >= 0:

@@ -213,10 +213,12 @@ class FullbandLM(nn.Module):
     def num_params(self, *, fusion: bool = True) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if fusion or not n.startswith("fusion."))
 
-    def save(self, directory: str | Path, **extra_files) -> Path:
+    def save(self, directory: str | Path, *, tokenizer=None, overwrite: bool = False) -> Path:
+        """config.json + model.safetensors (+ tokenizer.json) into a new or empty folder; overwrite=True replaces
+        a model folder saved earlier (never a folder holding anything else)."""
         from fullband.checkpoint import save_model
 
-        return save_model(self, directory, **extra_files)
+        return save_model(self, directory, tokenizer=tokenizer, overwrite=overwrite)
 
     @classmethod
     def load(cls, directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "FullbandLM":

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fullband.checkpoint import load_state, model_metadata, write_model_files
+from fullband.checkpoint import FILES_KEY, load_state, model_metadata, read_config_file, write_model_files
 from fullband.errors import CheckpointError
+from fullband.files import check_record, writing
 from fullband.train.parallel import Dist, barrier, is_fsdp, unwrap
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -42,7 +43,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first (temporary folders of an interrupted write are ignored)."""
     if not run_dir.is_dir():
         return []
-    found = [p for p in run_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / TRAINER_FILE).is_file()]
+    found = [p for p in run_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / TRAINER_FILE).is_file()
+             and (p / "config.json").is_file()]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
@@ -57,27 +59,40 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, *, d: Dist, tokenizer=None,
                     keep_last: int = 3) -> Path:
-    """Write step_NNNNNN/ atomically: every file goes to a temporary folder renamed into place at the end."""
+    """Write step_NNNNNN/ atomically: every file goes to a temporary folder renamed into place at the end;
+    config.json, written last, records the size and sha256 of every other file. A failed write (a full disk)
+    removes the temporary folder and says what happened; the previous checkpoints are untouched."""
     final = run_dir / f"step_{step:06d}"
     tmp = run_dir / f".step_{step:06d}.tmp"
-    if d.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(d)
-    state = model_state(model)
-    fsdp = is_fsdp(model)
-    if fsdp:  # optimizer state is sharded like the parameters: one file per rank
-        torch.save(optimizer.state_dict(), tmp / f"optimizer.rank{d.rank}.pt")
-    if d.main:
-        write_model_files(tmp, unwrap(model).config, state, tokenizer=tokenizer, metadata=model_metadata(unwrap(model)))
-        if not fsdp:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(
-            {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-            tmp / "rng.pt",
-        )
-        payload = {**trainer_state, "step": step, "world_size": d.world, "fsdp": fsdp, "code": code_version()}
-        (tmp / TRAINER_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    action = f"write checkpoint {final.name}"
+    try:
+        if d.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            with writing(run_dir, action):
+                tmp.mkdir(parents=True)
+        barrier(d)
+        state = model_state(model)
+        fsdp = is_fsdp(model)
+        with writing(tmp, action):
+            if fsdp:  # optimizer state is sharded like the parameters: one file per rank
+                torch.save(optimizer.state_dict(), tmp / f"optimizer.rank{d.rank}.pt")
+            if d.main:
+                if not fsdp:
+                    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                torch.save(
+                    {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                    tmp / "rng.pt",
+                )
+                payload = {**trainer_state, "step": step, "world_size": d.world, "fsdp": fsdp, "code": code_version()}
+                (tmp / TRAINER_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+            barrier(d)
+            if d.main:  # config.json last: it records every other file, the optimizer shards included
+                write_model_files(tmp, unwrap(model).config, state, tokenizer=tokenizer,
+                                  metadata=model_metadata(unwrap(model)))
+    except BaseException:
+        if d.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     barrier(d)
     if d.main:
         if final.exists():
@@ -89,14 +104,24 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
     return final
 
 
+TRAINER_KEYS = ("step", "tokens", "compute_tokens", "elapsed", "sampler")
+
+
 def read_trainer_state(path: Path) -> dict:
     missing = [name for name in REQUIRED if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: missing {', '.join(missing)}")
     try:
-        return json.loads((path / TRAINER_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        state = json.loads((path / TRAINER_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path / TRAINER_FILE} is corrupted: {err}") from None
+    lacking = [k for k in TRAINER_KEYS if not isinstance(state, dict) or k not in state]
+    if lacking:
+        raise CheckpointError(f"{path / TRAINER_FILE} is damaged: it lacks {', '.join(lacking)}; resume from an "
+                              f"earlier checkpoint of the run (--resume {path.parent}/step_NNNNNN)")
+    if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 0:
+        raise CheckpointError(f"{path / TRAINER_FILE}: step={state['step']!r} is invalid; accepted: an integer >= 0")
+    return state
 
 
 def load_checkpoint(path: Path, model, optimizer, *, d: Dist) -> dict:
@@ -108,7 +133,13 @@ def load_checkpoint(path: Path, model, optimizer, *, d: Dist) -> dict:
             f"checkpoint {str(path)!r} was written with fsdp={state.get('fsdp')} on {state.get('world_size')} "
             f"processes; this run has fsdp={fsdp} on {d.world} (FSDP optimizer shards need the same world size)"
         )
-    weights = load_state(path)
+    data = read_config_file(path)
+    problems = check_record(path, data.get(FILES_KEY, {}), hashes=False)
+    if problems:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete or damaged: {'; '.join(problems)}; resume from "
+                              f"an earlier checkpoint (--resume {path.parent}/step_NNNNNN); `fullband doctor {path}` "
+                              "checks every file")
+    weights = load_state(path, data)
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

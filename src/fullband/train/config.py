@@ -3,18 +3,18 @@ dataclass; the resolved config is saved in every run directory and checkpoint.""
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fullband.configio import apply_overrides, from_dict, to_dict
+from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
 from fullband.errors import ConfigError
 from fullband.model.config import ModelConfig
 from fullband.train.optim import OptimConfig
 from fullband.train.schedule import PassSchedule
 
 DTYPES = ("auto", "float32", "bfloat16")
+MAX_SEED = 2**63  # seeds are signed 64-bit integers (TOML's range)
 PARALLEL = ("ddp", "fsdp")
 
 
@@ -59,6 +59,8 @@ class TrainConfig:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} is out of range; accepted: an integer >= 1")
+        if not 0 <= self.seed < MAX_SEED:
+            raise ConfigError(f"train.seed={self.seed} is out of range; accepted: an integer 0 <= seed < 2**63")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ConfigError(
                 f"train.warmup_steps={self.warmup_steps} is out of range; accepted: 0 <= warmup_steps <= "
@@ -144,16 +146,8 @@ class RunConfig:
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a recipe TOML (or a saved run.json), apply `section.key=value` overrides, validate everything."""
-    import json
-
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path}: malformed {'JSON' if path.suffix == '.json' else 'TOML'}: {err}") from None
+    data = read_settings_file(path, "TOML" if path.suffix != ".json" else "JSON")
     data = apply_overrides(data, overrides)
     try:
         return RunConfig.from_dict(data)

@@ -4,15 +4,15 @@ shards for the train and validation splits, the step-deterministic sampler and f
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.data.corpus import resolve_corpus
 from fullband.data.sampler import WindowSampler, validation_batches
 from fullband.data.shards import tokenize_corpus
-from fullband.data.tokenizer import ByteTokenizer, PretrainedTokenizer, load_tokenizer, train_bpe
+from fullband.data.tokenizer import TOKENIZER_KIND, ByteTokenizer, PretrainedTokenizer, load_tokenizer, train_bpe
 from fullband.errors import ConfigError
+from fullband.files import atomic_folder
 from fullband.model.config import ModelConfig
 from fullband.train.parallel import Dist, barrier
 
@@ -28,12 +28,17 @@ class RunData:
 
 
 def cache_root(cfg_dir: str) -> Path:
+    """data.cache_dir, else $FULLBAND_CACHE, else $XDG_CACHE_HOME/fullband; refused now if it is a file."""
     if cfg_dir:
-        return Path(cfg_dir).expanduser()
-    env = os.environ.get("FULLBAND_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "fullband"
+        root, what = Path(cfg_dir).expanduser(), "data.cache_dir"
+    elif os.environ.get("FULLBAND_CACHE"):
+        root, what = Path(os.environ["FULLBAND_CACHE"]).expanduser(), "FULLBAND_CACHE"
+    else:
+        root, what = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "fullband", "the cache folder"
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{what}={str(root)!r} is a file; accepted: a folder for the token cache (it is created "
+                          "when missing)")
+    return root
 
 
 def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None) -> RunData:
@@ -67,12 +72,8 @@ def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None, hf_path
         where = cache / "tokenizers" / f"bpe-{data.bpe_vocab_size}-{corpus.fingerprint[:16]}"
         if d.main and not (where / "tokenizer.json").is_file():
             tok = train_bpe(corpus.documents("train"), data.bpe_vocab_size, show_progress=True)
-            tmp = where.with_name(where.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            tok.save(tmp)
-            shutil.rmtree(where, ignore_errors=True)
-            os.replace(tmp, where)
+            with atomic_folder(where, TOKENIZER_KIND, overwrite=True, action="cache the trained BPE tokenizer") as tmp:
+                tok.save(tmp)
         barrier(d)
         return load_tokenizer(where)
     path = Path(data.tokenizer).expanduser()

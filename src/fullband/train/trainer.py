@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from fullband.errors import ConfigError, FullbandError
+from fullband.files import FolderLock, lock_folder, make_folder, replace_file, sweep_temps, writing
 from fullband.eval.loss import validation_loss
 from fullband.model.decoder import FullbandLM
 from fullband.train import checkpoint as ckpt
@@ -50,8 +50,9 @@ class StepStats:
 
 
 def noise_seed(seed: int, step: int, block: int) -> int:
-    """Seed of the jitter / prefix-mixin generator for global micro-batch `block` of `step`."""
-    return (seed * 1_000_003 + step) * 10_007 + block
+    """Seed of the jitter / prefix-mixin generator for global micro-batch `block` of `step` (folded into the 64
+    bits torch takes; unchanged for every seed whose value fits)."""
+    return ((seed * 1_000_003 + step) * 10_007 + block) % 2**64
 
 
 def _print0(d: Dist, *args) -> None:
@@ -63,19 +64,28 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | Path | None = None) -> None:
         self.d = init_distributed(cfg.train.device)
         self.cfg = cfg
-        self.resume_from: Path | None = None
         self.run_dir = Path(cfg.log.run_dir)
         if cfg.model.hf_path:  # the sizes come from the pretrained model, before anything is compared or checked
             cfg.model = hf_model_config(cfg)
         if resume is not None:
-            self.run_dir, self.resume_from = _resolve_resume(Path(resume))
+            self.run_dir = _resume_run_dir(Path(resume))
+        # the run directory is owned before anything in it is read or written: a second process stops here
+        self.lock, created = claim_run_dir(self.run_dir, resume=resume is not None) if self.d.main else (None, False)
+        try:
+            self._setup(cfg, resume)
+        except BaseException:
+            if self.lock is not None:
+                if created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+                    self.run_dir.rmdir()  # nothing of the run was written: leave no trace
+                self.lock.release()
+            raise
+
+    def _setup(self, cfg: RunConfig, resume: str | Path | None) -> None:
+        self.resume_from: Path | None = None
+        if resume is not None:
+            self.resume_from = _resume_checkpoint(Path(resume), self.run_dir)
             _check_resume_config(self.run_dir, cfg)
-        elif self.run_dir.exists() and any(self.run_dir.iterdir()):
-            raise ConfigError(
-                f"run directory {str(self.run_dir)!r} already holds a run; resume it with --resume "
-                f"{self.run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)"
-            )
-        # everything that can fail on user input happens before the run directory is created
+        # everything that can fail on user input happens before the run directory is written to
         self.data: RunData = prepare_data(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
         cfg.model = self.data.model_config
         torch.manual_seed(cfg.train.seed)
@@ -104,8 +114,6 @@ class Trainer:
         self.compute_tokens = 0
         self.elapsed = 0.0
         self.autocast = _autocast(cfg.train.dtype, self.d.device)
-        if self.d.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         barrier(self.d)
         if self.resume_from is not None:
             state = ckpt.load_checkpoint(self.resume_from, self.model, self.optimizer, d=self.d)
@@ -115,9 +123,15 @@ class Trainer:
             if self.d.main:
                 _truncate_metrics(self.run_dir / METRICS_FILE, self.step)
             _print0(self.d, f"resumed from {self.resume_from} at {ckpt.describe(state)}")
+        elif resume is not None:  # a run killed before its first checkpoint: it starts again from step 0
+            if self.d.main:
+                _truncate_metrics(self.run_dir / METRICS_FILE, 0)
+            _print0(self.d, f"{self.run_dir} holds no complete checkpoint yet (the run stopped before its first); "
+                            "starting it from step 0 with its saved settings")
         elif self.d.main:
-            (self.run_dir / RUN_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            self.data.tokenizer.save(self.run_dir)
+            with writing(self.run_dir, "write the run's settings"):
+                self.data.tokenizer.save(self.run_dir)
+                replace_file(self.run_dir / RUN_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
         self.loggers = _Loggers(self.run_dir, cfg, self.d) if self.d.main else None
 
     # ------------------------------------------------------------------ one optimizer step
@@ -183,7 +197,28 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ the loop
-    def save(self) -> Path:
+    def weights_finite(self) -> bool:
+        """Whether every parameter (every rank's shard) is finite."""
+        bad = torch.zeros((), device=self.d.device)
+        for p in self.model.parameters():
+            local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+            bad = torch.maximum(bad, (~torch.isfinite(local)).any().float())
+        return float(all_reduce_max(bad, self.d)) == 0.0
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step, unless the weights are no longer finite (an update can overflow
+        while its loss was still finite): such a checkpoint is never written, and the last good one stays the
+        newest. At the final step that ends the run with TrainingDiverged; before it, the next step's loss guard
+        stops the run."""
+        if not self.weights_finite():
+            last = ckpt.list_checkpoints(self.run_dir)
+            msg = (f"the weights are no longer finite after step {self.step} (the update overflowed); the checkpoint "
+                   f"was not written. Last good checkpoint: {last[-1] if last else 'none yet'}")
+            if self.step == self.cfg.train.steps:
+                raise TrainingDiverged(msg + ". Try a lower learning rate (optim.lr / optim.adam_lr) or gradient "
+                                       "clipping (optim.grad_clip)")
+            _print0(self.d, msg)
+            return None
         state = {
             "tokens": self.tokens, "compute_tokens": self.compute_tokens, "elapsed": self.elapsed,
             "sampler": self.data.sampler.state_dict(), "config": self.cfg.to_dict(),
@@ -233,11 +268,14 @@ class Trainer:
             if self.loggers:
                 self.loggers.close()
         if d.main:
-            plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
+            with writing(self.run_dir / "loss.png", "plot the losses"):
+                plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
         return {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens,
                 "elapsed": self.elapsed, "eval": last_eval, "run_dir": str(self.run_dir)}
 
     def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
         shutdown(self.d)
 
 
@@ -296,37 +334,98 @@ def _autocast(dtype: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def _resolve_resume(path: Path) -> tuple[Path, Path]:
-    """--resume accepts a run directory (its latest checkpoint) or one step_NNNNNN folder."""
+def claim_run_dir(run_dir: Path, *, resume: bool) -> tuple[FolderLock, bool]:
+    """Create (for a new run) and lock `run_dir` for this process; remove what a killed run left half-written
+    (.step_N.tmp folders). Returns the lock and whether the folder was created here. A fresh run is refused
+    in a folder that already holds anything."""
+    created = not run_dir.exists()
+    if resume and created:
+        raise ConfigError(f"--resume {str(run_dir)!r} does not exist")
+    make_folder(run_dir, "log.run_dir")
+    lock = lock_folder(run_dir, "run directory", hint=", or choose another log.run_dir (--set log.run_dir=...)")
+    try:
+        swept = sweep_temps(run_dir, r"\.step_\d+\.tmp")
+        if swept:
+            print(f"removed {len(swept)} half-written checkpoint folder(s) a stopped run left in {run_dir}: "
+                  f"{', '.join(swept)}", flush=True)
+        if not resume and any(run_dir.iterdir()):
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
+                f"{run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)"
+            )
+    except BaseException:
+        lock.release()
+        raise
+    return lock, created
+
+
+def _resume_run_dir(path: Path) -> Path:
+    """--resume accepts a run directory or one of its step_NNNNNN folders: the run directory."""
     if not path.exists():
         raise ConfigError(f"--resume {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"--resume {str(path)!r} is a file; accepted: a run directory or a step_NNNNNN folder")
+    return path.parent if ckpt.STEP_DIR.match(path.name) else path
+
+
+def _resume_checkpoint(path: Path, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from: the named step folder, else the run's latest (None: the run stopped
+    before its first checkpoint, and starts again from step 0 with its saved settings)."""
     if ckpt.STEP_DIR.match(path.name):
         ckpt.read_trainer_state(path)
-        return path.parent, path
-    found = ckpt.list_checkpoints(path)
-    if not found:
-        raise ConfigError(f"--resume {str(path)!r} holds no complete checkpoint (step_NNNNNN/ with trainer.json)")
-    return path, found[-1]
+        return path
+    found = ckpt.list_checkpoints(run_dir)
+    if found:
+        return found[-1]
+    if not (run_dir / RUN_FILE).is_file():
+        raise ConfigError(f"--resume {str(run_dir)!r} is not a fullband run directory: it has no {RUN_FILE} and no "
+                          "step_NNNNNN/ checkpoint; start a new run there instead (without --resume)")
+    return None
 
 
 def _check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     saved_path = run_dir / RUN_FILE
     if not saved_path.is_file():
         raise ConfigError(f"{str(run_dir)!r} has no {RUN_FILE}; it is not a fullband run directory")
-    saved = json.loads(saved_path.read_text())
+    try:
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{saved_path} is corrupted ({err}); it holds the run's settings: restore it from a "
+                          f"checkpoint's trainer.json ('config') or start a new run") from None
+    sections = [s.split(".")[0] for s in MUST_MATCH]
+    if not isinstance(saved, dict) or any(not isinstance(saved.get(s), dict) for s in sections):
+        missing = sorted({s for s in sections if not isinstance(saved, dict) or not isinstance(saved.get(s), dict)})
+        raise ConfigError(f"{saved_path} is damaged: it lacks the section(s) {', '.join(missing)}; restore it "
+                          "from a checkpoint's trainer.json ('config') or start a new run")
     now = cfg.to_dict()
-    now["log"]["run_dir"] = saved["log"]["run_dir"] = str(run_dir)
     diffs = []
     for key in MUST_MATCH:
         a, b = _get(saved, key), _get(now, key)
         if key == "model" and isinstance(a, dict) and isinstance(b, dict):
             b = {**b, "bos_token_id": a.get("bos_token_id", b.get("bos_token_id"))} if b.get("bos_token_id") is None else b
-        if a != b:
-            diffs.append(f"{key}: run has {_short(a)}, config has {_short(b)}")
+        diffs += _differences(a, b, key)
     if diffs:
         raise ConfigError(
-            f"cannot resume {str(run_dir)!r} with this config; these settings differ: " + "; ".join(diffs)
+            f"cannot resume {str(run_dir)!r} with this config; {len(diffs)} setting(s) differ: " + "; ".join(diffs)
+            + ". Use the run's own settings (its run.json) or start a new run"
         )
+
+
+_UNSET = object()
+
+
+def _differences(a, b, key: str, path: str = "") -> list[str]:
+    """'key: run has path=A, config has path=B' for every leaf setting under `key` that differs between a and b
+    (for a leaf key itself: 'key: run has A, config has B')."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _differences(a.get(k, _UNSET), b.get(k, _UNSET), key, f"{path}.{k}" if path else k)
+        return out
+    if a == b:
+        return []
+    name = f"{path}=" if path else ""
+    return [f"{key}: run has {name}{_short(a)}, config has {name}{_short(b)}"]
 
 
 def _get(data: dict, dotted: str):
@@ -336,6 +435,8 @@ def _get(data: dict, dotted: str):
 
 
 def _short(value) -> str:
+    if value is _UNSET:
+        return "(not set)"
     text = json.dumps(value, sort_keys=True)
     return text if len(text) < 120 else text[:117] + "..."
 
@@ -352,9 +453,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
             continue
         if row.get("step", 0) <= step:
             keep.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    shutil.move(tmp, path)
+    replace_file(path, "".join(line + "\n" for line in keep))
 
 
 def _progress(cfg: RunConfig, d: Dist, start: int, total: int):
@@ -369,7 +468,8 @@ class _Loggers:
     """metrics.jsonl always; TensorBoard and Weights & Biases when asked for (imported lazily)."""
 
     def __init__(self, run_dir: Path, cfg: RunConfig, d: Dist) -> None:
-        self.file = open(run_dir / METRICS_FILE, "a")
+        self.path = run_dir / METRICS_FILE
+        self.file = open(self.path, "a")
         self.tb = self.wandb = None
         if cfg.log.tensorboard:
             try:
@@ -386,8 +486,9 @@ class _Loggers:
                                     name=run_dir.name, resume="allow")
 
     def log(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        with writing(self.path, "log the step's metrics"):
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
         flat = _flatten(row)
         step = row["step"]
         if self.tb is not None:

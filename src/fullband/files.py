@@ -1,0 +1,451 @@
+"""Safe writes into users' folders. An output folder is written as a locked temporary sibling and renamed into
+place; an existing folder is replaced only when it is recognisably an earlier output of the same kind and the
+caller asked for it; a run directory belongs to one process at a time; a full disk or a read-only folder is
+reported as such, with the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fullband.errors import FullbandError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, every other check still runs
+    fcntl = None
+
+TEMP_SUFFIX = ".tmp"
+_FULL_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_LOW_SPACE = 1 << 20  # below this many free bytes a failed write is taken for a full disk
+
+
+class OutputError(FullbandError, OSError):
+    """An output path cannot be written: it holds files fullband did not write, another process owns it, it is
+    read-only, or the disk is full."""
+
+
+# ---------------------------------------------------------------------- what counts as ours
+@dataclass(frozen=True)
+class Kind:
+    """A kind of output folder: the entries fullband writes in it, and a check that a folder is one of them.
+
+    `names` are exact entry names (files or folders), `patterns` regular expressions for numbered ones;
+    `subfolders` maps a folder entry to the Kind its own contents must be (e.g. a checkpoint's eval/)."""
+
+    label: str
+    names: frozenset[str]
+    patterns: tuple[str, ...] = ()
+    marker: Callable[[Path], bool] | None = None  # the folder says it is one (e.g. config.json's format)
+    subfolders: dict[str, "Kind"] = field(default_factory=dict)
+
+    def allows(self, name: str) -> bool:
+        return name in self.names or any(re.fullmatch(p, name) for p in self.patterns)
+
+    def foreign(self, folder: Path) -> list[str]:
+        """Entries of `folder` this kind never writes (those of a recognised subfolder checked recursively)."""
+        out = []
+        for entry in sorted(folder.iterdir(), key=lambda p: p.name):
+            sub = self.subfolders.get(entry.name)
+            if sub is not None and entry.is_dir() and not entry.is_symlink():
+                out += [f"{entry.name}/{name}" for name in sub.foreign(entry)]
+            elif not self.allows(entry.name) or entry.is_symlink() or (entry.is_dir() and sub is None):
+                out.append(entry.name)
+        return out
+
+    def recognises(self, folder: Path) -> bool:
+        return (self.marker is None or self.marker(folder)) and not self.foreign(folder)
+
+
+def describe_entries(names: list[str], n: int = 5) -> str:
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies inside it (both resolved)."""
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def check_destination(dst: str | Path, kind: Kind, *, overwrite: bool, sources: Iterable[str | Path] = (),
+                      flag: str = "--overwrite", error: type[FullbandError] = OutputError) -> bool:
+    """Raise OutputError unless `dst` may receive a new `kind` folder; returns whether an old one is replaced.
+
+    Accepted: an absent path, an empty folder, or (with `overwrite`) a folder that is recognisably an earlier
+    `kind` output. Never a plain file, a folder holding anything fullband did not write, or one holding a source.
+    `error` is the class raised (OutputError unless the caller's domain has its own)."""
+    dst = Path(dst)
+    for src in sources:
+        if _inside(Path(src), dst):
+            raise error(f"output {str(dst)!r} contains the source {str(src)!r}; replacing it would delete the "
+                              "source. Choose an output folder outside it")
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+        raise error(f"output {str(dst)!r} exists and is not a folder; accepted: a new or empty folder")
+    if not dst.exists():
+        return False
+    try:
+        entries = list(dst.iterdir())
+    except OSError as err:
+        raise output_error(err, dst, "read the output folder") from None
+    if not entries:
+        return False
+    if not kind.recognises(dst):
+        foreign = kind.foreign(dst)
+        what = f"it holds {describe_entries(foreign)}" if foreign else "its files do not say fullband wrote them"
+        raise error(f"output {str(dst)!r} exists and is not empty, and it is not a {kind.label} written by fullband "
+                    f"({what}); nothing was written. Choose a new or empty folder")
+    if not overwrite:
+        raise error(f"output {str(dst)!r} exists and is not empty: it holds a {kind.label} written earlier; pass "
+                    f"{flag} to replace it, or choose a new folder")
+    return True
+
+
+# ---------------------------------------------------------------------- errors of the file system
+def free_bytes(path: str | Path) -> int | None:
+    path = Path(path)
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def _errno_in_chain(err: BaseException) -> int | None:
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def is_disk_full(err: BaseException, path: str | Path) -> bool:
+    """ENOSPC / EDQUOT anywhere in the chain, or a writer that hides the errno (torch.save: 'unexpected pos',
+    safetensors: 'StorageFull') while the disk has next to no space left."""
+    if _errno_in_chain(err) in _FULL_DISK_ERRNOS:
+        return True
+    text = str(err)
+    if "No space left" in text or "StorageFull" in text or "os error 28" in text:
+        return True
+    if isinstance(err, RuntimeError | OSError) and any(s in text for s in ("unexpected pos", "write failed")):
+        free = free_bytes(path)
+        return free is not None and free < _LOW_SPACE
+    return False
+
+
+def output_error(err: BaseException, path: str | Path, action: str) -> OutputError:
+    """The OutputError to raise for `err` while doing `action` on `path`: a full disk, a read-only or
+    permission-denied folder, a path through a file, or (else) the system's own message with the path."""
+    path = Path(path)
+    code = _errno_in_chain(err)
+    if is_disk_full(err, path):
+        free = free_bytes(path)
+        have = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
+        return OutputError(f"the disk is full: could not {action} at {str(path)!r}{have}; free some space or choose "
+                           "a folder on another disk. Nothing half-written was kept")
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = "is on a read-only file system" if code == errno.EROFS else "is not writable (permission denied)"
+        return OutputError(f"could not {action}: {str(path)!r} {why}; choose a writable folder")
+    if code in (errno.ENOTDIR, errno.EEXIST) and isinstance(err, OSError):
+        culprit = err.filename or path
+        return OutputError(f"could not {action}: a file is in the way at {str(culprit)!r} (a folder is needed "
+                           "there); choose another path")
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    return OutputError(f"could not {action} at {str(path)!r}: {reason}")
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, action: str) -> Iterator[None]:
+    """Turn a file-system failure inside the block into an OutputError naming `path` (full disk, read-only...)."""
+    try:
+        yield
+    except FullbandError:  # already says what went wrong (several of them are OSErrors too)
+        raise
+    except (OSError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not is_disk_full(err, path):
+            raise
+        raise output_error(err, path, action) from err
+
+
+def make_folder(path: str | Path, what: str) -> Path:
+    """mkdir -p `path`, with an OutputError naming what it is for when a file is in the way or it is read-only."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {str(path)!r} is a file; accepted: a folder (or a path that does not exist yet)")
+    with writing(path, f"create {what}"):
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def check_writable(folder: str | Path, what: str) -> None:
+    """Raise OutputError now, before any work, when `folder` (or its nearest existing parent) cannot be written."""
+    folder = Path(folder)
+    probe = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if probe is None:
+        return
+    if not probe.is_dir():
+        raise OutputError(f"{what} {str(folder)!r} cannot be created: {str(probe)!r} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"{what} {str(folder)!r} is not writable ({str(probe)!r}: permission denied or read-only); "
+                          "choose a writable folder")
+
+
+# ---------------------------------------------------------------------- locks
+_HELD: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) -> [fd, count]: re-entrant within one process
+
+
+def _holder(fd: int) -> str:
+    """'pid N' of the process holding a flock on fd's file, read from /proc/locks (Linux), or ''."""
+    st = os.fstat(fd)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            if "FLOCK" in parts and parts[-3] == ident:
+                return f"pid {parts[-4]}"
+    except (OSError, IndexError):
+        pass
+    return ""
+
+
+class FolderLock:
+    """An exclusive lock on a folder (flock on the folder itself: no file added, released when the process dies)."""
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = key
+
+    def release(self) -> None:
+        entry = _HELD.get(self.key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            os.close(entry[0])
+            del _HELD[self.key]
+        self.key = None
+
+    def __enter__(self) -> "FolderLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def try_lock(folder: str | Path) -> FolderLock | str:
+    """Lock `folder` (which must exist); returns the lock, or a description of the holder ('pid N' or '')
+    when another process holds it."""
+    folder = Path(folder)
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    if key in _HELD:
+        os.close(fd)
+        _HELD[key][1] += 1
+        return FolderLock(key)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd) or "another process"
+            os.close(fd)
+            return holder
+    _HELD[key] = [fd, 1]
+    return FolderLock(key)
+
+
+def lock_folder(folder: str | Path, what: str, hint: str = "") -> FolderLock:
+    """Lock `folder` for this process, or raise OutputError naming who holds it."""
+    got = try_lock(folder)
+    if isinstance(got, str):
+        raise OutputError(f"{what} {str(folder)!r} is in use by another fullband process ({got}); one process at a "
+                          f"time may write there. Wait for it to finish{hint}")
+    return got
+
+
+# ---------------------------------------------------------------------- temporary folders
+def _temp_name(name: str) -> tuple[str, str]:
+    return f".{name}.", TEMP_SUFFIX
+
+
+def sweep_temps(parent: Path, pattern: str) -> list[str]:
+    """Delete the temporary folders in `parent` whose names fully match the regular expression `pattern` and that
+    no live process holds (left by a kill). Returns their names."""
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for entry in sorted(parent.iterdir()):
+        if not re.fullmatch(pattern, entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            got = try_lock(entry)
+        except OSError:
+            continue
+        if isinstance(got, str):
+            continue  # its writer is alive
+        try:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+        finally:
+            got.release()
+    return removed
+
+
+def temp_pattern(prefix: str, suffix: str = TEMP_SUFFIX) -> str:
+    """The sweep_temps pattern of the folders make_temp(parent, prefix, suffix) creates."""
+    return re.escape(prefix) + ".+" + re.escape(suffix)
+
+
+def make_temp(parent: Path, prefix: str, suffix: str = TEMP_SUFFIX) -> tuple[Path, FolderLock]:
+    """A new temporary folder in `parent`, locked by this process (so a sweep by another one leaves it alone)."""
+    for _ in range(5):
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=parent))
+        try:
+            lock = try_lock(tmp)
+        except FileNotFoundError:  # swept between mkdtemp and the lock: try another name
+            continue
+        if isinstance(lock, str):
+            continue
+        if tmp.is_dir():
+            return tmp, lock
+        lock.release()
+    raise OutputError(f"could not create a temporary folder in {str(parent)!r}")
+
+
+@contextlib.contextmanager
+def atomic_folder(dst: str | Path, kind: Kind, *, overwrite: bool = False, sources: Iterable[str | Path] = (),
+                  action: str | None = None, flag: str = "--overwrite",
+                  error: type[FullbandError] = OutputError) -> Iterator[Path]:
+    """Yield a temporary folder to fill; on success it replaces `dst` (see check_destination for what may be
+    replaced), on any failure it is removed and `dst` is left as it was. Temporary folders of the same
+    destination left by a killed process are removed first."""
+    dst = Path(dst)
+    sources = list(sources)
+    action = action or f"write {kind.label}"
+    if dst.parent.is_dir():
+        _restore_interrupted_swap(dst.parent, dst)
+    check_destination(dst, kind, overwrite=overwrite, sources=sources, flag=flag, error=error)
+    parent = make_folder(dst.parent, "parent folder")
+    prefix, suffix = _temp_name(dst.name)
+    sweep_temps(parent, temp_pattern(prefix, suffix))
+    with writing(parent, action):
+        tmp, lock = make_temp(parent, prefix, suffix)
+    try:
+        with writing(tmp, action):
+            yield tmp
+            replace = check_destination(dst, kind, overwrite=overwrite, sources=sources, flag=flag, error=error)
+            _swap(tmp, dst, replace)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        lock.release()
+
+
+OLD_SUFFIX = ".old" + TEMP_SUFFIX
+
+
+def _restore_interrupted_swap(parent: Path, dst: Path) -> None:
+    """A kill between the two renames of _swap leaves the previous folder as `.NAME.*.old.tmp` and no `dst`:
+    put it back, so the sweep that follows does not take it for debris."""
+    if dst.exists() or dst.is_symlink():
+        return
+    for entry in sorted(parent.glob(f".{glob.escape(dst.name)}.*{OLD_SUFFIX}")):
+        got = try_lock(entry)
+        if isinstance(got, str):
+            continue
+        got.release()
+        os.rename(entry, dst)
+        return
+
+
+def _swap(tmp: Path, dst: Path, replace: bool) -> None:
+    if dst.is_dir() and not replace:  # empty (checked): make room for the rename
+        dst.rmdir()
+    if not replace:
+        os.rename(tmp, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=OLD_SUFFIX, dir=dst.parent))
+    os.rmdir(old)
+    os.rename(dst, old)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def replace_file(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary sibling and a rename: readers never see half a file."""
+    path = Path(path)
+    with writing(path, f"write {path.name}"):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+# ---------------------------------------------------------------------- a folder's record of its files
+def file_record(folder: Path, skip: Iterable[str] = ()) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} of every file in `folder` (recursively, '/'-joined), except `skip`."""
+    skip = set(skip)
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and name not in skip:
+            out[name] = {"bytes": path.stat().st_size, "sha256": sha256(path)}
+    return out
+
+
+def sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_record(folder: Path, record: dict, *, hashes: bool) -> list[str]:
+    """Problems of `folder` against its record: missing files, other sizes, (with `hashes`) other contents."""
+    problems = []
+    for name, want in sorted(record.items()):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"missing {name}")
+            continue
+        size = path.stat().st_size
+        if size != want.get("bytes"):
+            problems.append(f"{name} has {size} bytes, {want.get('bytes')} recorded at save time (truncated or replaced)")
+        elif hashes and want.get("sha256") and sha256(path) != want["sha256"]:
+            problems.append(f"{name} does not match the sha256 recorded at save time (its contents changed)")
+    return problems
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON object from `path`, or None when it is missing or not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
