@@ -148,7 +148,7 @@ def test_doctor_on_a_run_directory(tmp_path, corpus, cache, capsys):
     train(load_run_config(config))
     run = tmp_path / "run"
     assert main(["doctor", str(run)]) == 0
-    assert "verdict: resumable from step_000006" in capsys.readouterr().out
+    assert "verdict: finished: step_000006 is the final checkpoint, and it is healthy" in capsys.readouterr().out
     (run / ".step_000008.tmp").mkdir()
     (run / "step_000006" / "optimizer.pt").write_bytes(b"\0" * 10)
     assert main(["doctor", str(run)]) == 1

@@ -53,31 +53,29 @@ def _utf8(text: str, flag: str) -> str:
     return text
 
 
-def _prefill_passes(text: str) -> int | str:
-    """--prefill-passes: an integer >= 0 or 'auto' (adaptive prefill, see --prefill-tol)."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0 or 'auto'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer >= 0 or 'auto'")
-    return value
+def _count(minimum: int, below: int | None = None, accepted: str | None = None):
+    """argparse type: an integer >= minimum (and < below), refused at parse time (before any work)."""
+    accepted = accepted or f"an integer >= {minimum}"
 
-
-def _count(minimum: int):
-    """argparse type: an integer >= minimum, refused at parse time (before any work)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer >= {minimum}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}") from None
+        if value < minimum or (below is not None and value >= below):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: {accepted}")
         return value
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = accepted
     return parse
+
+
+_seed = _count(0, 2**63, "an integer 0 <= seed < 2**63")
+_passes = _count(0, accepted="an integer >= 0 or 'auto'")
+
+
+def _prefill_passes(text: str) -> int | str:
+    """--prefill-passes: an integer >= 0 or 'auto' (adaptive prefill, see --prefill-tol)."""
+    return text if text == "auto" else _passes(text)
 
 
 def _tolerance(text: str) -> float:
@@ -88,17 +86,6 @@ def _tolerance(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text} is out of range; accepted: a finite number > 0")
-    return value
-
-
-def _seed(text: str) -> int:
-    """argparse type: a seed, 0 <= seed < 2**63."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer 0 <= seed < 2**63")
     return value
 
 

@@ -244,7 +244,9 @@ def _run_dir(path: Path, hashes: bool) -> Report:
             good.append(step)
     last_step = read_trainer_state(good[-1])["step"] if good else 0
     _metrics(report, path / METRICS_FILE, last_step)
-    if good and good[-1] == (steps[-1] if steps else None):
+    if good and good[-1] == steps[-1] and cfg is not None and last_step >= cfg.train.steps:
+        report.verdict = f"finished: {good[-1].name} is the final checkpoint, and it is healthy"
+    elif good and good[-1] == steps[-1]:
         report.verdict = f"resumable from {good[-1].name} (fullband train RECIPE --resume {path})"
     elif good:
         report.verdict = (f"the latest checkpoint is damaged; resumable from {good[-1].name} "

@@ -84,7 +84,7 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def check_destination(dst: str | Path, kind: Kind, *, overwrite: bool, sources: Iterable[str | Path] = (),
                       flag: str = "--overwrite", error: type[FullbandError] = OutputError) -> bool:
-    """Raise OutputError unless `dst` may receive a new `kind` folder; returns whether an old one is replaced.
+    """Raise `error` unless `dst` may receive a new `kind` folder; returns whether an old one is replaced.
 
     Accepted: an absent path, an empty folder, or (with `overwrite`) a folder that is recognisably an earlier
     `kind` output. Never a plain file, a folder holding anything fullband did not write, or one holding a source.
@@ -93,7 +93,7 @@ def check_destination(dst: str | Path, kind: Kind, *, overwrite: bool, sources: 
     for src in sources:
         if _inside(Path(src), dst):
             raise error(f"output {str(dst)!r} contains the source {str(src)!r}; replacing it would delete the "
-                              "source. Choose an output folder outside it")
+                        "source. Choose an output folder outside it")
     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
         raise error(f"output {str(dst)!r} exists and is not a folder; accepted: a new or empty folder")
     if not dst.exists():
