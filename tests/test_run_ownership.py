@@ -83,7 +83,7 @@ def test_two_resumes_of_one_run_at_once(tmp_path, corpus, cache):
     assert steps_logged(tmp_path / "run") == list(range(1, 201))
 
 
-def test_a_second_trainer_in_the_same_process_tree_is_refused(tmp_path, corpus, cache):
+def test_a_run_directory_held_by_another_process_is_refused_until_it_ends(tmp_path, corpus, cache):
     """The lock is on the folder: a process that holds it keeps every other process out until it ends."""
     config = write_config(tmp_path, corpus, cache, steps=4, ckpt_every=2)
     train(load_run_config(config))
