@@ -172,3 +172,18 @@ def test_eval_and_bench_outputs_refuse_the_users_files_before_the_work(tmp_path,
     mine.write_text('{"my": "results"}')
     assert main(["bench", "decode", "--config", "tiny", "--json", str(mine), "--no-hf", "--repeats", "1"]) == 2
     assert mine.read_text() == '{"my": "results"}'
+
+
+# ---------------------------------------------------------------------- fullband train
+def test_training_into_a_folder_of_the_users_is_refused(tmp_path, corpus, cache):
+    from conftest import write_config
+
+    from fullband import ConfigError
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import train
+
+    folder = user_folder(tmp_path / "home")
+    before = snapshot(folder)
+    with pytest.raises(ConfigError, match=r"is not empty and holds no fullband run \(it holds data, notes.txt\)"):
+        train(load_run_config(write_config(tmp_path, corpus, cache, run_dir=folder)))
+    assert snapshot(folder) == before and sorted(p.name for p in folder.iterdir()) == ["data", "notes.txt"]

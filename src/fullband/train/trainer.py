@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fullband.errors import ConfigError, FullbandError
-from fullband.files import FolderLock, lock_folder, make_folder, replace_file, sweep_temps, writing
+from fullband.files import FolderLock, describe_entries, lock_folder, make_folder, replace_file, sweep_temps, writing
 from fullband.eval.loss import validation_loss
 from fullband.model.decoder import FullbandLM
 from fullband.train import checkpoint as ckpt
@@ -348,7 +348,12 @@ def claim_run_dir(run_dir: Path, *, resume: bool) -> tuple[FolderLock, bool]:
         if swept:
             print(f"removed {len(swept)} half-written checkpoint folder(s) a stopped run left in {run_dir}: "
                   f"{', '.join(swept)}", flush=True)
-        if not resume and any(run_dir.iterdir()):
+        entries = sorted(p.name for p in run_dir.iterdir()) if not resume else []
+        if entries and not ((run_dir / RUN_FILE).is_file() or ckpt.list_checkpoints(run_dir)):
+            raise ConfigError(f"log.run_dir {str(run_dir)!r} is not empty and holds no fullband run (it holds "
+                              f"{describe_entries(entries)}); a run needs a new or empty folder: choose another "
+                              "log.run_dir (e.g. --set log.run_dir=runs/new)")
+        if entries:
             raise ConfigError(
                 f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
                 f"{run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)"
