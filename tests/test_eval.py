@@ -249,3 +249,27 @@ def test_reproduce_rejects_unknown_experiments():
 
     with pytest.raises(ValueError, match="did you mean 'stability'"):
         reproduce("stabilty")
+
+
+def test_stability_sweep_iterates_the_model_s_own_pass_on_a_converted_llama():
+    """A converted Llama has input_norm = false (plain positions read the raw embedding): the sweep must iterate
+    the pass forward runs, so k = 1 is forward's loss and k = T + 1 the exact recurrence's."""
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+    from test_hf import tiny_llama
+
+    from fullband.hf import from_llama
+
+    model = from_llama(tiny_llama(False, seed=4)).eval()
+    assert model.config.input_norm is False
+    g = torch.Generator().manual_seed(2)
+    ids, targets = torch.randint(2, 101, (3, 12), generator=g), torch.randint(2, 101, (3, 12), generator=g)
+    T = ids.shape[1]
+    sweep = jacobi_sweep(model, [(ids, targets)], ks=(1, 2, T + 1))
+    with torch.no_grad():
+        plain, two = model(ids, passes=1).logits, model(ids, passes=2).logits
+        exact = model.recurrent_forward(ids).logits
+    nll = lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()  # noqa: E731
+    assert sweep.loss[0] == pytest.approx(nll(plain), abs=1e-6)
+    assert sweep.loss[1] == pytest.approx(nll(two), abs=1e-6)
+    assert sweep.loss[2] == pytest.approx(nll(exact), abs=1e-5) and sweep.exact_loss == pytest.approx(nll(exact))

@@ -115,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from fullband.data.tokenizer import load_tokenizer
-    from fullband.decode.generate import stream
+    from fullband.decode.generate import decode
     from fullband.model.decoder import FullbandLM
 
     prompt_text = _utf8(args.prompt, "--prompt")
@@ -128,16 +128,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(prompt_text, bos=True)
     stops = [] if args.ignore_eos else [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
     t0 = time.perf_counter()
-    if not isinstance(model, FullbandLM):  # a wrapped HF model (model.hf_path): decoded through its own KV cache
-        new = model.generate(torch.tensor([prompt], device=model.hf.device), args.max_new_tokens, mode=args.mode,
-                             prefill_passes=args.prefill_passes, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, seed=args.seed)[0].tolist()
-        end = next((i for i, t in enumerate(new) if t in stops), None)
-        ids = new if end is None else new[: end + 1]
-        sys.stdout.write((prompt_text if args.echo else "") + tokenizer.decode(ids) + "\n")
-        _summary(ids, args, stops, t0)
-        return 0
-    steps = stream(
+    # the native model and a wrapped HF model (a model.hf_path run) both decode through the engine
+    steps = decode(
         model, [prompt], args.max_new_tokens, mode=args.mode, prefill_passes=args.prefill_passes,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stops,
         compile=args.compile, prefill_tol=args.prefill_tol,
@@ -264,19 +256,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         commands.eval_probe(args.checkpoint, tasks=args.tasks, modes=args.modes, suffix=args.suffix,
                             scratch=args.scratch, out=args.out)
     else:
-        modes = [_mode_spec(m) for m in args.modes]
+        from fullband.decode.mode import DecodeMode
+
+        modes = [DecodeMode.parse(m) for m in args.modes]
         commands.eval_generate_length(args.checkpoint, args.prompts, modes=modes, max_new_tokens=args.max_new_tokens,
                                       stop_text=args.stop_text.encode().decode("unicode_escape"), out=args.out)
     return 0
-
-
-def _mode_spec(text: str) -> tuple[str, int]:
-    """'fused:2' -> ('fused', 2); 'soft' -> ('soft', 0)."""
-    mode, _, k = text.partition(":")
-    try:
-        return mode, int(k) if k else (1 if mode == "fused" else 0)
-    except ValueError:
-        raise FullbandError(f"mode {text!r} is not MODE or fused:K (e.g. fused:2)") from None
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:

@@ -46,15 +46,15 @@ class FullbandHarnessLM(LM):
 
         from fullband.checkpoint import load_native
         from fullband.data.tokenizer import load_tokenizer
-        from fullband.decode.generate import check_mode
+        from fullband.decode.mode import DecodeMode
 
-        check_mode(mode, error=ConfigError)
         if str(batch_size).startswith("auto"):
             batch_size = 8
         batch_size = _int_arg("batch_size", batch_size, 1)
         max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
         if prefill_passes != "auto":
             prefill_passes = _int_arg("prefill_passes", prefill_passes, 0, accepted="an integer >= 0 or 'auto'")
+        decode_mode = DecodeMode.of(mode, prefill_passes, error=ConfigError)
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if dtype not in dtypes:
             raise ConfigError(f"dtype={dtype!r} is invalid; accepted: {', '.join(dtypes)}")
@@ -65,7 +65,7 @@ class FullbandHarnessLM(LM):
             device = "cpu"
         self.model = load_native(checkpoint, "the lm-eval model 'fullband'", device=device, dtype=dtypes[dtype]).eval()
         self.tokenizer = load_tokenizer(checkpoint)
-        self.mode, self.prefill_passes = mode, prefill_passes
+        self.mode = decode_mode.check(self.model.config, ConfigError)
         self.batch_size, self.max_gen_toks = int(batch_size), int(max_gen_toks)
         self.max_length = self.model.config.max_seq_len
         self._prefix = self.tokenizer.encode("")  # what the tokenizer prepends (BOS), possibly nothing
@@ -105,8 +105,7 @@ class FullbandHarnessLM(LM):
         out: list[tuple[float, bool]] = []
         for start in range(0, len(pairs), self.batch_size):
             chunk = pairs[start : start + self.batch_size]
-            out += score(self.model, [c for c, _ in chunk], [x for _, x in chunk], mode=self.mode,
-                         prefill_passes=self.prefill_passes)
+            out += score(self.model, [c for c, _ in chunk], [x for _, x in chunk], mode=self.mode)
         return out
 
     # ------------------------------------------------------------------ the harness API
@@ -154,8 +153,8 @@ class FullbandHarnessLM(LM):
             ctx = self.tokenizer.encode(context) or [self._bos]
             max_new = max(1, min(max_new, self.max_length - 1))
             ctx = ctx[-(self.max_length - max_new):]
-            ids = generate(self.model, [ctx], max_new, mode=self.mode, prefill_passes=self.prefill_passes,
-                           temperature=temperature, seed=0 if temperature > 0 else None)[0]
+            ids = generate(self.model, [ctx], max_new, mode=self.mode, temperature=temperature,
+                           seed=0 if temperature > 0 else None)[0]
             text = self.tokenizer.decode(ids)
             cuts = [text.index(stop) for stop in until if stop and stop in text]
             out.append(text[: min(cuts)] if cuts else text)

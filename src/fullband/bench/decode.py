@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fullband.decode.cache import KVCache
+from fullband.model.cache import KVCache
 from fullband.decode.generate import generate, stream
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM

@@ -15,6 +15,7 @@ import torch
 
 from fullband.data.sampler import count_windows, read_windows
 from fullband.data.tokenizer import load_tokenizer
+from fullband.decode.mode import DecodeMode
 from fullband.errors import ConfigError
 from fullband.files import OutputError, check_writable, make_folder, read_json, replace_file, writing
 from fullband.model.decoder import FullbandLM
@@ -144,12 +145,13 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
     stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=None)
     seq_len = min(seq_len, model.config.max_seq_len)
     per_byte = bytes_per_token(tok, model.config.vocab_size)
-    modes = [("standard", 1)] + [(f"fused k={k}", k + 1) for k in range(1, max_prefill + 1)]
-    modes += [(f"auto tol={t:g}", ("auto", t)) for t in auto_tols]
+    modes = [("standard", DecodeMode("standard"))]
+    modes += [(f"fused k={k}", DecodeMode("fused", k)) for k in range(1, max_prefill + 1)]
+    modes += [(f"auto tol={t:g}", DecodeMode("fused", "auto", tol=t, max_passes=max_auto)) for t in auto_tols]
     if exact:
-        modes.append(("exact", None))
+        modes.append(("exact", DecodeMode("exact")))
     sums = {name: [] for name, _ in modes}
-    used: dict[str, list[int]] = {name: [] for name, p in modes if isinstance(p, tuple)}
+    used: dict[str, list[int]] = {name: [] for name, mode in modes if mode.tolerance}
     nbytes = 0.0
     from tqdm.auto import tqdm
 
@@ -157,23 +159,22 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
     for inputs, targets in tqdm(window_batches(stream, seq_len, windows, batch_size), total=n_batches,
                                 desc="eval loss", unit="batch", disable=not progress):
         nbytes += float(per_byte[targets].sum())
-        for name, passes in modes:
-            if passes is None:
+        for name, mode in modes:
+            if mode.exact:
                 logits = model.recurrent_forward(inputs).logits
-            elif isinstance(passes, tuple):
-                res = model(inputs, passes=1 + max_auto, tol=passes[1])
-                logits = res.logits
-                used[name].append(res.passes_used - 1)
             else:
-                logits = model(inputs, passes=passes).logits
+                res = model(inputs, passes=mode.passes, tol=mode.tolerance)
+                logits = res.logits
+                if mode.tolerance:
+                    used[name].append(res.passes_used - 1)
             nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
             sums[name].append(nll.view(targets.shape).double())
     rows = []
-    for name, passes in modes:
+    for name, mode in modes:
         nll = torch.cat(sums[name])  # (N, T)
         per_window = nll.mean(dim=1)
         rows.append({
-            "mode": name, "passes": passes if not isinstance(passes, tuple) else None,
+            "mode": name, "passes": None if mode.exact or mode.tolerance else mode.passes,
             "fused_passes_used": float(np.mean(used[name])) if name in used else None,
             "nats_per_token": float(per_window.mean()),
             "stderr": float(per_window.std() / math.sqrt(len(per_window))),
@@ -289,10 +290,10 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
         result["tasks"][task] = {"examples": len(examples), "groups": len({e.group for e in examples}), "modes": {},
                                  "answer": {}}
         # what the model itself answers after the ':' (the probe cannot be asked to find what the model never computed)
-        for name, passes in (("standard", 1), ("fused k=1", 2)):
-            ans = answer_accuracy(model, tok, examples, passes=passes)
-            result["tasks"][task]["answer"][name] = ans
-            print(f"{task:<11} model answers ({name}): {ans['accuracy']:.3f}  by length {ans['by_length']}")
+        for mode in (DecodeMode("standard"), DecodeMode("fused", 1)):
+            ans = answer_accuracy(model, tok, examples, passes=mode.passes)
+            result["tasks"][task]["answer"][mode.label] = ans
+            print(f"{task:<11} model answers ({mode.label}): {ans['accuracy']:.3f}  by length {ans['by_length']}")
         for mode in modes:
             streams = final_streams(model, tok, examples, mode, suffix=suffix, progress=progress)
             acc = probe_by_depth(streams, examples)
@@ -316,7 +317,8 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
 
 
 # ---------------------------------------------------------------------- eval generate-length
-def eval_generate_length(checkpoint: str | Path, prompts: str | Path, *, modes=(("standard", 0), ("soft", 0), ("fused", 1)),
+def eval_generate_length(checkpoint: str | Path, prompts: str | Path, *,
+                         modes=(DecodeMode("standard"), DecodeMode("soft"), DecodeMode("fused", 1)),
                          max_new_tokens: int = 256, stop_text: str = "\n", out: str | Path | None = None) -> dict:
     from fullband.eval.generation import generation_lengths, read_prompts
 

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.decode.generate import generate
+from fullband.decode.mode import DecodeMode
 from fullband.errors import DataError
 
 
 @dataclass
 class ModeResult:
     mode: str
-    prefill_passes: int
+    prefill_passes: int | str  # fused prefill passes ("auto": adaptive), 0 for the other modes
     median_tokens: float
     mean_tokens: float
     accuracy: float | None  # exact match over rows with an answer
@@ -49,15 +50,17 @@ def read_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field
     return rows
 
 
-def generation_lengths(model, tokenizer, rows: list[dict], modes: list[tuple[str, int]], *, max_new_tokens: int = 256,
-                       stop_text: str = "\n", batch_size: int = 8) -> list[ModeResult]:
+def generation_lengths(model, tokenizer, rows: list[dict], modes: list[DecodeMode | tuple[str, int]], *,
+                       max_new_tokens: int = 256, stop_text: str = "\n", batch_size: int = 8) -> list[ModeResult]:
+    """Greedy generations of every row in each mode (a DecodeMode, or (mode, prefill passes))."""
     results = []
-    for mode, k in modes:
+    for mode in modes:
+        mode = DecodeMode.of(*mode) if isinstance(mode, tuple) else mode
         lengths, outputs, hits, answered = [], [], 0, 0
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
             prompts = [tokenizer.encode(r["prompt"]) for r in chunk]
-            gens = generate(model, prompts, max_new_tokens, mode=mode, prefill_passes=k, stop_tokens=[tokenizer.eos_id])
+            gens = generate(model, prompts, max_new_tokens, mode=mode, stop_tokens=[tokenizer.eos_id])
             for row, ids in zip(chunk, gens):
                 ids = [i for i in ids if i != tokenizer.eos_id]
                 text = tokenizer.decode(ids)
@@ -68,7 +71,8 @@ def generation_lengths(model, tokenizer, rows: list[dict], modes: list[tuple[str
                 if row["answer"] is not None:
                     answered += 1
                     hits += int(answer_text == row["answer"].strip())
-        results.append(ModeResult(mode, k, float(statistics.median(lengths)), float(statistics.fmean(lengths)),
+        k = mode.prefill_passes if mode.name == "fused" else 0
+        results.append(ModeResult(mode.name, k, float(statistics.median(lengths)), float(statistics.fmean(lengths)),
                                   hits / answered if answered else None, outputs))
     return results
 

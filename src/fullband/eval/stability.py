@@ -18,28 +18,20 @@ from torch import Tensor
 KS = (1, 2, 3, 5, 10, 30, 100, 300, 1000)
 
 
-def _shift(h: Tensor) -> Tensor:
-    return F.pad(h, (0, 0, 1, 0))[:, : h.shape[1]]
-
-
 class PassMap:
-    """h -> the fed-back states of one fused pass whose inputs read h shifted right (fixed e, plain positions)."""
+    """h -> (fed-back state, top) of one fused pass that reads h (the model's own jacobi_pass, with the token
+    inputs and plain positions of `input_ids` fixed): the map forward iterates."""
 
     def __init__(self, model, input_ids: Tensor) -> None:
         self.model = model
-        T = input_ids.shape[1]
-        self.e = model.norm_in(model.embed(input_ids))
+        self.e = model.embed_inputs(input_ids)
         self.plain = model.plain_positions(input_ids)
-        self.cos, self.sin = model.rotary.prefix(T, self.e.dtype)
-        pos = torch.arange(T, device=input_ids.device)
-        self.local = model._window_mask(pos, pos, T)
 
     def first(self) -> tuple[Tensor, Tensor]:
-        return self.model.body(self.e, self.cos, self.sin, window_mask=self.local)
+        return self.model.jacobi_pass(self.e)
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        x = self.model.fuse_inputs(self.e, _shift(h), self.plain)
-        return self.model.body(x, self.cos, self.sin, window_mask=self.local)
+        return self.model.jacobi_pass(self.e, h, self.plain)
 
 
 @dataclass

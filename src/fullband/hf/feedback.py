@@ -55,6 +55,27 @@ def config_for(hf_config: Any, base: ModelConfig | None = None, **changes: Any) 
     return ModelConfig.from_dict(values)
 
 
+class HFCache:
+    """The wrapped model's own KV cache (a transformers Cache, appended to one slot per step) for the decode
+    engine. Right-padded prompts leave their padding in the first `prompt` slots; `visible` masks it out."""
+
+    def __init__(self, batch: int, max_len: int) -> None:
+        self.past = None
+        self.batch, self.max_len, self.prompt = batch, max_len, 0
+
+    def visible(self, positions: Tensor, kv_len: int) -> Tensor:
+        """attention_mask (B, prompt + steps + 1) for the next step, steps = decode steps taken so far: a row's
+        prompt slots count up to its prompt length (its next position minus the steps), the rest all count."""
+        steps = kv_len - 1 - self.prompt
+        prompt_len = positions - steps
+        slots = torch.arange(self.prompt, device=positions.device)
+        head = slots[None, :] < prompt_len[:, None]
+        return torch.cat([head, head.new_ones(positions.shape[0], steps + 1)], dim=1).long()
+
+    def grow(self, max_len: int) -> None:
+        self.max_len = max(self.max_len, max_len)  # the transformers cache grows by itself
+
+
 class LatentFeedback(nn.Module):
     """A HF causal LM with latent feedback: Jacobi passes (`forward`), the exact recurrence (`recurrent_forward`)
     and decoding in every mode (`generate`), all through the wrapped model."""
@@ -122,27 +143,41 @@ class LatentFeedback(nn.Module):
     def check_ids(self, input_ids: Tensor) -> None:
         check_ids(input_ids, self.config.vocab_size, self.config.max_seq_len)
 
-    def _stack(self, x: Tensor, write_cache: bool = False) -> tuple[Tensor, Tensor]:
-        state = self.hf.base_model(inputs_embeds=x, use_cache=False).last_hidden_state
+    def jacobi_pass(self, e: Tensor, prev: Tensor | None = None, plain: Tensor | None = None, *,
+                    cache: HFCache | None = None) -> tuple[Tensor, Tensor]:
+        """One Jacobi pass (see FullbandLM.jacobi_pass) through the wrapped model; a `cache` receives its keys and
+        values (the base model's own cache). The fed-back state is the top state: (state, state)."""
+        x = e if prev is None else self.fuse_inputs(e, shift_right(prev), plain)
+        if cache is None:
+            state = self.hf.base_model(inputs_embeds=x, use_cache=False).last_hidden_state
+        else:
+            cache.past, state = self._run_cached(x, None)
+            cache.prompt = x.shape[1]
         return state, state
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: Tensor, passes: int = 1, *, targets: Tensor | None = None,
                 plain_mask: Tensor | None = None, generator: torch.Generator | None = None,
-                return_logits: bool = True, z_loss: float = 0.0, tol: float | None = None) -> ModelOutput:
+                return_logits: bool = True, z_loss: float = 0.0, tol: float | None = None,
+                cache: HFCache | None = None) -> ModelOutput:
         """k Jacobi passes over the sequence (pass 1 is exactly the wrapped model); with `targets` the
-        multi-pass objective, in training mode with jitter and prefix mixin (see FullbandLM.forward)."""
+        multi-pass objective, in training mode with jitter and prefix mixin (see FullbandLM.forward). A `cache`
+        (new_cache) receives the last pass's keys and values."""
         self.check_ids(input_ids)
         passes = _check_passes(passes, self.config)
-        return multipass(self, input_ids, passes, self._stack, targets=targets, plain_mask=plain_mask,
-                         generator=generator, return_logits=return_logits, z_loss=z_loss, tol=tol)
+        return multipass(self, input_ids, passes, targets=targets, plain_mask=plain_mask, generator=generator,
+                         return_logits=return_logits, z_loss=z_loss, tol=tol, cache=cache)
 
     @torch.no_grad()
-    def recurrent_forward(self, input_ids: Tensor, plain_prefix: int = 0) -> ModelOutput:
-        """The exact recurrence, one position at a time through the wrapped model's own KV cache."""
+    def recurrent_forward(self, input_ids: Tensor, plain_prefix: int = 0, *, cache: HFCache | None = None,
+                          return_logits: bool = True) -> ModelOutput:
+        """The exact recurrence, one position at a time through the wrapped model's own KV cache (kept in
+        `cache` when given)."""
         self.check_ids(input_ids)
-        _, hidden = self._recur(input_ids, plain_prefix, keep=True)
-        return ModelOutput(logits=self.head(hidden), hidden=hidden, top=hidden)
+        past, hidden = self._recur(input_ids, plain_prefix, keep=True)
+        if cache is not None:
+            cache.past, cache.prompt = past, input_ids.shape[1]
+        return ModelOutput(logits=self.head(hidden) if return_logits else None, hidden=hidden, top=hidden)
 
     def _recur(self, input_ids: Tensor, plain_prefix: int, keep: bool = False):
         """(cache, last state (B, 1, D)), or every state (B, T, D) with keep=True."""
@@ -157,62 +192,52 @@ class LatentFeedback(nn.Module):
             states.append(state)
         return past, (torch.cat(states, dim=1) if keep else state)
 
-    def _run_cached(self, x: Tensor, past):
-        out = self.hf.base_model(inputs_embeds=x, use_cache=True, **{self._cache_arg: past})
+    def _run_cached(self, x: Tensor, past, **extra):
+        out = self.hf.base_model(inputs_embeds=x, use_cache=True, **{self._cache_arg: past}, **extra)
         # transformers 5 returns `cache` (reading the old name warns), 4.x `past_key_values`
         past = out["cache"] if "cache" in out else out["past_key_values"]
         return past, out.last_hidden_state
 
-    @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int, *, mode: str = "soft", prefill_passes: int = 1,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None) -> Tensor:
-        """Decoding in a feedback mode through the wrapped model's KV cache: (B, T) prompts of one length ->
-        (B, max_new_tokens) new tokens. STANDARD is the wrapped model's own decoding; SOFT feeds each position's
-        top state into the next; FUSED first runs 1 + prefill_passes Jacobi passes over the prompt; EXACT runs
-        the prompt through the recurrence. temperature 0 is greedy; else sampling with top_k / top_p."""
-        from fullband.decode.generate import check_int, check_mode, check_prefill, check_sampling
-        from fullband.decode.sampling import sample
+    # ---------------------------------------------------------------- the decode interface (fullband.decode)
+    def new_cache(self, batch: int, max_len: int) -> HFCache:
+        return HFCache(batch, max_len)
 
-        self.check_ids(input_ids)
-        check_mode(mode)
-        check_int("max_new_tokens", max_new_tokens, 1)
-        if prefill_passes == "auto":
-            raise InputError("prefill_passes='auto' is not available for a wrapped HF model; accepted: an integer >= 0")
-        check_prefill(prefill_passes, self.config.max_seq_len)
-        check_sampling(temperature, top_k, top_p, seed)
-        if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
-            raise InputError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
-                             f"max_seq_len={self.config.max_seq_len}")
-        was_training = self.training
-        self.eval()
-        generator = None if seed is None else torch.Generator(input_ids.device).manual_seed(seed)
-        try:
-            if mode == "exact":
-                past, state = self._recur(input_ids, 0)
-            else:
-                x = self.embed_inputs(input_ids)
-                if mode == "fused" and prefill_passes > 0:
-                    x = self.fuse_inputs(x, shift_right(self.forward(input_ids, passes=prefill_passes).hidden),
-                                         self.plain_positions(input_ids))
-                past, state = self._run_cached(x, None)
-                state = state[:, -1:]
-            new = []
-            for s in range(max_new_tokens):
-                logits = self.head(state)[:, 0]  # (B, V)
-                token = sample(logits, temperature=float(temperature), top_k=top_k, top_p=top_p, generator=generator)
-                new.append(token)
-                if s == max_new_tokens - 1:
-                    break
-                x = self.embed_inputs(token[:, None])
-                if mode != "standard":
-                    bos = self.config.bos_token_id
-                    plain = (token == bos)[:, None] if bos is not None else None
-                    x = self.fuse_inputs(x, state, plain)
-                past, state = self._run_cached(x, past)
-        finally:
-            self.train(was_training)
-        return torch.stack(new, dim=1)
+    def step(self, tokens: Tensor, positions: Tensor, cache: HFCache, *, prev: Tensor | None = None,
+             plain: Tensor | None = None, kv_len: int, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """One cached position per row: tokens (B,) fed the states prev (B, D) (none: plain) -> (state, top),
+        both (B, D). `mask` (from cache.visible, rows at different positions) also sets each row's position."""
+        x = self.embed_inputs(tokens[:, None])
+        if prev is not None:
+            x = self.fuse_inputs(x, prev[:, None], None if plain is None else plain[:, None])
+        extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions[:, None]}
+        cache.past, state = self._run_cached(x, cache.past, **extra)
+        return state[:, 0], state[:, 0]
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int, *, mode: str = "soft", prefill_passes: int | str = 1,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop_tokens=None, compile: bool = False, prefill_tol: float = 1e-3):
+        """Decoding in any mode through the wrapped model's KV cache, by fullband's decode engine: STANDARD is the
+        wrapped model's own decoding; SOFT feeds each position's top state into the next; FUSED first runs
+        1 + prefill_passes Jacobi passes over the prompt ("auto": until the RMS update < prefill_tol); EXACT runs
+        the prompt through the recurrence. temperature 0 is greedy; else sampling with top_k / top_p.
+
+        `input_ids`: (B, T) prompts -> (B, max_new_tokens) new tokens (a row that hit a stop token repeats it), or
+        a list of token-id lists of any lengths -> a list of each row's new tokens (up to its stop token)."""
+        from fullband.decode.generate import collect, decode
+
+        steps = decode(self, input_ids, max_new_tokens, mode=mode, prefill_passes=prefill_passes,
+                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
+                       compile=compile, prefill_tol=prefill_tol)
+        if not isinstance(input_ids, Tensor):
+            return collect(steps)
+        rows = collect(steps)
+        device = input_ids.device
+        out = torch.empty(len(rows), max_new_tokens, dtype=torch.long, device=device)
+        for b, row in enumerate(rows):
+            out[b, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
+            out[b, len(row):] = row[-1]
+        return out
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_metadata(self) -> dict:

@@ -24,12 +24,13 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from fullband.decode.cache import KVCache
-from fullband.decode.generate import check_int, check_mode, check_prefill, prefill
+from fullband.decode.generate import DecodeState, advance, prefill
+from fullband.decode.mode import DecodeMode
 from fullband.errors import ConfigError, InputError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM, init_parameter_
 from fullband.model.layers import Rotary
+from fullband.validate import integer
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 # transformers 5 names the output's cache field `cache`, 4.x `past_key_values`
@@ -47,8 +48,8 @@ class FullbandConfig(PretrainedConfig):
 
     Every ModelConfig field is an attribute of the same name (standard aliases such as `hidden_size` map to
     them); `feedback_mode` ("standard" | "soft" | "fused" | "exact", default "soft", as `fullband.generate`) and
-    `prefill_passes` (fused passes over the prompt, default 1) are what `generate` and `forward` use unless
-    given per call.
+    `prefill_passes` (fused passes over the prompt, default 1, or "auto") are what `generate` and `forward` use
+    unless given per call.
     """
 
     model_type = "fullband"
@@ -72,10 +73,9 @@ class FullbandConfig(PretrainedConfig):
         for name, value in resolved.to_dict().items():
             if name != "bos_token_id":
                 setattr(self, name, value)
-        self.feedback_mode = check_mode(feedback_mode, "feedback_mode", ConfigError)
-        if prefill_passes == "auto":
-            raise ConfigError("prefill_passes='auto' is not available in the transformers class; accepted: an integer >= 0")
-        self.prefill_passes, _ = check_prefill(prefill_passes, resolved.max_seq_len, error=ConfigError)
+        DecodeMode.of(feedback_mode, prefill_passes, error=ConfigError, field="feedback_mode").check(
+            resolved, ConfigError, weights=False)
+        self.feedback_mode, self.prefill_passes = feedback_mode, prefill_passes
         self.use_cache = bool(use_cache)
         kwargs["bos_token_id"] = resolved.bos_token_id
         # the native model ties (or not) its own head; transformers must not tie anything
@@ -90,20 +90,17 @@ class FullbandConfig(PretrainedConfig):
         return cls(**config.to_dict(), **kwargs)
 
 
-class FeedbackCache:
-    """Keys/values of every layer (a growing native KVCache), each row's next position, and each row's
-    fed-back state h (B, D) from its last position: everything a decode step reads, reordered together.
-
-    `longest` (the largest position, a host int) and `ragged` (rows at different positions) are kept on the host
-    so a decode step never reads the positions back from the device. After a selection of rows both stay as
-    they were: an upper bound and a mask that is merely unneeded are still exact."""
+class FeedbackCache(DecodeState):
+    """The decode engine's state as a transformers cache: keys/values of every layer (a growing native KVCache),
+    each row's next position, and each row's fed-back state h (B, D) from its last position; beam search and
+    num_return_sequences reorder all of it together."""
 
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, kv: KVCache, positions: Tensor, state: Tensor, longest: int, ragged: bool) -> None:
-        self.kv, self.positions, self.state = kv, positions, state
-        self.longest, self.ragged = longest, ragged
+    @property
+    def kv(self):
+        return self.cache
 
     @property
     def is_linear(self) -> list[bool]:
@@ -251,33 +248,27 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None:
             raise InputError("input_ids is required")
         cache = cache if cache is not None else past_key_values
-        mode = check_mode(feedback_mode if feedback_mode is not None else self.config.feedback_mode, "feedback_mode",
-                          ConfigError)
-        k = prefill_passes if prefill_passes is not None else self.config.prefill_passes
-        if k == "auto":
-            raise ConfigError("prefill_passes='auto' is not available in the transformers class; accepted: an integer >= 0")
-        k, _ = check_prefill(k, self.model.config.max_seq_len, error=ConfigError)
+        mode = DecodeMode.of(feedback_mode if feedback_mode is not None else self.config.feedback_mode,
+                             prefill_passes if prefill_passes is not None else self.config.prefill_passes,
+                             error=ConfigError, field="feedback_mode")
         model = self.model
-        if mode != "standard" and not model.config.has_feedback:
-            raise InputError(f"feedback_mode={mode!r} needs feedback weights; this model has fusion='none'")
+        mode.check(model.config)
         if cache is not None:
             if not isinstance(cache, FeedbackCache):
                 raise InputError(f"FullbandForCausalLM continues only its own FeedbackCache; got "
                                  f"{type(cache).__name__} (let generate build the cache)")
             if labels is not None:
                 raise InputError("labels cannot be combined with a cache; score whole sequences without one")
-            top = self._decode(input_ids, cache, mode)
-            return self._output(None, self._logits(top, logits_to_keep), cache)
+            logits = self._decode(input_ids, cache, mode)
+            return self._output(None, logits[:, -logits_to_keep:] if logits_to_keep else logits, cache)
 
         model.check_ids(input_ids)
         ids, starts, lengths = _left_align(input_ids, attention_mask)
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         B, T = ids.shape
         if passes is not None:
-            check_int("passes", passes, 1, ConfigError)
-            run_passes, run_mode = passes, "fused" if passes > 1 else "standard"
-        else:
-            run_passes, run_mode = (1 + k if mode == "fused" else 1), mode
+            passes = integer("passes", passes, 1, error=ConfigError)
+            mode = DecodeMode("fused", passes - 1) if passes > 1 else DecodeMode("standard")
         targets = None
         if labels is not None:
             if labels.shape != input_ids.shape:
@@ -285,52 +276,36 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
                                  f"got {tuple(labels.shape)}")
             aligned = _gather_rows(labels.to(ids.device), starts, lengths, fill=-100)
             targets = F.pad(aligned[:, 1:], (0, 1), value=-100)
-        kv = None
-        if use_cache:
-            longest = int(lengths.max())
-            if longest >= model.config.max_seq_len:
-                raise InputError(f"prompt length {longest} leaves no room to generate within "
-                                 f"max_seq_len={model.config.max_seq_len}")
-            kv = KVCache.for_model(model, B, min(max(2 * T, T + 64), model.config.max_seq_len))
-        if targets is not None:
-            if run_mode == "exact":
-                raise InputError("labels with feedback_mode='exact' are not supported; train with passes=k")
-            out = model(ids, passes=run_passes, targets=targets, cache=kv)
-        else:
-            out = prefill(model, ids, kv, run_mode, run_passes, return_logits=False)
+        longest = int(lengths.max())
+        if use_cache and longest >= model.config.max_seq_len:
+            raise InputError(f"prompt length {longest} leaves no room to generate within "
+                             f"max_seq_len={model.config.max_seq_len}")
+        room = min(max(2 * T, T + 64), model.config.max_seq_len) - longest
         new_cache = None
-        if kv is not None:
-            rows = torch.arange(B, device=ids.device)
-            new_cache = FeedbackCache(kv, lengths.clone(), out.hidden[rows, lengths - 1], longest,
-                                      ragged=bool((lengths != longest).any()))
+        if targets is not None:
+            if mode.exact:
+                raise InputError("labels with feedback_mode='exact' are not supported; train with passes=k")
+            kv = model.new_cache(B, longest + room) if use_cache else None
+            out = model(ids, passes=mode.passes, targets=targets, cache=kv, tol=mode.tolerance)
+            if kv is not None:
+                rows = torch.arange(B, device=ids.device)
+                new_cache = FeedbackCache(kv, lengths.clone(), out.hidden[rows, lengths - 1], longest,
+                                          ragged=bool((lengths != longest).any()))
+        elif use_cache:
+            state, out = prefill(model, ids, lengths, mode, room=room, longest=longest)
+            new_cache = FeedbackCache(**vars(state))
+        else:
+            out = _uncached(model, ids, mode)
         top = _scatter_rows(out.top, starts, lengths, input_ids.shape[1])
         return self._output(out.loss, self._logits(top, logits_to_keep), new_cache)
 
-    def _decode(self, input_ids: Tensor, cache: FeedbackCache, mode: str) -> Tensor:
-        """One decode step per new column of input_ids (B, n) -> top outputs (B, n, D); updates the cache."""
-        model, kv = self.model, cache.kv
+    def _decode(self, input_ids: Tensor, cache: FeedbackCache, mode: DecodeMode) -> Tensor:
+        """One decode step per new column of input_ids (B, n) -> logits (B, n, V); advances the cache."""
         # token ids are not range-checked here (two device reads per token): they come from generate's own logits
-        if input_ids.ndim != 2 or input_ids.shape[0] != kv.batch:
-            raise InputError(f"input_ids for a cached step must be (B={kv.batch}, n); got {tuple(input_ids.shape)}")
-        bos = model.config.bos_token_id
-        tops = []
-        for t in range(input_ids.shape[1]):
-            tokens = input_ids[:, t]
-            positions = cache.positions
-            kv_len = cache.longest + 1
-            if kv_len > model.config.max_seq_len:
-                raise InputError(f"sequence length {kv_len} exceeds max_seq_len={model.config.max_seq_len}")
-            if kv_len > kv.max_len:
-                kv.grow(min(2 * kv.max_len, model.config.max_seq_len))
-            mask = kv.visible(positions, kv_len) if cache.ragged else None
-            prev, plain = None, None
-            if mode != "standard":
-                prev = cache.state
-                plain = tokens == bos if bos is not None else None
-            state, top = model.step(tokens, positions, kv, prev=prev, plain=plain, kv_len=kv_len, mask=mask)
-            cache.state, cache.positions, cache.longest = state, positions + 1, kv_len
-            tops.append(top)
-        return torch.stack(tops, dim=1)
+        if input_ids.ndim != 2 or input_ids.shape[0] != cache.kv.batch:
+            raise InputError(f"input_ids for a cached step must be (B={cache.kv.batch}, n); got "
+                             f"{tuple(input_ids.shape)}")
+        return torch.stack([advance(self.model, cache, input_ids[:, t], mode) for t in range(input_ids.shape[1])], 1)
 
     def _logits(self, top: Tensor, logits_to_keep: int) -> Tensor:
         if logits_to_keep:
@@ -340,6 +315,13 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
     @staticmethod
     def _output(loss: Tensor | None, logits: Tensor, cache: FeedbackCache | None) -> CausalLMOutputWithPast:
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+
+
+def _uncached(model: FullbandLM, ids: Tensor, mode: DecodeMode):
+    """The prompt as `mode` reads it, without a cache (the engine's prefill, minus the cache)."""
+    if mode.exact:
+        return model.recurrent_forward(ids, return_logits=False)
+    return model(ids, passes=mode.prompt_passes(ids.shape[1]), return_logits=False, tol=mode.tolerance)
 
 
 def _remote_source() -> str:

@@ -17,13 +17,15 @@ import re
 # In dependency order: each module only uses names defined by the ones before it.
 MODULES = (
     "fullband.errors",
+    "fullband.validate",
     "fullband.model.config",
     "fullband.model.layers",
     "fullband.model.attention",
     "fullband.model.fusion",
-    "fullband.decode.cache",
+    "fullband.model.cache",
     "fullband.model.decoder",
     "fullband.decode.sampling",
+    "fullband.decode.mode",
     "fullband.decode.generate",
     "fullband.hf.modeling",
 )

@@ -6,11 +6,11 @@ The resolved config travels with every checkpoint (`config.json`), so a folder a
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from fullband.errors import ConfigError, closest
+from fullband.validate import boolean, choice, integer, number
 
 FUSIONS = ("gated", "additive", "concat", "none")
 # RoPE tables cover max_seq_len positions and are built with the model: 2**20 positions is already 1 GiB of tables
@@ -69,18 +69,17 @@ class ModelConfig:
     pass_loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        ints = ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
-        for name in ints:
-            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            integer(name, getattr(self, name), 1)
         if self.max_seq_len > MAX_SEQ_LEN:
             raise ConfigError(f"max_seq_len={self.max_seq_len} is out of range; accepted: 1 <= max_seq_len <= "
                               f"{MAX_SEQ_LEN} (2**20; the RoPE tables are built for every position)")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        _check_int("n_kv_heads", self.n_kv_heads, minimum=1)
+        integer("n_kv_heads", self.n_kv_heads, 1)
         if self.d_ff is None:
             self.d_ff = _default_d_ff(self.d_model)
-        _check_int("d_ff", self.d_ff, minimum=1)
+        integer("d_ff", self.d_ff, 1)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -96,24 +95,21 @@ class ModelConfig:
                 f"head_dim = d_model / n_heads = {self.head_dim} is odd; RoPE needs an even head_dim"
             )
         for name in ("rope_theta", "norm_eps", "init_std"):
-            _check_float(name, getattr(self, name), positive=True)
+            number(name, getattr(self, name), low=0, low_open=True)
         for name in ("jitter", "pass_loss_weight"):
-            _check_float(name, getattr(self, name), positive=False)
-        _check_float("prefix_mixin_prob", self.prefix_mixin_prob, positive=False)
-        if self.prefix_mixin_prob > 1:
-            raise ConfigError(f"prefix_mixin_prob={self.prefix_mixin_prob} is a probability; accepted: 0 <= p <= 1")
+            number(name, getattr(self, name), low=0)
+        number("prefix_mixin_prob", self.prefix_mixin_prob, low=0, high=1)
         if self.sliding_window is not None:
-            _check_int("sliding_window", self.sliding_window, minimum=1)
-        _check_int("global_every", self.global_every, minimum=0)
+            integer("sliding_window", self.sliding_window, 1)
+        integer("global_every", self.global_every, 0)
         if not isinstance(self.hf_path, str):
             raise ConfigError(f"hf_path={self.hf_path!r} must be a string (a folder or a hub id; empty: none)")
         for name in ("qk_norm", "attn_gate", "detach_between_passes", "input_norm", "tie_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
-        _check_choice("fusion", self.fusion, FUSIONS)
-        _check_choice("feedback", self.feedback, FEEDBACKS)
+            boolean(name, getattr(self, name))
+        choice("fusion", self.fusion, FUSIONS)
+        choice("feedback", self.feedback, FEEDBACKS)
         if self.bos_token_id is not None:
-            _check_int("bos_token_id", self.bos_token_id, minimum=0)
+            integer("bos_token_id", self.bos_token_id, 0)
             if self.bos_token_id >= self.vocab_size:
                 raise ConfigError(
                     f"bos_token_id={self.bos_token_id} is outside the vocabulary; "
@@ -152,31 +148,6 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return ModelConfig.from_dict({**self.to_dict(), **changes})
-
-
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} must be an integer (got {type(value).__name__})")
-    if value < minimum:
-        raise ConfigError(f"{name}={value} is out of range; accepted: an integer >= {minimum}")
-
-
-def _check_float(name: str, value: Any, *, positive: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name}={value!r} must be a number (got {type(value).__name__})")
-    if not math.isfinite(value):
-        raise ConfigError(f"{name}={value!r} is not a finite number; accepted: a finite number "
-                          f"{'> 0' if positive else '>= 0'}")
-    if positive and not value > 0:
-        raise ConfigError(f"{name}={value} is out of range; accepted: a number > 0")
-    if not positive and not value >= 0:
-        raise ConfigError(f"{name}={value} is out of range; accepted: a number >= 0")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        hint = closest(value, choices) if isinstance(value, str) else ""
-        raise ConfigError(f"{name}={value!r} is not supported{hint}; accepted: {', '.join(choices)}")
 
 
 def _divisors_hint(n: int) -> str:

@@ -1,9 +1,13 @@
 """FullbandLM: a decoder-only LM whose input can fuse the previous position's top state (latent feedback).
 
 Three ways to run the same weights:
-  forward(ids, passes=k)   k time-parallel (Jacobi) passes; pass 1 is an ordinary transformer
+  forward(ids, passes=k)   k time-parallel (Jacobi) passes (each one `jacobi_pass`); pass 1 is an ordinary
+                           transformer
   recurrent_forward(ids)   the exact sequential recurrence, token by token (the ground truth)
   step(tokens, ...)        one cached decode step, shared by every decoding mode
+
+forward, recurrent_forward, step, head and new_cache are the decode interface fullband.decode drives (the
+latent-feedback wrapper around a Hugging Face model implements the same).
 
 Shapes: B batch, T positions, D model width, V vocabulary, k passes.
 """
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fullband.decode.cache import KVCache
+from fullband.model.cache import KVCache
 from fullband.errors import InputError
 from fullband.model.attention import Attention, window_mask
 from fullband.model.config import ModelConfig
@@ -110,6 +114,18 @@ class FullbandLM(nn.Module):
         return linear(top, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     # ---------------------------------------------------------------- time-parallel passes
+    def jacobi_pass(self, e: Tensor, prev: Tensor | None = None, plain: Tensor | None = None, *,
+                    cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
+        """One Jacobi pass over all positions. The stack inputs are built from the token inputs e =
+        embed_inputs(ids) (B, T, D) and the previous pass's fed-back states prev (B, T, D): position t reads
+        prev[t - 1] unless `plain` (B, T) marks it; prev None is the plain pass. -> (fed-back state, final-norm
+        output), both (B, T, D). A `cache` receives this pass's keys and values."""
+        x = e if prev is None else self.fuse_inputs(e, shift_right(prev), plain)
+        T = e.shape[1]
+        cos, sin = self.rotary.prefix(T, e.dtype)
+        span = torch.arange(T, device=e.device)
+        return self.body(x, cos, sin, cache=cache, window_mask=self._window_mask(span, span, T))
+
     def forward(
         self,
         input_ids: Tensor,
@@ -134,16 +150,7 @@ class FullbandLM(nn.Module):
         """
         self.check_ids(input_ids)
         passes = _check_passes(passes, self.config)
-        T = input_ids.shape[1]
-        dtype = self.embed.weight.dtype
-        cos, sin = self.rotary.prefix(T, dtype)
-        span = torch.arange(T, device=input_ids.device)
-        local = self._window_mask(span, span, T)
-
-        def stack(x: Tensor, write_cache: bool) -> tuple[Tensor, Tensor]:
-            return self.body(x, cos, sin, cache=cache if write_cache else None, window_mask=local)
-
-        return multipass(self, input_ids, passes, stack, targets=targets, plain_mask=plain_mask, generator=generator,
+        return multipass(self, input_ids, passes, targets=targets, plain_mask=plain_mask, generator=generator,
                          return_logits=return_logits, z_loss=z_loss, tol=tol, cache=cache)
 
     def _window_mask(self, q_pos: Tensor, k_pos: Tensor, span: int) -> Tensor | None:
@@ -205,6 +212,10 @@ class FullbandLM(nn.Module):
         state, top = self.body(x, cos, sin, cache=cache, slots=slots, kv_len=kv_len, mask=mask, window_mask=local)
         return state[:, 0], top[:, 0]
 
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `max_len` positions, in this model's dtype and device."""
+        return KVCache.for_model(self, batch, max_len)
+
     # ---------------------------------------------------------------- checks and checkpoints
     def check_ids(self, input_ids: Tensor) -> None:
         """Raise InputError unless input_ids is an integer (B, T) tensor of in-vocabulary ids, T <= max_seq_len."""
@@ -227,34 +238,31 @@ class FullbandLM(nn.Module):
         return load_model(directory, device=device, dtype=dtype)
 
 
-def multipass(net, input_ids: Tensor, passes: int, stack, *, targets: Tensor | None = None,
+def multipass(net, input_ids: Tensor, passes: int, *, targets: Tensor | None = None,
               plain_mask: Tensor | None = None, generator: torch.Generator | None = None, return_logits: bool = True,
               z_loss: float = 0.0, tol: float | None = None, cache=None) -> ModelOutput:
     """The time-parallel multi-pass forward of FullbandLM.forward, for any `net` with `config` (the multi-pass
-    knobs, bos_token_id), `training`, `embed_inputs`, `plain_positions`, `fuse_inputs` and `head`;
-    `stack(x, write_cache)` runs the network on stack inputs x (B, T, D) -> (fed-back state, top)."""
+    knobs, bos_token_id), `training`, `embed_inputs`, `plain_positions`, `jacobi_pass` and `head`."""
     cfg = net.config
     B, T = input_ids.shape
     e = net.embed_inputs(input_ids)  # (B, T, D)
     plain = net.plain_positions(input_ids, plain_mask)
     out = ModelOutput(logits=None, hidden=e, top=e)
     training = net.training
-    state = logits = None
+    state = logits = prev = None
+    mask = plain
     for j in range(passes):
-        x = e
         if j > 0:
             prev = state.detach() if cfg.detach_between_passes else state
             if training and cfg.jitter > 0:
                 noise = torch.empty(prev.shape, dtype=prev.dtype, device=prev.device)
                 prev = prev + noise.uniform_(-cfg.jitter, cfg.jitter, generator=generator)
-            prev = shift_right(prev)  # position t reads h_{t-1}
-            mask = plain
             if training and cfg.prefix_mixin_prob > 0:
                 mask = plain | prefix_mixin(B, T, cfg.prefix_mixin_prob, input_ids.device, generator)
-            x = net.fuse_inputs(e, prev, mask)
         last = j == passes - 1
         # with a tolerance any pass may be the last, so each one (re)writes the cache
-        new_state, top = stack(x, cache is not None and (last or tol is not None))
+        write = cache is not None and (last or tol is not None)
+        new_state, top = net.jacobi_pass(e, prev, mask, cache=cache if write else None)
         if tol is not None and j > 0:  # Jacobi convergence: RMS update of every row below tol
             update = (new_state - state).float().pow(2).mean(dim=(1, 2)).sqrt()
             out.update_rms.append(update)

@@ -9,6 +9,7 @@ from typing import Any
 
 from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
 from fullband.errors import ConfigError
+from fullband.validate import choice, integer, number
 from fullband.model.config import ModelConfig
 from fullband.train.optim import OptimConfig
 from fullband.train.schedule import PassSchedule
@@ -28,10 +29,8 @@ class DataConfig:
     cache_dir: str = ""  # token shards; default $FULLBAND_CACHE or ~/.cache/fullband
 
     def __post_init__(self) -> None:
-        if not 0 < self.val_percent < 100:
-            raise ConfigError(f"data.val_percent={self.val_percent} is out of range; accepted: 0 < val_percent < 100")
-        if self.bpe_vocab_size < 260:
-            raise ConfigError(f"data.bpe_vocab_size={self.bpe_vocab_size} is too small; accepted: >= 260")
+        number("data.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
+        integer("data.bpe_vocab_size", self.bpe_vocab_size, 260)
         if not self.corpus:
             raise ConfigError("data.corpus is empty; accepted: 'stdlib', a path, a glob, a .jsonl file or 'hf:<name>'")
 
@@ -57,30 +56,20 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name}={getattr(self, name)} is out of range; accepted: an integer >= 1")
-        if not 0 <= self.seed < MAX_SEED:
-            raise ConfigError(f"train.seed={self.seed} is out of range; accepted: an integer 0 <= seed < 2**63")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise ConfigError(
-                f"train.warmup_steps={self.warmup_steps} is out of range; accepted: 0 <= warmup_steps <= "
-                f"train.steps={self.steps}"
-            )
-        if not 0 <= self.cooldown_fraction <= 1:
-            raise ConfigError(f"train.cooldown_fraction={self.cooldown_fraction}; accepted: 0 <= x <= 1")
-        if self.z_loss < 0:
-            raise ConfigError(f"train.z_loss={self.z_loss}; accepted: >= 0")
+            integer(f"train.{name}", getattr(self, name), 1)
+        integer("train.seed", self.seed, 0, below=MAX_SEED)
+        integer("train.warmup_steps", self.warmup_steps, 0, below=self.steps + 1)
+        number("train.cooldown_fraction", self.cooldown_fraction, low=0, high=1)
+        number("train.z_loss", self.z_loss, low=0)
         if self.global_batch_tokens % self.seq_len:
             raise ConfigError(
                 f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of train.seq_len="
                 f"{self.seq_len}; accepted: a whole number of windows (e.g. {self.seq_len * max(1, self.global_batch_tokens // self.seq_len)})"
             )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"train.dtype={self.dtype!r}; accepted: {', '.join(DTYPES)}")
+        choice("train.dtype", self.dtype, DTYPES)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"train.device={self.device!r}; accepted: auto, cpu, cuda, cuda:N")
-        if self.parallel not in PARALLEL:
-            raise ConfigError(f"train.parallel={self.parallel!r}; accepted: {', '.join(PARALLEL)}")
+            raise ConfigError(f"train.device={self.device!r} is invalid; accepted: auto, cpu, cuda, cuda:N")
+        choice("train.parallel", self.parallel, PARALLEL)
         self.schedule  # validates the pass schedule now
 
     @property
@@ -107,13 +96,13 @@ class LogConfig:
     wandb_project: str = "fullband"
 
     def __post_init__(self) -> None:
-        for name in ("log_every", "eval_every", "eval_windows", "ckpt_every", "keep_last"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"log.{name}={getattr(self, name)} is out of range; accepted: >= 0")
-        if self.keep_last < 1:
-            raise ConfigError(f"log.keep_last={self.keep_last}; accepted: >= 1")
-        if not self.eval_passes or any(k < 1 for k in self.eval_passes):
-            raise ConfigError(f"log.eval_passes={self.eval_passes}; accepted: a non-empty list of integers >= 1")
+        for name in ("log_every", "eval_every", "eval_windows", "ckpt_every"):
+            integer(f"log.{name}", getattr(self, name), 0)
+        integer("log.keep_last", self.keep_last, 1)
+        if not self.eval_passes:
+            raise ConfigError("log.eval_passes=[] is empty; accepted: a non-empty list of integers >= 1")
+        for i, k in enumerate(self.eval_passes):
+            integer(f"log.eval_passes[{i}]", k, 1)
 
 
 @dataclass

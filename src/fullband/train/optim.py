@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fullband.errors import ConfigError, closest
+from fullband.errors import ConfigError
+from fullband.validate import boolean, choice, integer, number
 from fullband.model.config import ModelConfig
 
 OPTIMIZERS = ("normuon", "adamw")  # OptimConfig.name
@@ -48,35 +49,21 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            hint = closest(self.name, OPTIMIZERS) if isinstance(self.name, str) else ""
-            raise ConfigError(f"optim.name={self.name!r} is not supported{hint}; accepted: {', '.join(OPTIMIZERS)}")
+        choice("optim.name", self.name, OPTIMIZERS)
         for name in ("lr", "adam_lr", "eps", "adam_eps"):
-            _check_number(name, getattr(self, name), low=0.0, low_open=True)
+            number(f"optim.{name}", getattr(self, name), low=0.0, low_open=True)
         for name in ("weight_decay", "adam_weight_decay", "grad_clip"):
-            _check_number(name, getattr(self, name), low=0.0)
+            number(f"optim.{name}", getattr(self, name), low=0.0)
         for name in ("momentum", "beta2"):
-            _check_number(name, getattr(self, name), low=0.0, high=1.0)
-        if not isinstance(self.nesterov, bool):
-            raise ConfigError(f"optim.nesterov={self.nesterov!r} must be true or false")
-        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, int) or self.ns_steps < 1:
-            raise ConfigError(f"optim.ns_steps={self.ns_steps!r} is invalid; accepted: an integer >= 1")
+            number(f"optim.{name}", getattr(self, name), low=0.0, high=1.0, high_open=True)
+        boolean("optim.nesterov", self.nesterov)
+        integer("optim.ns_steps", self.ns_steps, 1)
         betas = self.adam_betas
         if not isinstance(betas, list | tuple) or len(betas) != 2:
             raise ConfigError(f"optim.adam_betas={betas!r} is invalid; accepted: two numbers [beta1, beta2]")
         for i, beta in enumerate(betas):
-            _check_number(f"adam_betas[{i}]", beta, low=0.0, high=1.0)
+            number(f"optim.adam_betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
         self.adam_betas = (float(betas[0]), float(betas[1]))  # TOML gives a list
-
-
-def _check_number(name: str, value: Any, *, low: float, high: float | None = None, low_open: bool = False) -> None:
-    """low <= value (low < value when low_open), and value < high when high is given."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"optim.{name}={value!r} must be a number (got {type(value).__name__})")
-    ok = (value > low if low_open else value >= low) and (high is None or value < high) and math.isfinite(value)
-    if not ok:
-        accepted = f"{low:g} {'<' if low_open else '<='} {name}" + (f" < {high:g}" if high is not None else "")
-        raise ConfigError(f"optim.{name}={value} is out of range; accepted: {accepted}")
 
 
 # ---------------------------------------------------------------- the routing table

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fullband.errors import ConfigError, closest
+from fullband.validate import integer, number
 
 PROB_TOLERANCE = 1e-6
 
@@ -18,22 +19,10 @@ PROB_TOLERANCE = 1e-6
 # ---------------------------------------------------------------- learning rate (warmup, stable, decay)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ConfigError(f"{name}={value!r} must be an integer (got {type(value).__name__})")
-    if value < minimum:
-        raise ConfigError(f"{name}={value} is out of range; accepted: an integer >= {minimum}")
-
-
-def _check_fraction(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise ConfigError(f"{name}={value!r} is out of range; accepted: a number with 0 <= {name} <= 1")
-
-
 def cooldown_steps(total_steps: int, cooldown_fraction: float) -> int:
     """Steps in the cooldown: cooldown_fraction * total_steps, rounded, and at least 1 when the fraction is > 0."""
-    _check_int("total_steps", total_steps, 1)
-    _check_fraction("cooldown_fraction", cooldown_fraction)
+    integer("total_steps", total_steps, 1)
+    number("cooldown_fraction", cooldown_fraction, low=0, high=1)
     if cooldown_fraction == 0:
         return 0
     return min(total_steps, max(1, round(cooldown_fraction * total_steps)))
@@ -41,7 +30,7 @@ def cooldown_steps(total_steps: int, cooldown_fraction: float) -> int:
 
 def in_cooldown(step: int, total_steps: int, cooldown_fraction: float) -> bool:
     """Whether `step` (0-based) lies in the final linear decay (z-loss and weight-decay decay switch on there)."""
-    _check_int("step", step, 0)
+    integer("step", step, 0)
     n = cooldown_steps(total_steps, cooldown_fraction)
     return n > 0 and step >= total_steps - n
 
@@ -54,8 +43,8 @@ def wsd_factor(step: int, total_steps: int, warmup_steps: int, cooldown_fraction
     1 at its first step, 1/n at the last step (total_steps - 1), and 0 at step total_steps, which is never
     taken. Where warmup and cooldown overlap (short runs) the smaller factor wins. Steps past the end give 0.
     """
-    _check_int("step", step, 0)
-    _check_int("warmup_steps", warmup_steps, 0)
+    integer("step", step, 0)
+    integer("warmup_steps", warmup_steps, 0)
     n = cooldown_steps(total_steps, cooldown_fraction)
     if warmup_steps > total_steps:
         raise ConfigError(
@@ -136,8 +125,8 @@ class PassSchedule:
     # ------------------------------------------------------------ queries
     def stage_index(self, step: int, total_steps: int) -> int:
         """The stage that applies at 0-based `step`; steps past the end stay in the last stage."""
-        _check_int("step", step, 0)
-        _check_int("total_steps", total_steps, 1)
+        integer("step", step, 0)
+        integer("total_steps", total_steps, 1)
         for i, stage in enumerate(self.stages):
             if step < stage.until * total_steps:  # step / total_steps < until, without a float division
                 return i
@@ -145,7 +134,7 @@ class PassSchedule:
 
     def sample(self, step: int, total_steps: int, seed: int) -> int:
         """The pass count k for `step`: a function of (seed, step) and the schedule only."""
-        _check_int("seed", seed, 0)
+        integer("seed", seed, 0)
         probs = self.stages[self.stage_index(step, total_steps)].probs
         if len(probs) == 1:
             return next(iter(probs))
@@ -177,7 +166,7 @@ class PassSchedule:
         return max(k for s in self.stages for k, p in s.probs.items() if p > 0)
 
     def _steps_in_stage(self, index: int, total_steps: int) -> int:
-        _check_int("total_steps", total_steps, 1)
+        integer("total_steps", total_steps, 1)
 
         def first_step(until: float) -> int:  # smallest step with step >= until * total_steps
             return min(total_steps, math.ceil(until * total_steps))

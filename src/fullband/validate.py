@@ -1,0 +1,76 @@
+"""The checks every setting and argument goes through: each returns the value or raises an error that names the
+setting, the value seen and what is accepted (ConfigError for settings, InputError for call arguments)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from fullband.errors import ConfigError, FullbandError, closest
+
+
+def integer(name: str, value: Any, minimum: int | None = None, *, below: int | None = None,
+            error: type[FullbandError] = ConfigError) -> int:
+    """An int (not a bool) with minimum <= value (< below)."""
+    if isinstance(value, bool) or not (isinstance(value, int) or type(value).__name__ in _NUMPY_INTS):
+        raise error(f"{name}={value!r} must be an integer (got {type(value).__name__})")
+    if (minimum is not None and value < minimum) or (below is not None and value >= below):
+        raise error(f"{name}={value!r} is invalid; accepted: {_int_range(name, minimum, below)}")
+    return int(value)
+
+
+_NUMPY_INTS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+
+
+def _int_range(name: str, minimum: int | None, below: int | None) -> str:
+    if below is None:
+        return f"an integer >= {minimum}"
+    if minimum is None:
+        return f"an integer < {below}"
+    return f"an integer {minimum} <= {name} < {_power_of_two(below)}"
+
+
+def _power_of_two(n: int) -> str:
+    return f"2**{n.bit_length() - 1}" if n > 1024 and n & (n - 1) == 0 else str(n)
+
+
+def number(name: str, value: Any, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+           high_open: bool = False, error: type[FullbandError] = ConfigError) -> float:
+    """A finite int or float (not a bool) within [low, high] (open ends with low_open / high_open)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise error(f"{name}={value!r} must be a number (got {type(value).__name__})")
+    accepted = _float_range(name, low, high, low_open, high_open)
+    if not math.isfinite(value):
+        raise error(f"{name}={value!r} is not a finite number; accepted: {accepted}")
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+        raise error(f"{name}={value!r} is invalid; accepted: {accepted}")
+    return value
+
+
+def _float_range(name: str, low, high, low_open: bool, high_open: bool) -> str:
+    lo, hi = ("<" if low_open else "<="), ("<" if high_open else "<=")
+    if low is not None and high is not None:
+        return f"{low:g} {lo} {name} {hi} {high:g}"
+    if low is not None:
+        return f"a finite number {'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"a finite number {'<' if high_open else '<='} {high:g}"
+    return "a finite number"
+
+
+def choice(name: str, value: Any, choices: Iterable[str], *, error: type[FullbandError] = ConfigError) -> str:
+    """One of `choices` (a near miss is named: 'did you mean ...')."""
+    choices = tuple(choices)
+    if value not in choices:
+        hint = closest(value, choices) if isinstance(value, str) else ""
+        raise error(f"{name}={value!r} is invalid{hint}; accepted: {', '.join(choices)}")
+    return value
+
+
+def boolean(name: str, value: Any, *, error: type[FullbandError] = ConfigError) -> bool:
+    if not isinstance(value, bool):
+        raise error(f"{name}={value!r} must be true or false")
+    return value
