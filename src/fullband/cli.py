@@ -93,7 +93,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     """Write a randomly initialised checkpoint (config.json + model.safetensors + tokenizer.json)."""
     import torch
 
-    from fullband.checkpoint import MODEL_KIND
+    from fullband.folder import MODEL_KIND
     from fullband.data.tokenizer import ByteTokenizer
     from fullband.files import check_destination
     from fullband.model.decoder import FullbandLM

@@ -48,7 +48,7 @@ class Report:
 
 def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
     """Everything doctor can tell about `path` (nothing is written, locked for longer than a check, or deleted)."""
-    from fullband.checkpoint import CONFIG_FILE
+    from fullband.folder import CONFIG_FILE
     from fullband.files import read_json
     from fullband.train.checkpoint import STEP_DIR
     from fullband.train.trainer import RUN_FILE
@@ -82,7 +82,7 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
 # ---------------------------------------------------------------------- one model folder or checkpoint
 def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
     """Findings for a native model folder or training checkpoint; True when nothing failed."""
-    from fullband.checkpoint import FILES_KEY, MODEL_KIND, _model_config, read_config_file
+    from fullband.folder import FILES_KEY, MODEL_KIND, _model_config, read_config_file
     from fullband.files import check_record
 
     n_fail = sum(f.level == FAIL for f in report.findings)
@@ -126,7 +126,8 @@ def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
 
 
 def _weights(report: Report, folder: Path, label, data: dict, config) -> None:
-    from fullband.checkpoint import HF_CONFIG_KEY, WEIGHTS_FILE, load_model
+    from fullband.checkpoint import load_model
+    from fullband.folder import HF_CONFIG_KEY, WEIGHTS_FILE
 
     try:
         with warnings.catch_warnings():
@@ -183,7 +184,7 @@ def _trainer_files(report: Report, folder: Path, label) -> None:
 
 
 def _hf_folder(report: Report, folder: Path, hashes: bool) -> bool:
-    from fullband.checkpoint import check_finite, read_header
+    from fullband.folder import check_finite, read_header
 
     n_fail = sum(f.level == FAIL for f in report.findings)
     try:

@@ -132,7 +132,7 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
 
 # ---------------------------------------------------------------------- experiments
 def _val_batches(checkpoint: Path, windows: int = 128, seq_len: int = 256, batch: int = 16):
-    from fullband.checkpoint import read_config
+    from fullband.folder import read_config
     from fullband.data.tokenizer import load_tokenizer
     from fullband.eval.commands import held_out_stream, window_batches
 

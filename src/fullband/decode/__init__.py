@@ -1,6 +1,7 @@
 """Decoding: static KV cache, sampling, and the STANDARD / SOFT / FUSED / EXACT generation modes."""
 
+from fullband.decode.generate import DecodeState, Step, generate, stream
+from fullband.decode.mode import MODES, DecodeMode
 from fullband.model.cache import KVCache
-from fullband.decode.generate import MODES, Step, generate, stream
 
-__all__ = ["KVCache", "MODES", "Step", "generate", "stream"]
+__all__ = ["DecodeMode", "DecodeState", "KVCache", "MODES", "Step", "generate", "stream"]

@@ -60,7 +60,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
             fusion: str = "gated", overwrite: bool = False) -> tuple[str, str]:
     """Convert folder `src` into `dst` (format `to`: 'hf' or 'native'; default the other one, 'native' for a
     Llama). Returns (source kind, target kind)."""
-    from fullband.checkpoint import MODEL_KIND
+    from fullband.folder import MODEL_KIND
 
     src, dst = Path(src), Path(dst)
     kind = detect(src)
@@ -140,7 +140,7 @@ def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int
 
 def _write_native(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int]) -> None:
     """model.safetensors + tokenizer + config.json (last: it records the other files)."""
-    from fullband.checkpoint import write_model_files
+    from fullband.folder import write_model_files
     from fullband.data.tokenizer import PretrainedTokenizer, load_tokenizer
 
     tokenizer = None

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fullband.checkpoint import HF_CONFIG_KEY
+from fullband.folder import HF_CONFIG_KEY
 from fullband.errors import CheckpointError, ConfigError, InputError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import ModelOutput, _check_passes, check_ids, multipass, plain_positions, shift_right
@@ -245,7 +245,7 @@ class LatentFeedback(nn.Module):
         return {HF_CONFIG_KEY: self.hf.config.to_dict()}
 
     def save(self, directory: str | Path, **extra) -> Path:
-        from fullband.checkpoint import save_model
+        from fullband.folder import save_model
 
         return save_model(self, directory, **extra)
 
@@ -279,7 +279,7 @@ def load_feedback(directory: str | Path, config: ModelConfig, hf_config: dict, *
     fullband.checkpoint.load_model) and its model.safetensors. The HF config must describe the same sizes as
     the ModelConfig, and the model it builds (on the meta device first) the tensors of the weights file's
     header: nothing full-size is allocated for a folder whose files disagree."""
-    from fullband.checkpoint import CONFIG_FILE, check_shapes, load_state, read_header
+    from fullband.folder import CONFIG_FILE, check_shapes, load_state, read_header
     from fullband.hf.llama import _transformers
 
     tf = _transformers()

@@ -14,8 +14,10 @@ Shapes: B batch, T positions, D model width, V vocabulary, k passes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,17 @@ from fullband.model.attention import Attention, window_mask
 from fullband.model.config import ModelConfig
 from fullband.model.fusion import build_fusion, fused_input, init_fusion_weight_
 from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear
+
+
+class FolderIO(NamedTuple):
+    save: Callable
+    load: Callable
+
+
+def _folder_io() -> FolderIO:
+    if FullbandLM.folder_io is None:  # only without `import fullband` having run, which every import does
+        raise RuntimeError("FullbandLM.save / load need fullband.checkpoint: import fullband first")
+    return FullbandLM.folder_io
 
 
 @dataclass
@@ -224,18 +237,19 @@ class FullbandLM(nn.Module):
     def num_params(self, *, fusion: bool = True) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if fusion or not n.startswith("fusion."))
 
+    # Folders are fullband.checkpoint's business (above this package, which imports nothing above it): importing
+    # fullband installs its save and load here.
+    folder_io: ClassVar[FolderIO | None] = None
+
     def save(self, directory: str | Path, *, tokenizer=None, overwrite: bool = False) -> Path:
         """config.json + model.safetensors (+ tokenizer.json) into a new or empty folder; overwrite=True replaces
         a model folder saved earlier (never a folder holding anything else)."""
-        from fullband.checkpoint import save_model
-
-        return save_model(self, directory, tokenizer=tokenizer, overwrite=overwrite)
+        return _folder_io().save(self, directory, tokenizer=tokenizer, overwrite=overwrite)
 
     @classmethod
     def load(cls, directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "FullbandLM":
-        from fullband.checkpoint import load_model
-
-        return load_model(directory, device=device, dtype=dtype)
+        """The model a folder holds (a folder of a model.hf_path run loads as its wrapped Hugging Face model)."""
+        return _folder_io().load(directory, device=device, dtype=dtype)
 
 
 def multipass(net, input_ids: Tensor, passes: int, *, targets: Tensor | None = None,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fullband.checkpoint import FILES_KEY, load_state, model_metadata, read_config_file, write_model_files
+from fullband.folder import FILES_KEY, load_state, model_metadata, read_config_file, write_model_files
 from fullband.errors import CheckpointError
 from fullband.files import check_record, writing
 from fullband.train.parallel import Dist, barrier, is_fsdp, unwrap
@@ -26,7 +26,7 @@ REQUIRED = ("config.json", "model.safetensors", TRAINER_FILE, "rng.pt")
 
 
 def code_version() -> dict:
-    from fullband import __version__
+    from fullband.version import __version__
 
     info = {"fullband": __version__, "torch": torch.__version__}
     try:

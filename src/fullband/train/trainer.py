@@ -312,7 +312,7 @@ def hf_model_config(cfg: RunConfig):
 def warm_start(model: FullbandLM, path: str) -> dict:
     """Copy every weight of the model folder `path` whose name and shape match (e.g. a standard checkpoint into
     a full-bandwidth model: the fusion weights keep their fresh initialisation). Returns what was copied/kept."""
-    from fullband.checkpoint import load_state, read_config
+    from fullband.folder import load_state, read_config
 
     read_config(path)  # a clear error for a missing or broken folder
     source = load_state(path)
