@@ -162,9 +162,12 @@ def test_a_run_killed_at_any_moment_resumes_and_leaves_no_debris(tmp_path):
 
 
 def test_resume_of_a_run_with_no_checkpoint_starts_from_step_zero(tmp_path, corpus, cache, capsys):
+    from fullband.train.build import resolve
+    from fullband.train.parallel import Dist
+
     config = write_config(tmp_path, corpus, cache, steps=6, ckpt_every=0)
-    cfg = load_run_config(config)
-    # what a kill before the first checkpoint leaves: the settings, the tokenizer, some metrics
+    cfg, _ = resolve(load_run_config(config), Dist())
+    # what a kill before the first checkpoint leaves: the (resolved) settings, some metrics
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "run.json").write_text(json.dumps(cfg.to_dict()))
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss_pass": [5.0]}\n{"step": 2, "los')

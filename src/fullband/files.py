@@ -349,7 +349,7 @@ def atomic_folder(dst: str | Path, kind: Kind, *, overwrite: bool = False, sourc
         with writing(tmp, action):
             yield tmp
             replace = check_destination(dst, kind, overwrite=overwrite, sources=sources, flag=flag, error=error)
-            _swap(tmp, dst, replace)
+            publish_folder(tmp, dst, replace=replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -361,7 +361,7 @@ OLD_SUFFIX = ".old" + TEMP_SUFFIX
 
 
 def _restore_interrupted_swap(parent: Path, dst: Path) -> None:
-    """A kill between the two renames of _swap leaves the previous folder as `.NAME.*.old.tmp` and no `dst`:
+    """A kill between the two renames of publish_folder leaves the previous folder as `.NAME.*.old.tmp` and no `dst`:
     put it back, so the sweep that follows does not take it for debris."""
     if dst.exists() or dst.is_symlink():
         return
@@ -374,8 +374,11 @@ def _restore_interrupted_swap(parent: Path, dst: Path) -> None:
         return
 
 
-def _swap(tmp: Path, dst: Path, replace: bool) -> None:
-    if dst.is_dir() and not replace:  # empty (checked): make room for the rename
+def publish_folder(tmp: Path, dst: Path, *, replace: bool) -> None:
+    """Move the finished folder `tmp` to `dst` (same parent): into an absent or empty `dst` by one rename; with
+    replace=True the old `dst` is renamed aside, the new one in, and the old one deleted (a kill between the two
+    renames is undone by the next atomic_folder to the same place). The one place fullband publishes a folder."""
+    if dst.is_dir() and not replace:  # empty (checked by the caller): make room for the rename
         dst.rmdir()
     if not replace:
         os.rename(tmp, dst)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from tqdm.auto import tqdm
 
 from fullband.data.corpus import Corpus
 from fullband.errors import DataError
-from fullband.files import Kind, make_folder, make_temp, sweep_temps, writing
+from fullband.files import Kind, make_folder, make_temp, publish_folder, sweep_temps, writing
 
 FORMAT = "fullband-tokens"
 VERSION = 1
@@ -252,10 +251,8 @@ def _publish(tmp: Path, out: Path, key: str) -> None:
     if out.is_symlink() or (out.exists() and not (out.is_dir() and CACHE_KIND.recognises(out))):
         raise DataError(f"{out} is in the way of the token cache and was not written by fullband; move it away "
                         "(or choose another data.cache_dir)")
-    if out.exists():
-        shutil.rmtree(out)
     try:
-        os.rename(tmp, out)
+        publish_folder(tmp, out, replace=out.exists())
     except OSError:
         if _read_manifest(out, key) is None:  # another process won the race only if its result is complete
             raise

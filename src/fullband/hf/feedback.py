@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from fullband.folder import HF_CONFIG_KEY
-from fullband.errors import CheckpointError, ConfigError, InputError
+from fullband.errors import CheckpointError, ConfigError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import ModelOutput, _check_passes, check_ids, multipass, plain_positions, shift_right
 from fullband.model.fusion import FUSION_TYPES, build_fusion, embedding_rms, fused_input, init_fusion_weight_

@@ -4,7 +4,6 @@ trainer state (step, data position, config, code version) and RNG, written atomi
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -17,7 +16,7 @@ import torch
 
 from fullband.folder import FILES_KEY, load_state, model_metadata, read_config_file, write_model_files
 from fullband.errors import CheckpointError
-from fullband.files import check_record, writing
+from fullband.files import check_record, publish_folder, writing
 from fullband.train.parallel import Dist, barrier, is_fsdp, unwrap
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -95,9 +94,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         raise
     barrier(d)
     if d.main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        publish_folder(tmp, final, replace=final.exists())  # resuming from an earlier step rewrites later ones
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     barrier(d)

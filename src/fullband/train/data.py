@@ -41,13 +41,20 @@ def cache_root(cfg_dir: str) -> Path:
     return root
 
 
-def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None) -> RunData:
-    """Resolve corpus and tokenizer, tokenise both splits (rank 0 first; the others read its cache)."""
+def run_tokenizer(cfg, d: Dist, *, run_dir: Path | None = None):
+    """(corpus, tokenizer) of a run: the run's own tokenizer when resuming (run_dir), else the recipe's (a BPE is
+    trained on the corpus once and cached)."""
     data = cfg.data
     corpus = resolve_corpus(data.corpus, text_field=data.text_field, val_percent=data.val_percent)
-    cache = cache_root(data.cache_dir)
-    tokenizer = _tokenizer(data, corpus, cache, d, run_dir, cfg.model.hf_path)
-    model_cfg = _fit_model_config(cfg.model, tokenizer)
+    return corpus, _tokenizer(data, corpus, cache_root(data.cache_dir), d, run_dir, cfg.model.hf_path)
+
+
+def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None, source=None) -> RunData:
+    """Resolve corpus and tokenizer (or take `source`, run_tokenizer's pair), tokenise both splits (rank 0 first;
+    the others read its cache)."""
+    corpus, tokenizer = source if source is not None else run_tokenizer(cfg, d, run_dir=run_dir)
+    cache = cache_root(cfg.data.cache_dir)
+    model_cfg = fit_model_config(cfg.model, tokenizer)
     streams = {}
     for rank_turn in (True, False):  # rank 0 tokenises and caches; then everybody opens the cache
         if d.main == rank_turn:
@@ -84,7 +91,9 @@ def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None, hf_path
     return load_tokenizer(path)
 
 
-def _fit_model_config(model: ModelConfig, tokenizer) -> ModelConfig:
+def fit_model_config(model: ModelConfig, tokenizer) -> ModelConfig:
+    """`model` with the tokenizer's BOS as its document start; refused when the vocabulary is too small or the BOS
+    ids disagree."""
     if model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids; "

@@ -19,17 +19,16 @@ import torch
 from fullband.errors import ConfigError, FullbandError
 from fullband.files import FolderLock, describe_entries, lock_folder, make_folder, replace_file, sweep_temps, writing
 from fullband.eval.loss import validation_loss
-from fullband.model.decoder import FullbandLM
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
+from fullband.train.build import build, resolve
 from fullband.train.data import RunData, prepare_data
-from fullband.train.optim import HF_ROUTE_TABLES, build_optimizer
+from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync
-from fullband.train.parallel import parallelize, shutdown, unwrap
+from fullband.train.parallel import shutdown
 from fullband.train.schedule import in_cooldown, wsd_factor
 
 RUN_FILE = "run.json"
-METRICS_FILE = "metrics.jsonl"
 # resuming needs these to be equal; anything else (logging, eval cadence) may change
 MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tokens", "train.seed", "train.passes",
               "train.steps", "train.warmup_steps", "train.cooldown_fraction", "train.z_loss",
@@ -63,12 +62,9 @@ def _print0(d: Dist, *args) -> None:
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | Path | None = None) -> None:
         self.d = init_distributed(cfg.train.device)
-        self.cfg = cfg
-        self.run_dir = Path(cfg.log.run_dir)
-        if cfg.model.hf_path:  # the sizes come from the pretrained model, before anything is compared or checked
-            cfg.model = hf_model_config(cfg)
+        self.run_dir = Path(resume if resume is not None else cfg.log.run_dir)
         if resume is not None:
-            self.run_dir = _resume_run_dir(Path(resume))
+            self.run_dir = _resume_run_dir(self.run_dir)
         # the run directory is owned before anything in it is read or written: a second process stops here
         self.lock, created = claim_run_dir(self.run_dir, resume=resume is not None) if self.d.main else (None, False)
         try:
@@ -81,33 +77,17 @@ class Trainer:
             raise
 
     def _setup(self, cfg: RunConfig, resume: str | Path | None) -> None:
+        # everything that can fail on user input happens before the run directory is written to
+        # the model config, resolved once (what run.json records), and the run's corpus and tokenizer
+        self.cfg, source = resolve(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
+        cfg = self.cfg
         self.resume_from: Path | None = None
         if resume is not None:
             self.resume_from = _resume_checkpoint(Path(resume), self.run_dir)
             _check_resume_config(self.run_dir, cfg)
-        # everything that can fail on user input happens before the run directory is written to
-        self.data: RunData = prepare_data(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
-        cfg.model = self.data.model_config
-        torch.manual_seed(cfg.train.seed)
-        if cfg.model.hf_path:
-            from fullband.hf.feedback import from_pretrained
-
-            model = from_pretrained(cfg.model.hf_path, cfg.model)
-            # DECISION: no dropout, as in the paper's recipe; it would also make the loss depend on each rank's
-            # RNG, so a run would no longer replay the same way at any world size or after a resume
-            dropped = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-            for m in dropped:
-                m.p = 0.0
-            self.warm_started = {"hf_path": cfg.model.hf_path, "dropout_disabled": len(dropped)}
-        else:
-            model = FullbandLM(cfg.model)
-            self.warm_started = warm_start(model, cfg.train.init_from) if cfg.train.init_from and resume is None else None
-        model = model.to(self.d.device)
-        self.model = parallelize(model, d=self.d, mode=cfg.train.parallel,
-                                 activation_checkpointing=cfg.train.activation_checkpointing,
-                                 compile=cfg.train.compile)
-        self.optimizer = build_optimizer(unwrap(self.model), cfg.optim,
-                                         routes=HF_ROUTE_TABLES[cfg.optim.name] if cfg.model.hf_path else None)
+        self.data: RunData = prepare_data(cfg, self.d, source=source)
+        built = build(cfg, self.d, warm=resume is None)
+        self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
         self.schedule = cfg.train.schedule
         self.step = 0
         self.tokens = 0
@@ -132,7 +112,7 @@ class Trainer:
             with writing(self.run_dir, "write the run's settings"):
                 self.data.tokenizer.save(self.run_dir)
                 replace_file(self.run_dir / RUN_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
-        self.loggers = _Loggers(self.run_dir, cfg, self.d) if self.d.main else None
+        self.loggers = MetricsLog(self.run_dir, cfg, self.d) if self.d.main else None
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, step: int) -> StepStats:
@@ -230,7 +210,7 @@ class Trainer:
         cfg, d = self.cfg, self.d
         total = cfg.train.steps
         tokens_per_step = cfg.train.global_batch_tokens
-        bar = _progress(cfg, d, self.step, total)
+        bar = progress_bar(cfg, d, self.step, total)
         last_eval: dict[str, float] = {}
         try:
             while self.step < total:
@@ -288,44 +268,6 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------- helpers
-def hf_model_config(cfg: RunConfig):
-    """cfg.model with the sizes of the pretrained model at model.hf_path (its feedback and multi-pass fields kept)."""
-    from fullband.hf.feedback import config_for
-    from fullband.hf.llama import _transformers
-
-    model = cfg.model
-    if cfg.train.init_from:
-        raise ConfigError(f"model.hf_path={model.hf_path!r} and train.init_from={cfg.train.init_from!r} both name a "
-                          "warm start; accepted: one of them")
-    try:
-        hf_config = _transformers().AutoConfig.from_pretrained(model.hf_path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"model.hf_path={model.hf_path!r} is not a Hugging Face model folder (or reachable hub id): "
-                          f"{err}") from None
-    filled = config_for(hf_config, model, bos_token_id=model.bos_token_id)
-    if cfg.train.seq_len > filled.max_seq_len:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds the context of {model.hf_path} "
-                          f"({filled.max_seq_len} positions); lower train.seq_len")
-    return filled
-
-
-def warm_start(model: FullbandLM, path: str) -> dict:
-    """Copy every weight of the model folder `path` whose name and shape match (e.g. a standard checkpoint into
-    a full-bandwidth model: the fusion weights keep their fresh initialisation). Returns what was copied/kept."""
-    from fullband.folder import load_state, read_config
-
-    read_config(path)  # a clear error for a missing or broken folder
-    source = load_state(path)
-    own = model.state_dict()
-    copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
-    if not copied:
-        raise ConfigError(f"train.init_from={path!r} shares no weight (name and shape) with this model")
-    model.load_state_dict(copied, strict=False)
-    fresh = sorted(k for k in own if k not in copied)
-    print(f"warm start from {path}: {len(copied)} tensors copied; fresh: {', '.join(fresh) or 'none'}", flush=True)
-    return {"copied": sorted(copied), "fresh": fresh}
-
-
 def _autocast(dtype: str, device: torch.device):
     import contextlib
 
@@ -405,10 +347,7 @@ def _check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     now = cfg.to_dict()
     diffs = []
     for key in MUST_MATCH:
-        a, b = _get(saved, key), _get(now, key)
-        if key == "model" and isinstance(a, dict) and isinstance(b, dict):
-            b = {**b, "bos_token_id": a.get("bos_token_id", b.get("bos_token_id"))} if b.get("bos_token_id") is None else b
-        diffs += _differences(a, b, key)
+        diffs += _differences(_get(saved, key), _get(now, key), key)
     if diffs:
         raise ConfigError(
             f"cannot resume {str(run_dir)!r} with this config; {len(diffs)} setting(s) differ: " + "; ".join(diffs)
@@ -459,115 +398,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
         if row.get("step", 0) <= step:
             keep.append(line)
     replace_file(path, "".join(line + "\n" for line in keep))
-
-
-def _progress(cfg: RunConfig, d: Dist, start: int, total: int):
-    if not (cfg.log.progress and d.main):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-class _Loggers:
-    """metrics.jsonl always; TensorBoard and Weights & Biases when asked for (imported lazily)."""
-
-    def __init__(self, run_dir: Path, cfg: RunConfig, d: Dist) -> None:
-        self.path = run_dir / METRICS_FILE
-        self.file = open(self.path, "a")
-        self.tb = self.wandb = None
-        if cfg.log.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from None
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        if cfg.log.wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("log.wandb = true needs the wandb package: pip install wandb") from None
-            self.wandb = wandb.init(project=cfg.log.wandb_project, dir=str(run_dir), config=cfg.to_dict(),
-                                    name=run_dir.name, resume="allow")
-
-    def log(self, row: dict) -> None:
-        with writing(self.path, "log the step's metrics"):
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-        flat = _flatten(row)
-        step = row["step"]
-        if self.tb is not None:
-            for key, value in flat.items():
-                if key != "step":
-                    self.tb.add_scalar(key, value, step)
-        if self.wandb is not None:
-            self.wandb.log(flat, step=step)
-
-    def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def _flatten(row: dict, prefix: str = "") -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, value in row.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{name}/"))
-        elif isinstance(value, list):
-            out.update({f"{name}/{i + 1}": v for i, v in enumerate(value)})
-        elif isinstance(value, int | float):
-            out[name] = value
-    return out
-
-
-def plot_metrics(metrics: Path, out: Path) -> Path | None:
-    """Training loss per pass count (smoothed) and validation loss against tokens, as a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    train_rows = [r for r in rows if "loss_pass" in r]
-    eval_rows = [r for r in rows if "eval" in r]
-    if not train_rows:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    by_k: dict[int, list[tuple[float, float]]] = {}
-    for r in train_rows:
-        by_k.setdefault(r["k"], []).append((r["tokens"] / 1e6, r["loss_pass"][-1]))
-    first = [(r["tokens"] / 1e6, r["loss_pass"][0]) for r in train_rows]
-    window = max(1, len(first) // 50)
-    ax.plot(*zip(*_smooth(first, window)), label="train, pass 1", lw=1.2)
-    for k, pts in sorted(by_k.items()):
-        if k > 1 and len(pts) > 1:
-            ax.plot(*zip(*_smooth(pts, max(1, len(pts) // 50))), label=f"train, pass {k} (steps with k={k})", lw=1, alpha=0.8)
-    for k in sorted({k for r in eval_rows for k in r["eval"]}, key=int):
-        pts = [(r["tokens"] / 1e6, r["eval"][k]) for r in eval_rows if k in r["eval"]]
-        ax.plot(*zip(*pts), "o--", label=f"validation, {k} pass{'es' if k != '1' else ''}", ms=4)
-    ax.set_xlabel("training tokens (millions)")
-    ax.set_ylabel("loss (nats / token)")
-    ax.set_title(f"{metrics.parent.name}: multi-pass training")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
-def _smooth(points: list[tuple[float, float]], window: int) -> list[tuple[float, float]]:
-    if window <= 1:
-        return points
-    out = []
-    for i in range(len(points)):
-        lo = max(0, i - window + 1)
-        ys = [p[1] for p in points[lo : i + 1]]
-        out.append((points[i][0], sum(ys) / len(ys)))
-    return out

@@ -1,0 +1,100 @@
+"""The build step of a run, in one place: resolve the model config (a pretrained model's sizes, the tokenizer's
+vocabulary and BOS) -> build the model (native, or a Hugging Face model wrapped with latent feedback; a warm
+start) -> its optimizer routing table and optimizer -> the parallel wrapping (DDP / FSDP2, activation
+checkpointing, compile)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fullband.errors import ConfigError
+from fullband.model.config import ModelConfig
+from fullband.model.decoder import FullbandLM
+from fullband.train.config import RunConfig
+from fullband.train.data import fit_model_config, run_tokenizer
+from fullband.train.optim import HF_ROUTE_TABLES, build_optimizer
+from fullband.train.parallel import Dist, parallelize, unwrap
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module  # on the run's device, wrapped for parallelism
+    optimizer: Any
+    warm_started: dict | None  # what a warm start copied (init_from), or the HF model it wrapped (hf_path)
+
+
+def resolve(cfg: RunConfig, d: Dist, *, run_dir: Path | None = None) -> tuple[RunConfig, tuple]:
+    """The run config with its model config resolved — a pretrained model's sizes (model.hf_path, checked first),
+    then the tokenizer's BOS (the vocabulary checked) — and the run's (corpus, tokenizer) (the run's own when
+    resuming from run_dir). The resolved config is what run.json and every checkpoint record."""
+    model = hf_model_config(cfg) if cfg.model.hf_path else cfg.model
+    source = run_tokenizer(cfg, d, run_dir=run_dir)
+    return replace(cfg, model=fit_model_config(model, source[1])), source
+
+
+def build(cfg: RunConfig, d: Dist, *, warm: bool = True) -> Built:
+    """Model, optimizer and parallel wrapping of a resolved config; `warm` applies train.init_from (not when
+    resuming: the checkpoint's weights replace everything)."""
+    torch.manual_seed(cfg.train.seed)
+    model, warm_started = build_model(cfg, warm=warm)
+    model = parallelize(model.to(d.device), d=d, mode=cfg.train.parallel,
+                        activation_checkpointing=cfg.train.activation_checkpointing, compile=cfg.train.compile)
+    routes = HF_ROUTE_TABLES[cfg.optim.name] if cfg.model.hf_path else None  # HF weights on AdamW
+    return Built(model, build_optimizer(unwrap(model), cfg.optim, routes=routes), warm_started)
+
+
+def build_model(cfg: RunConfig, *, warm: bool = True) -> tuple[torch.nn.Module, dict | None]:
+    if cfg.model.hf_path:
+        from fullband.hf.feedback import from_pretrained
+
+        model = from_pretrained(cfg.model.hf_path, cfg.model)
+        # DECISION: no dropout, as in the paper's recipe; it would also make the loss depend on each rank's
+        # RNG, so a run would no longer replay the same way at any world size or after a resume
+        dropped = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        for m in dropped:
+            m.p = 0.0
+        return model, {"hf_path": cfg.model.hf_path, "dropout_disabled": len(dropped)}
+    model = FullbandLM(cfg.model)
+    return model, (warm_start(model, cfg.train.init_from) if cfg.train.init_from and warm else None)
+
+
+def hf_model_config(cfg: RunConfig) -> ModelConfig:
+    """cfg.model with the sizes of the pretrained model at model.hf_path (its feedback and multi-pass fields kept)."""
+    from fullband.hf.feedback import config_for
+    from fullband.hf.llama import _transformers
+
+    model = cfg.model
+    if cfg.train.init_from:
+        raise ConfigError(f"model.hf_path={model.hf_path!r} and train.init_from={cfg.train.init_from!r} both name a "
+                          "warm start; accepted: one of them")
+    try:
+        hf_config = _transformers().AutoConfig.from_pretrained(model.hf_path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.hf_path={model.hf_path!r} is not a Hugging Face model folder (or reachable hub id): "
+                          f"{err}") from None
+    filled = config_for(hf_config, model, bos_token_id=model.bos_token_id)
+    if cfg.train.seq_len > filled.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds the context of {model.hf_path} "
+                          f"({filled.max_seq_len} positions); lower train.seq_len")
+    return filled
+
+
+def warm_start(model: FullbandLM, path: str) -> dict:
+    """Copy every weight of the model folder `path` whose name and shape match (e.g. a standard checkpoint into
+    a full-bandwidth model: the fusion weights keep their fresh initialisation). Returns what was copied/kept."""
+    from fullband.folder import load_state, read_config
+
+    read_config(path)  # a clear error for a missing or broken folder
+    source = load_state(path)
+    own = model.state_dict()
+    copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+    if not copied:
+        raise ConfigError(f"train.init_from={path!r} shares no weight (name and shape) with this model")
+    model.load_state_dict(copied, strict=False)
+    fresh = sorted(k for k in own if k not in copied)
+    print(f"warm start from {path}: {len(copied)} tensors copied; fresh: {', '.join(fresh) or 'none'}", flush=True)
+    return {"copied": sorted(copied), "fresh": fresh}
