@@ -242,7 +242,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from fullband.eval import commands
 
-    commands.check_out(args.out or Path(args.checkpoint) / "eval", args.what.replace("-", "_"))  # before the work
+    commands.report.check_out(args.out or Path(args.checkpoint) / "eval", args.what.replace("-", "_"))  # before the work
     if args.what == "probe":
         commands.require_sklearn()
     if args.what == "loss":

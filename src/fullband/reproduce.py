@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fullband.errors import InputError, closest
+from fullband.eval.report import save_figure
 from fullband.files import replace_file
 
 BASE = "configs/tiny.toml"
@@ -61,18 +62,24 @@ def hardware() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
 
 
-_SETTINGS = {"base": BASE, "extra": []}  # reproduce() sets these for the duration of one experiment
+@dataclass(frozen=True)
+class Settings:
+    """What every run of an experiment starts from: the base recipe and overrides applied after each run's own
+    (tests shrink the runs with them)."""
+
+    base: str = BASE
+    extra: tuple[str, ...] = ()
 
 
-def train_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Path, float]:
+def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None = None) -> tuple[Path, float]:
     """Train (or reuse / resume) runs under root/<name>; returns the final checkpoint and the wall time spent."""
     from fullband.train.checkpoint import list_checkpoints, read_trainer_state
     from fullband.train.config import load_run_config
     from fullband.train.trainer import RUN_FILE, train
 
     run_dir = root / run.name
-    overrides = [*run.overrides, *(extra or []), *_SETTINGS["extra"], f'log.run_dir="{run_dir}"', "log.eval_every=0"]
-    cfg = load_run_config(_SETTINGS["base"], overrides)
+    overrides = [*run.overrides, *(extra or []), *settings.extra, f'log.run_dir="{run_dir}"', "log.eval_every=0"]
+    cfg = load_run_config(settings.base, overrides)
     done = list_checkpoints(run_dir)
     t0 = time.perf_counter()
     if not (done and read_trainer_state(done[-1])["step"] >= cfg.train.steps):
@@ -90,15 +97,6 @@ COMMANDS = ("Commands (each run also gets `--set log.run_dir=runs/repro/<experim
             "`--set log.eval_every=0`):")
 
 
-def _save_figure(fig, path: Path) -> None:
-    from fullband.eval.commands import _plt
-
-    plt = _plt()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _figure_and_commands(exp: str, png: str, alt: str) -> list[str]:
     """The report's figure line and the header of its command list."""
     return [f"![{alt}]({exp}/{png})", "", COMMANDS, ""]
@@ -112,13 +110,13 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
               extra: list[str] | None = None) -> Path:
     """Run one experiment; `base` and `extra` overrides (applied after the experiment's own) exist for tests."""
     runs = _runs(exp)
-    _SETTINGS.update(base=base, extra=list(extra or []))
+    settings = Settings(base, tuple(extra or ()))
     root, docs = Path(root) / exp, Path(docs)
     figs = docs / exp
     figs.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report = {"stability": _stability, "data-efficiency": _data_efficiency, "probe": _probe,
-              "fusion-ablation": _fusion_ablation}[exp](runs, root, figs)
+              "fusion-ablation": _fusion_ablation}[exp](runs, root, figs, settings)
     total = time.perf_counter() - t0
     header = [f"# Reproduction: {exp}", "",
               f"Produced by `fullband reproduce {exp}` (runs under `{root}`), {time.strftime('%Y-%m-%d')}.",
@@ -141,8 +139,8 @@ def _val_batches(checkpoint: Path, windows: int = 128, seq_len: int = 256, batch
     return list(window_batches(stream, seq_len, windows, batch))
 
 
-def _stability(runs: list[Run], root: Path, figs: Path) -> list[str]:
-    from fullband.eval.commands import _plt
+def _stability(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
+    from fullband.eval.report import plt as _plt
     from fullband.eval.stability import contraction, jacobi_sweep
     from fullband.model.decoder import FullbandLM
 
@@ -157,7 +155,7 @@ def _stability(runs: list[Run], root: Path, figs: Path) -> list[str]:
              "|---|---|" + "---|" * 9]
     results = {}
     for run in runs:
-        ckpt, wall = train_run(root, run)
+        ckpt, wall = train_run(root, run, settings)
         model = FullbandLM.load(ckpt)
         batches = _val_batches(ckpt, windows=64)
         sweep = jacobi_sweep(model, batches, progress=True)
@@ -195,14 +193,14 @@ def _stability(runs: list[Run], root: Path, figs: Path) -> list[str]:
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    _save_figure(fig, figs / "stability.png")
+    save_figure(fig, figs / "stability.png")
     lines += ["", *_figure_and_commands("stability", "stability.png", "stability")]
     lines += [f"- {_config_line(r)}, then `fullband eval stability --checkpoint <run>/step_000600`" for r in runs]
     return lines
 
 
-def _data_efficiency(runs: list[Run], root: Path, figs: Path) -> list[str]:
-    from fullband.eval.commands import _plt
+def _data_efficiency(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
+    from fullband.eval.report import plt as _plt
     from fullband.eval.loss import validation_loss
     from fullband.model.decoder import FullbandLM
 
@@ -215,7 +213,7 @@ def _data_efficiency(runs: list[Run], root: Path, figs: Path) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     table = {}
     for run in runs:
-        ckpt, wall = train_run(root, run)
+        ckpt, wall = train_run(root, run, settings)
         model = FullbandLM.load(ckpt)
         batches = _val_batches(ckpt, windows=256)
         state = json.loads((ckpt / "trainer.json").read_text())
@@ -247,13 +245,13 @@ def _data_efficiency(runs: list[Run], root: Path, figs: Path) -> list[str]:
     ax.set_ylabel("held-out loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save_figure(fig, figs / "data_efficiency.png")
+    save_figure(fig, figs / "data_efficiency.png")
     lines += ["", *_figure_and_commands("data-efficiency", "data_efficiency.png", "data efficiency")]
     lines += [f"- {_config_line(r)}" for r in runs]
     return lines
 
 
-def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
+def _probe(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
     from fullband.data.synthetic import training_documents
     from fullband.eval.commands import eval_probe
 
@@ -264,10 +262,10 @@ def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
         docs = training_documents(60000, scratch=scratch, tasks=("completion", "memory"))
         mix.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     corpus = f'data.corpus="{mix}"'
-    base_ckpt, base_wall = train_run(root, runs[0], [corpus])
+    base_ckpt, base_wall = train_run(root, runs[0], settings, [corpus])
     warm = f'train.init_from="{base_ckpt}"'
     run = runs[1]
-    ckpt, wall = train_run(root, run, [corpus, warm])
+    ckpt, wall = train_run(root, run, settings, [corpus, warm])
     res = eval_probe(ckpt, tasks=("completion", "memory"), scratch=scratch, out=figs, progress=True)
     lines = ["The paper (Fig. 7, appendix F): a linear probe on the layer-0 input at the final ':' recovers the",
              "label 99.6% (completion tracking) and 100% (delayed memory) with one-step recurrent prefill, and is",
@@ -306,12 +304,12 @@ def _probe(runs: list[Run], root: Path, figs: Path) -> list[str]:
     return lines
 
 
-def _fusion_ablation(runs: list[Run], root: Path, figs: Path) -> list[str]:
-    from fullband.eval.commands import _plt
+def _fusion_ablation(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
+    from fullband.eval.report import plt as _plt
     from fullband.eval.stability import state_contribution
     from fullband.model.decoder import FullbandLM
 
-    base_ckpt, base_wall = train_run(root, runs[0])
+    base_ckpt, base_wall = train_run(root, runs[0], settings)
     lines = ["The paper (section 3.1): an additive fusion e + W h lets a model warm-started from a standard",
              "checkpoint ignore the state and keep its old loss; the asymmetric gate (h W_U) * sigmoid(e W_G)",
              "makes the state the value path, so reading it is mandatory.", "",
@@ -323,7 +321,7 @@ def _fusion_ablation(runs: list[Run], root: Path, figs: Path) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     results = {}
     for run in runs[1:]:
-        ckpt, wall = train_run(root, run, [f'train.init_from="{base_ckpt}"'])
+        ckpt, wall = train_run(root, run, settings, [f'train.init_from="{base_ckpt}"'])
         model = FullbandLM.load(ckpt)
         r = state_contribution(model, _val_batches(ckpt))
         results[run.name] = r
@@ -351,7 +349,7 @@ def _fusion_ablation(runs: list[Run], root: Path, figs: Path) -> list[str]:
     ax.set_ylabel("held-out loss after one fused pass")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    _save_figure(fig, figs / "fusion_ablation.png")
+    save_figure(fig, figs / "fusion_ablation.png")
     lines += [*_figure_and_commands("fusion-ablation", "fusion_ablation.png", "fusion ablation"),
               f"- {_config_line(runs[0])}"]
     lines += [f"- {_config_line(r, f'train.init_from={chr(34)}{base_ckpt}{chr(34)}')}" for r in runs[1:]]

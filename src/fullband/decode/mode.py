@@ -53,6 +53,12 @@ class DecodeMode:
             raise error(str(err)) from None
 
     @classmethod
+    def from_passes(cls, passes: int) -> DecodeMode:
+        """The mode whose prompt read is `passes` Jacobi passes: STANDARD for 1, FUSED with passes - 1 else."""
+        integer("passes", passes, 1, error=InputError)
+        return cls("standard") if passes == 1 else cls("fused", passes - 1)
+
+    @classmethod
     def parse(cls, text: str) -> DecodeMode:
         """'soft', 'fused' (one prefill pass), 'fused:2', 'fused:auto' -> a DecodeMode."""
         name, _, k = text.partition(":")

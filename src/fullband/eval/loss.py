@@ -1,5 +1,6 @@
-"""Validation loss of a model on fixed batches, for any number of Jacobi passes (1 = STANDARD, k + 1 = FUSED
-with k prefill passes): mean nats/token with its standard error over windows, and bits/byte for byte models."""
+"""Held-out loss of a model on fixed batches: for any number of Jacobi passes (validation_loss: mean nats/token with
+its standard error over windows, paired differences), and for decoding modes (loss_by_mode: STANDARD, FUSED k,
+adaptive, exact, with bits/byte)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from fullband.decode.mode import DecodeMode
 
 
 @dataclass
@@ -50,3 +54,37 @@ def validation_loss(model, batches, passes: int, *, autocast=None) -> LossResult
     stderr = float(losses.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("nan")
     return LossResult(passes=passes, nats=float(losses.mean()), stderr=stderr, tokens=n * targets.shape[1],
                       per_window=losses)
+
+
+@torch.no_grad()
+def loss_by_mode(model, batches, modes: list[tuple[str, DecodeMode]], bytes_per_token: torch.Tensor) -> list[dict]:
+    """Held-out loss of every (name, mode) over (inputs, targets) batches, each window read as the mode prefills a
+    prompt (Jacobi passes, adaptive under "auto", or the exact recurrence): one row per mode with nats/token, its
+    standard error over windows, bits/byte, and the fused passes adaptive prefill used on average."""
+    sums = {name: [] for name, _ in modes}
+    used: dict[str, list[int]] = {name: [] for name, mode in modes if mode.tolerance}
+    nbytes = 0.0
+    for inputs, targets in batches:
+        nbytes += float(bytes_per_token[targets].sum())
+        for name, mode in modes:
+            if mode.exact:
+                logits = model.recurrent_forward(inputs).logits
+            else:
+                res = model(inputs, passes=mode.passes, tol=mode.tolerance)
+                logits = res.logits
+                if mode.tolerance:
+                    used[name].append(res.passes_used - 1)
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+            sums[name].append(nll.view(targets.shape).double())
+    rows = []
+    for name, mode in modes:
+        nll = torch.cat(sums[name])  # (N, T)
+        per_window = nll.mean(dim=1)
+        rows.append({
+            "mode": name, "passes": None if mode.exact or mode.tolerance else mode.passes,
+            "fused_passes_used": float(np.mean(used[name])) if name in used else None,
+            "nats_per_token": float(per_window.mean()),
+            "stderr": float(per_window.std() / math.sqrt(len(per_window))),
+            "bits_per_byte": float(nll.sum()) / math.log(2) / max(nbytes, 1.0),
+        })
+    return rows

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fullband.data.synthetic import Example
-from fullband.errors import InputError
+from fullband.errors import ConfigError, InputError
 
 PREFILLS = ("standard", "one-step", "suffix", "full")
 
@@ -141,3 +141,28 @@ def _same_length_batches(encoded: list[list[int]], size: int):
     for _, rows in sorted(by_len.items()):
         for start in range(0, len(rows), size):
             yield rows[start : start + size]
+
+
+def probe_tasks(model, tokenizer, tasks, modes, *, suffix: int, scratch: tuple[int, ...], progress: bool = False) -> dict:
+    """For each synthetic task: what the model itself answers (STANDARD and FUSED k=1 prefill) and the layer-by-layer
+    probe accuracy under each probe prefill `modes` (see PREFILLS). -> {task: {examples, groups, modes, answer}}."""
+    from fullband.data.synthetic import completion_tracking, delayed_memory, register_last_write
+    from fullband.decode.mode import DecodeMode
+
+    build = {"completion": lambda: completion_tracking(scratch=scratch), "memory": lambda: delayed_memory(scratch=scratch),
+             "registers": lambda: register_last_write()}
+    out: dict = {}
+    for task in tasks:
+        examples = build[task]()
+        longest = max(len(tokenizer.encode(ex.text)) for ex in examples)
+        if longest > model.config.max_seq_len:
+            raise ConfigError(f"task {task!r} has examples of {longest} tokens > max_seq_len="
+                              f"{model.config.max_seq_len}; pass fewer scratch updates (--scratch 0 8 32)")
+        out[task] = {"examples": len(examples), "groups": len({e.group for e in examples}), "modes": {}, "answer": {}}
+        # what the model itself answers after the ':' (the probe cannot be asked to find what the model never computed)
+        for mode in (DecodeMode("standard"), DecodeMode("fused", 1)):
+            out[task]["answer"][mode.label] = answer_accuracy(model, tokenizer, examples, passes=mode.passes)
+        for mode in modes:
+            streams = final_streams(model, tokenizer, examples, mode, suffix=suffix, progress=progress)
+            out[task]["modes"][mode] = probe_by_depth(streams, examples)
+    return out

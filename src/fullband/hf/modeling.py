@@ -267,8 +267,7 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         B, T = ids.shape
         if passes is not None:
-            passes = integer("passes", passes, 1, error=ConfigError)
-            mode = DecodeMode("fused", passes - 1) if passes > 1 else DecodeMode("standard")
+            mode = DecodeMode.from_passes(integer("passes", passes, 1, error=ConfigError))
         targets = None
         if labels is not None:
             if labels.shape != input_ids.shape:

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Every CUDA path of fullband once, printed as one table (see benchmarks/gpu_check.py); under 8 minutes on one GPU.
+# On a GPU machine with PyTorch nothing needs installing: src/ goes on PYTHONPATH. `--device cpu --quick` is a
+# toy-sized dry run of the script itself on any machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec "$PY" benchmarks/gpu_check.py "$@"

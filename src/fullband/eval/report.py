@@ -1,0 +1,189 @@
+"""Tables and figures of fullband's evaluations, rendered from their result dicts: the eval functions compute and
+return results; this module prints their tables and writes WHAT.json and WHAT.png (never over a file another
+tool wrote)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from fullband.files import OutputError, check_writable, make_folder, read_json, replace_file, writing
+
+
+def plt():
+    """matplotlib.pyplot on the Agg backend (no screen needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+# ---------------------------------------------------------------------- output files
+def check_out(out: str | Path, name: str) -> Path:
+    """The folder for NAME.json / NAME.png, refused now (before any work) when it is a file or not writable, or
+    when it holds a NAME.json / NAME.png that fullband eval did not write (those are never overwritten)."""
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise OutputError(f"--out {str(out)!r} is a file; accepted: a folder for {name}.json / {name}.png")
+    ours = "checkpoint" in (read_json(out / f"{name}.json") or {})  # every eval result names its checkpoint
+    theirs = [f for f in (f"{name}.json", f"{name}.png") if (out / f).exists() and not ours]
+    if theirs:
+        raise OutputError(f"--out {str(out)!r} holds {' and '.join(theirs)}, not written by fullband eval; nothing "
+                          "was overwritten. Choose another --out")
+    check_writable(out, "--out")
+    return out
+
+
+def save_figure(fig, path: Path) -> None:
+    """A figure as PNG through a temporary file and a rename; the figure is closed."""
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    with writing(path.parent, f"write {path.name}"):
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    plt().close(fig)
+
+
+def write(out: Path, name: str, result: dict, fig=None) -> None:
+    """NAME.json (and NAME.png) into `out`."""
+    check_out(out, name)
+    make_folder(out, "--out")
+    replace_file(out / f"{name}.json", json.dumps(result, indent=2) + "\n")
+    if fig is not None:
+        save_figure(fig, out / f"{name}.png")
+
+
+def show(name: str, result: dict, out: Path) -> None:
+    """Print the table of result NAME and write its JSON and figure under `out`."""
+    table, figure = RENDER[name]
+    print(table(result))
+    write(out, name, result, figure(result) if figure is not None else None)
+
+
+# ---------------------------------------------------------------------- loss by mode
+def loss_table(result: dict) -> str:
+    lines = [f"{'mode':<15} {'passes':>6} {'nats/token':>11} {'± s.e.':>8} {'bits/byte':>10}"]
+    for r in result["rows"]:
+        passes = r["passes"] or ("T+1" if r["mode"] == "exact" else f"{1 + r['fused_passes_used']:.1f}")
+        lines.append(f"{r['mode']:<15} {passes:>6} {r['nats_per_token']:>11.4f} {r['stderr']:>8.4f} "
+                     f"{r['bits_per_byte']:>10.4f}")
+    return "\n".join(lines)
+
+
+def loss_figure(result: dict):
+    rows = result["rows"]
+    fig, ax = plt().subplots(figsize=(6, 3.8))
+    fused = [r for r in rows if r["passes"] is not None]
+    ks = list(range(len(fused)))
+    for r in rows:
+        if r["fused_passes_used"] is not None:
+            ax.errorbar([r["fused_passes_used"]], [r["nats_per_token"]], yerr=[r["stderr"]], marker="D", capsize=3,
+                        ls="none", label=f"{r['mode']} (mean passes used)")
+    ax.errorbar(ks, [r["nats_per_token"] for r in fused], yerr=[r["stderr"] for r in fused], marker="o", capsize=3,
+                label="STANDARD (k=0) and FUSED (k prefill passes)")
+    exact = [r for r in rows if r["mode"] == "exact"]
+    if exact:
+        ax.axhline(exact[0]["nats_per_token"], color="k", ls="--", lw=1, label="exact recurrence")
+    ax.set_xlabel("fused prefill passes k")
+    ax.set_ylabel("held-out loss (nats / token)")
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(Path(result["checkpoint"]).name)
+    return fig
+
+
+# ---------------------------------------------------------------------- stability
+def stability_table(result: dict) -> str:
+    sweep, con = result["sweep"], result["contraction"]
+    lines = [f"{'k':>5} {'loss':>8} {'± s.e.':>7} {'|h(k)-h(k-1)|':>14} {'|h(k)-exact|':>13}"]
+    for i, k in enumerate(sweep["ks"]):
+        ex = sweep["exact_rms"][i]
+        lines.append(f"{k:>5} {sweep['loss'][i]:>8.4f} {sweep['loss_stderr'][i]:>7.4f} {sweep['update_rms'][i]:>14.3e} "
+                     f"{(f'{ex:.3e}' if ex is not None else '-'):>13}")
+    if sweep["converged_at"]:
+        lines.append(f"every window reached its fixed point (the exact recurrence) at k = {sweep['converged_at']} "
+                     f"(T = {result['seq_len']})")
+    lines.append("perturbation growth per pass (||J^k v|| / ||v||)^(1/k): "
+                 + ", ".join(f"k={h}: {g:.3f}" for h, g in zip(con["horizons"], con["growth"]))
+                 + f"; one-pass gain ||J||_2 = {con['lipschitz']:.3f}")
+    lines.append("growth < 1: the pass map contracts and long feedback horizons stay stable; > 1: perturbations grow")
+    return "\n".join(lines)
+
+
+def stability_figure(result: dict):
+    sweep = result["sweep"]
+    fig, axes = plt().subplots(1, 2, figsize=(10, 3.8))
+    axes[0].errorbar(sweep["ks"], sweep["loss"], yerr=sweep["loss_stderr"], marker="o", capsize=3,
+                     label="Jacobi iterate")
+    if sweep["exact_loss"] is not None:
+        axes[0].axhline(sweep["exact_loss"], color="k", ls="--", lw=1, label="exact recurrence")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("passes k")
+    axes[0].set_ylabel("held-out loss (nats / token)")
+    axes[0].legend(fontsize=8)
+    curve = np.array(sweep["update_curve"])
+    kk = np.arange(1, len(curve) + 1)
+    keep = curve > 0
+    axes[1].loglog(kk[keep][1:], curve[keep][1:], label="RMS ||h(k) - h(k-1)||")
+    exact = [(k, v) for k, v in zip(sweep["ks"], sweep["exact_rms"]) if v]
+    if exact:
+        axes[1].loglog(*zip(*exact), "s--", label="RMS ||h(k) - h_exact||")
+    axes[1].set_xlabel("passes k")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(f"{Path(result['checkpoint']).name}: iterating the fused pass map (T = {result['seq_len']})")
+    return fig
+
+
+# ---------------------------------------------------------------------- probes
+def probe_table(result: dict) -> str:
+    lines = []
+    for task, t in result["tasks"].items():
+        for name, ans in t["answer"].items():
+            lines.append(f"{task:<11} model answers ({name}): {ans['accuracy']:.3f}  by length {ans['by_length']}")
+        for mode, acc in t["modes"].items():
+            lines.append(f"{task:<11} {mode:<9} layer 0: {acc[0]:.3f}  best: {max(acc):.3f} "
+                         f"(depth {int(np.argmax(acc))})")
+    return "\n".join(lines)
+
+
+def probe_figure(result: dict):
+    tasks = list(result["tasks"])
+    fig, axes = plt().subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for mode, acc in result["tasks"][task]["modes"].items():
+            ax.plot(range(len(acc)), acc, marker="o", label=mode if mode != "suffix" else f"suffix k={result['suffix']}")
+        ax.axhline(0.5, color="k", lw=0.8, ls=":")
+        ax.set_ylim(0.3, 1.02)
+        ax.set_xticks(range(len(acc)))
+        ax.set_xlabel("depth (0 = stack input)")
+        ax.set_ylabel("probe accuracy (4-fold grouped CV)")
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+# ---------------------------------------------------------------------- generation length
+def generate_length_table(result: dict) -> str:
+    lines = [f"{'mode':<14} {'median tokens':>13} {'mean':>8} {'exact match':>11}"]
+    for r in result["modes"]:
+        name = r["mode"] if r["mode"] != "fused" else f"fused k={r['prefill_passes']}"
+        acc = f"{r['accuracy']:.3f}" if r["accuracy"] is not None else "-"
+        lines.append(f"{name:<14} {r['median_tokens']:>13.1f} {r['mean_tokens']:>8.1f} {acc:>11}")
+    return "\n".join(lines)
+
+
+RENDER = {
+    "loss": (loss_table, loss_figure),
+    "stability": (stability_table, stability_figure),
+    "probe": (probe_table, probe_figure),
+    "generate_length": (generate_length_table, None),
+}
