@@ -173,3 +173,23 @@ def test_compiled_decode_equals_eager():
     prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (4, 9)]
     for mode in ("standard", "soft"):
         assert generate(model, prompts, 6, mode=mode, compile=True) == generate(model, prompts, 6, mode=mode)
+
+
+def test_decode_mode_owns_the_passes_rule():
+    from fullband import DecodeMode, InputError, ModelConfig
+
+    assert [DecodeMode(m).passes for m in ("standard", "soft", "exact")] == [1, 1, 1]
+    assert DecodeMode("fused", 2).passes == 3 and DecodeMode("fused", 0).passes == 1
+    auto = DecodeMode("fused", "auto", tol=1e-4, max_passes=5)
+    assert auto.passes == 6 and auto.tolerance == 1e-4 and DecodeMode("soft", "auto").tolerance is None
+    assert DecodeMode("fused", 9).prompt_passes(4) == 4  # never more passes than the prompt is long
+    assert DecodeMode.parse("fused:2") == DecodeMode("fused", 2) and DecodeMode.parse("fused:auto").tolerance
+    assert DecodeMode.parse("soft").feeds_state and not DecodeMode.parse("standard").feeds_state
+    assert DecodeMode.from_passes(1) == DecodeMode("standard") and DecodeMode.from_passes(3) == DecodeMode("fused", 2)
+    assert [DecodeMode("fused", 2).label, auto.label] == ["fused k=2", "fused auto tol=0.0001"]
+    for bad, match in ((lambda: DecodeMode("fast"), "mode='fast'"), (lambda: DecodeMode("fused", -1), ">= 0"),
+                       (lambda: DecodeMode.parse("soft:2"), "only fused"), (lambda: DecodeMode("fused", "x"), "'auto'"),
+                       (lambda: DecodeMode("fused", 200).check(ModelConfig(max_seq_len=128)), "cap of max_seq_len=128"),
+                       (lambda: DecodeMode("soft").check(ModelConfig(fusion="none")), "fusion='none'")):
+        with pytest.raises(InputError, match=match):
+            bad()

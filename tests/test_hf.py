@@ -187,3 +187,32 @@ def test_latent_feedback_generate_matches_the_references(kind):
     assert torch.equal(fb.generate(prompt, n, mode="fused", prefill_passes=0), fb.generate(prompt, n, mode="soft"))
     with pytest.raises(InputError, match="mode='sof'"):
         fb.generate(prompt, 2, mode="sof")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_latent_feedback_generate_runs_on_the_engine_ragged_and_stopping(kind):
+    """The wrapper decodes through fullband's engine: a ragged batch (right-padded, masked, each row at its own
+    positions) gives each row the tokens it gets alone, in every mode; stop tokens end rows; auto prefill runs."""
+    from fullband.hf import add_latent_feedback
+
+    fb = add_latent_feedback(_tiny_hf(kind), bos_token_id=None).eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 101, (n,), generator=g).tolist() for n in (7, 3, 11)]
+    for mode, k in (("standard", 0), ("soft", 0), ("fused", 2), ("fused", "auto"), ("exact", 0)):
+        together = fb.generate(prompts, 5, mode=mode, prefill_passes=k)
+        alone = [fb.generate([p], 5, mode=mode, prefill_passes=k)[0] for p in prompts]
+        assert together == alone, mode
+    first = fb.generate([prompts[0]], 5, mode="soft")[0]
+    stopped = fb.generate([prompts[0]], 5, mode="soft", stop_tokens=[first[1]])[0]
+    assert stopped == first[:2]
+    padded = fb.generate(torch.tensor([prompts[0]]), 5, mode="soft", stop_tokens=[first[1]])
+    assert padded.tolist() == [first[:2] + [first[1]] * 3]  # a stopped row repeats its stop token
+
+
+def test_latent_feedback_generate_compiled_equals_eager():
+    """compile=True comes from the engine for the wrapper too (its step through torch.compile; ~30 s on a CPU)."""
+    from fullband.hf import add_latent_feedback
+
+    fb = add_latent_feedback(_tiny_hf("gpt2"), bos_token_id=None).eval()
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    assert fb.generate(prompts, 6, mode="soft", compile=True) == fb.generate(prompts, 6, mode="soft")
