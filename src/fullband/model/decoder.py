@@ -29,6 +29,7 @@ from fullband.model.attention import Attention, window_mask
 from fullband.model.config import ModelConfig
 from fullband.model.fusion import build_fusion, fused_input, init_fusion_weight_
 from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear
+from fullband.validate import integer
 
 
 class FolderIO(NamedTuple):
@@ -363,8 +364,7 @@ def shift_right(state: Tensor) -> Tensor:
 
 
 def _check_passes(passes: int, cfg: ModelConfig) -> int:
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise InputError(f"passes={passes!r} is invalid; accepted: an integer >= 1")
+    integer("passes", passes, 1, error=InputError)
     if passes > 1 and not cfg.has_feedback:
         raise InputError(f"passes={passes} needs feedback weights; this model has fusion='none' (passes=1 only)")
     return passes
