@@ -10,20 +10,15 @@ from pathlib import Path
 import torch
 
 from fullband.errors import CheckpointError
-from fullband.folder import (  # noqa: F401  (the folder format's names, for callers of fullband.checkpoint)
-    CONFIG_FILE, EVAL_KIND, FILES_KEY, FORMAT, FORMAT_VERSION, HF_CONFIG_KEY, MODEL_KIND, WEIGHTS_FILE, check_finite,
-    check_layer_count, check_shapes, load_state, model_metadata, read_config, read_config_file, read_header,
-    save_model, write_model_files,
+from fullband.folder import (
+    HF_CONFIG_KEY, _model_config, check_layer_count, load_native_model, read_config_file, read_header, save_model,
 )
-from fullband.folder import _model_config
 from fullband.model.decoder import FolderIO, FullbandLM
 
 
 def load_model(directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Rebuild the model a folder describes and load its weights. Every size is checked against the weights
     file's header before anything is allocated; the weights must be floating point and finite."""
-    from fullband.folder import load_native_model
-
     data = read_config_file(directory)
     config = _model_config(directory, data)
     header = read_header(directory, data)

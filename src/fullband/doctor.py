@@ -263,15 +263,14 @@ def _run_dir(path: Path, hashes: bool) -> Report:
 def _matches_run(report: Report, step: Path, cfg) -> bool:
     """Whether the checkpoint's own config agrees with run.json on everything a resume compares."""
     from fullband.train.checkpoint import read_trainer_state
-    from fullband.train.trainer import MUST_MATCH, _differences, _get
+    from fullband.train.trainer import resume_differences
 
     if cfg is None:
         return True
     saved = read_trainer_state(step).get("config")
     if not isinstance(saved, dict):
         return True
-    now = cfg.to_dict()
-    diffs = [d for key in MUST_MATCH if key != "model" for d in _differences(_get(saved, key), _get(now, key), key)]
+    diffs = resume_differences(saved, cfg.to_dict())
     if diffs:
         report.add(FAIL, f"{step.name}/trainer.json", "its config differs from run.json: " + "; ".join(diffs[:3]))
         return False

@@ -178,10 +178,15 @@ def read_header(directory: str | Path, data: dict | None = None) -> dict[str, tu
 
 def load_state(directory: str | Path, data: dict | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a folder's model.safetensors, checked (see read_header) and all finite."""
+    read_header(directory, data)
+    return read_tensors(directory)
+
+
+def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a folder's model.safetensors (whose header was checked), all finite."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    read_header(directory, data)
     path = Path(directory) / WEIGHTS_FILE
     try:
         state = load_file(str(path))
@@ -226,7 +231,7 @@ def load_native_model(directory: str | Path, data: dict, config: ModelConfig, he
     with torch.device("meta"):
         model = FullbandLM(config)
     check_shapes(directory, config, {k: tuple(v.shape) for k, v in model.state_dict().items()}, header)
-    state = load_state(directory, data)
+    state = read_tensors(directory)
     model = model.to_empty(device=device)
     model.rotary.reset_tables()  # non-persistent buffers: to_empty left them uninitialised
     model.load_state_dict(state, strict=True)

@@ -279,7 +279,7 @@ def load_feedback(directory: str | Path, config: ModelConfig, hf_config: dict, *
     fullband.checkpoint.load_model) and its model.safetensors. The HF config must describe the same sizes as
     the ModelConfig, and the model it builds (on the meta device first) the tensors of the weights file's
     header: nothing full-size is allocated for a folder whose files disagree."""
-    from fullband.folder import CONFIG_FILE, check_shapes, load_state, read_header
+    from fullband.folder import CONFIG_FILE, check_shapes, read_header, read_tensors
     from fullband.hf.llama import _transformers
 
     tf = _transformers()
@@ -308,7 +308,7 @@ def load_feedback(directory: str | Path, config: ModelConfig, hf_config: dict, *
     expected["norm_in.weight"] = (config.d_model,)
     del shell, fusion
     check_shapes(directory, config, expected, header)
-    state = load_state(directory)
+    state = read_tensors(directory)
     hf_model = tf.AutoModelForCausalLM.from_config(hf_model_config)
     wrapper = LatentFeedback(hf_model, config=config)
     try:

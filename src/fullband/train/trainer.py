@@ -344,10 +344,7 @@ def _check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
         missing = sorted({s for s in sections if not isinstance(saved, dict) or not isinstance(saved.get(s), dict)})
         raise ConfigError(f"{saved_path} is damaged: it lacks the section(s) {', '.join(missing)}; restore it "
                           "from a checkpoint's trainer.json ('config') or start a new run")
-    now = cfg.to_dict()
-    diffs = []
-    for key in MUST_MATCH:
-        diffs += _differences(_get(saved, key), _get(now, key), key)
+    diffs = resume_differences(saved, cfg.to_dict())
     if diffs:
         raise ConfigError(
             f"cannot resume {str(run_dir)!r} with this config; {len(diffs)} setting(s) differ: " + "; ".join(diffs)
@@ -356,6 +353,12 @@ def _check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
 
 
 _UNSET = object()
+
+
+def resume_differences(saved: dict, now: dict) -> list[str]:
+    """'key: run has A, config has B' for every setting a resume needs equal (MUST_MATCH) that differs between two
+    resolved run configs (as dicts)."""
+    return [d for key in MUST_MATCH for d in _differences(_get(saved, key), _get(now, key), key)]
 
 
 def _differences(a, b, key: str, path: str = "") -> list[str]:
