@@ -328,3 +328,21 @@ def test_cache_grows_past_its_first_allocation(pair):
     assert out.sequences[:, 3:].tolist() == generate(native, prompt, 150, mode="soft")
     with pytest.raises(InputError, match="exceeds max_seq_len=160"):
         hf.generate(torch.tensor(prompt), max_new_tokens=170, min_new_tokens=170, do_sample=False)
+
+
+def test_convert_gives_a_byte_model_a_transformers_tokenizer_with_the_same_ids(tmp_path):
+    """vLLM and transformers read text for a byte-level model through the tokenizer convert writes."""
+    from fullband.data.tokenizer import ByteTokenizer, load_tokenizer
+    from fullband.hf.convert import convert
+
+    tiny_model(seed=7).save(tmp_path / "native", tokenizer=ByteTokenizer())
+    convert(tmp_path / "native", tmp_path / "hf")
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    byte = ByteTokenizer()
+    for text in ["def f(x):\n    return x + 1\n", "naïve café — ☃ 🐍", " \t\r\n\x00\x7f\xa0 spaces  ", ""]:
+        assert auto(text)["input_ids"] == byte.encode(text)  # BOS in front, as fullband encodes
+        assert auto.decode(byte.encode(text, bos=False)) == text
+    assert auto.decode([0xE2, 0x9C]) == "\ufffd"  # a cut character, replaced as ByteTokenizer does
+    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (256, 257, 258)
+    convert(tmp_path / "hf", tmp_path / "back")
+    assert isinstance(load_tokenizer(tmp_path / "back"), ByteTokenizer)

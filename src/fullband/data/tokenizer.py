@@ -78,8 +78,35 @@ class ByteTokenizer:
     def _payload(self) -> dict:
         return {"fullband_tokenizer": self.kind, "version": 1, "vocab_size": self.vocab_size}
 
+    def to_hf(self):
+        """The same tokenizer as a Hugging Face `tokenizers.Tokenizer` (ids 0..255 the bytes, then <bos>, <eos>,
+        <pad>; BOS added in front, as `encode` does), so transformers and vLLM can read text for a byte model."""
+        tk = _hf_tokenizers()
+        vocab = {char: byte for byte, char in _byte_chars().items()}
+        tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = tk.decoders.ByteLevel()
+        tokenizer.add_special_tokens(list(SPECIAL_TOKENS))  # ids 256, 257, 258 in this order
+        tokenizer.post_processor = tk.processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", self.bos_id)])
+        return tokenizer
+
     def save(self, directory: str | Path) -> None:
         (Path(directory) / TOKENIZER_FILE).write_text(json.dumps(self._payload(), indent=2) + "\n")
+
+
+def _byte_chars() -> dict[int, str]:
+    """Byte -> the printable character byte-level BPE uses for it (printable Latin-1 bytes stand for
+    themselves; the others take code points from 256 up, in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 def _hf_tokenizers():

@@ -134,7 +134,14 @@ def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int
         bos, eos, pad = SPECIAL_TOKENS
         PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"), bos_token=bos,
                                 eos_token=eos, pad_token=pad).save_pretrained(out)
-    else:  # the byte tokenizer has no transformers counterpart; keep it for the way back
+    else:  # the byte tokenizer: its transformers equivalent for other tools, and itself for the way back
+        from transformers import PreTrainedTokenizerFast
+
+        from fullband.data.tokenizer import ByteTokenizer
+
+        bos, eos, pad = SPECIAL_TOKENS
+        PreTrainedTokenizerFast(tokenizer_object=ByteTokenizer().to_hf(), bos_token=bos, eos_token=eos,
+                                pad_token=pad).save_pretrained(out)
         shutil.copy2(tokenizer_dir / "tokenizer.json", out / BYTE_TOKENIZER_FILE)
 
 
