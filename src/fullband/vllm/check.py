@@ -1,0 +1,86 @@
+"""The per-request side of fullband's vLLM model, on vLLM's hook for per-request arguments: a logits processor
+(it changes no logits) that
+
+  * checks each request's mode when vLLM admits it (`validate_params`, run by the frontend: a bad mode is an
+    HTTP 400 with our message and never reaches the engine), and
+  * follows vLLM's persistent batch in the worker (`update_state`: requests added with their SamplingParams and
+    prompt, removed, moved between rows), keeping each row's mode, prompt length and (FUSED) prompt tokens, and
+    moving the rows of the model's fed-back state buffer with them.
+
+The engine hook (fullband.vllm.model.FullbandEngineConfig) adds it to the served model's `logits_processors` and
+tells it the model's rules (`configure`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from fullband.decode.mode import DecodeMode
+from fullband.errors import InputError
+from fullband.vllm.requests import MAX_PASSES, request_mode
+
+FEEDBACK_CHECK = "fullband.vllm.check:RequestTracker"
+STANDARD, SOFT, FUSED = 0, 1, 2
+CODES = {"standard": STANDARD, "soft": SOFT, "fused": FUSED}
+
+
+class RequestTracker(LogitsProcessor):
+    has_feedback: bool = True
+    default: DecodeMode = DecodeMode("soft")
+    max_passes: int = MAX_PASSES
+    active: "RequestTracker | None" = None  # the worker's instance, read by the model's forward
+    state: torch.Tensor | None = None  # the model's fed-back states, one row per batch row (set by the model)
+
+    @classmethod
+    def configure(cls, *, has_feedback: bool, default: DecodeMode, max_passes: int) -> None:
+        cls.has_feedback, cls.default, cls.max_passes = has_feedback, default, max_passes
+
+    @classmethod
+    def mode_of(cls, sampling_params) -> DecodeMode:
+        extra = getattr(sampling_params, "extra_args", None)
+        return request_mode(extra, cls.default, has_feedback=cls.has_feedback, max_passes=cls.max_passes)
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        try:
+            cls.mode_of(sampling_params)
+        except InputError as err:
+            raise ValueError(str(err)) from None
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        n = vllm_config.scheduler_config.max_num_seqs
+        self.mode = np.zeros(n, dtype=np.int64)
+        self.passes = np.ones(n, dtype=np.int64)
+        self.prompt_len = np.zeros(n, dtype=np.int64)
+        self.prompts: list[list[int] | None] = [None] * n
+        self.batch_size = 0
+        RequestTracker.active = self
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        self.batch_size = batch_update.batch_size
+        for index, params, prompt, _ in batch_update.added:
+            mode = type(self).mode_of(params)  # admitted by validate_params, so this cannot fail
+            self.mode[index] = CODES[mode.name]
+            self.passes[index] = mode.passes
+            self.prompt_len[index] = len(prompt or ())
+            self.prompts[index] = list(prompt) if mode.name == "fused" and mode.passes > 1 else None
+        for a, b, direction in batch_update.moved:
+            rows = [a, b] if direction == MoveDirectionality.SWAP else [a]
+            to = [b, a] if direction == MoveDirectionality.SWAP else [b]
+            for arr in (self.mode, self.passes, self.prompt_len):
+                arr[to] = arr[rows]
+            moved = [self.prompts[r] for r in rows]
+            for r, p in zip(to, moved):
+                self.prompts[r] = p
+            if RequestTracker.state is not None:
+                RequestTracker.state[to] = RequestTracker.state[rows]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits

@@ -1,0 +1,83 @@
+"""Engine rules for fullband folders, run when vLLM builds its config (registered by fullband.vllm.register):
+what is refused, what is turned off and why, and the request tracker added to the model's logits processors."""
+
+from __future__ import annotations
+
+import os
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+from fullband.decode.mode import DecodeMode
+from fullband.errors import ConfigError
+from fullband.model.config import ModelConfig
+from fullband.vllm.requests import served_default
+
+logger = init_logger(__name__)
+
+MODEL_FIELDS = tuple(ModelConfig.__dataclass_fields__)
+
+
+def model_config_of(hf_config) -> ModelConfig:
+    """The native ModelConfig a served folder describes; a latent-feedback wrapper of another HF model is refused."""
+    cfg = ModelConfig(**{name: getattr(hf_config, name) for name in MODEL_FIELDS if hasattr(hf_config, name)})
+    if cfg.hf_path:
+        raise ConfigError(f"hf_path={cfg.hf_path!r}: a latent-feedback wrapper around another Hugging Face model is "
+                          "not served by fullband's vLLM model (only native full-bandwidth models, converted Llamas "
+                          "included)")
+    return cfg
+
+
+def default_mode_of(hf_config) -> DecodeMode:
+    cfg = model_config_of(hf_config)
+    return served_default(getattr(hf_config, "feedback_mode", "soft"), getattr(hf_config, "prefill_passes", 1),
+                          has_feedback=cfg.has_feedback)
+
+
+class FullbandEngineConfig(VerifyAndUpdateConfig):
+    """Run when vLLM builds its config for a fullband folder (registered in fullband.vllm.register)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: VllmConfig) -> None:
+        hf_config = vllm_config.model_config.hf_config
+        cfg = model_config_of(hf_config)
+        default_mode_of(hf_config)  # a bad default in config.json is an error at start, not per request
+        if vllm_config.speculative_config is not None:
+            raise ConfigError("speculative decoding is not supported with latent feedback: a drafted token's fed-back "
+                              "state is not known until it is verified")
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ConfigError("pipeline_parallel_size > 1 is not supported: the fed-back state leaves the last stage "
+                              "and enters the first every step (use tensor parallelism)")
+        if cfg.has_feedback and vllm_config.cache_config.enable_prefix_caching:
+            logger.info("fullband: prefix caching is off for a model with latent feedback: a cached block's keys "
+                        "and values depend on how its positions were fed, not on its token ids alone")
+            vllm_config.cache_config.enable_prefix_caching = False
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+            # the per-request state follows vLLM's persistent batch (model runner V1); set before the workers start
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        _no_full_cuda_graphs(vllm_config)
+        from fullband.vllm.check import FEEDBACK_CHECK, RequestTracker
+
+        RequestTracker.configure(has_feedback=cfg.has_feedback, default=default_mode_of(hf_config),
+                                 max_passes=cfg.max_seq_len)
+        procs = list(vllm_config.model_config.logits_processors or [])
+        if FEEDBACK_CHECK not in procs:
+            vllm_config.model_config.logits_processors = [*procs, FEEDBACK_CHECK]
+
+
+
+
+def _no_full_cuda_graphs(vllm_config: VllmConfig) -> None:
+    """Full CUDA graphs would freeze the step plan the forward builds on the host each step; piecewise graphs of
+    the transformer stack (the compiled FeedbackStack) stay."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is None or mode.has_full_cudagraphs():
+        logger.info("fullband: cudagraph_mode %s -> PIECEWISE (the fed-back state's step plan is built on the host)",
+                    getattr(mode, "name", mode))
+        vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE

