@@ -245,6 +245,24 @@ def test_a_model_without_feedback_weights_serves_standard_with_prefix_caching(tm
         shut(llm)
 
 
+def test_tensor_parallel_over_two_processes_in_every_mode(tmp_path, monkeypatch):
+    """--tensor-parallel-size 2 on the CPU: heads split over two workers, the single key/value head and the
+    per-head gains and gates sharded; FUSED prompts in chunks (their dense passes run on both ranks)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("two CPU cores are needed for two tensor-parallel workers")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")  # one core per worker
+    cfg = dict(BASE, n_heads=4, n_kv_heads=1, d_model=256, attn_gate=True)
+    model = make_folder(tmp_path, **cfg)
+    llm = engine(tmp_path, tensor_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=16)
+    try:
+        batch = prompts([5, 37, 12])
+        for mode, passes in MODES:
+            assert run(llm, batch, mode_params(mode, passes)) == reference(model, batch, mode, passes), (mode, passes)
+    finally:
+        shut(llm)
+
+
 def test_unsupported_folders_are_refused_by_name(tmp_path):
     make_folder(tmp_path, **dict(BASE, hf_path="/somewhere/llama"))
     with pytest.raises(Exception, match="hf_path='/somewhere/llama'"):
