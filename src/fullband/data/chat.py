@@ -1,0 +1,120 @@
+"""Chat data: conversations read from JSONL and checked, and the sequence a rendered conversation trains as.
+
+A conversation is one JSON object per line with a `messages` list of {"role": "system" | "user" | "assistant",
+"content": str}, multi-turn, at least one assistant turn, no empty assistant turn. Any defect is an error naming
+the file and the line.
+
+Once a template has rendered a conversation into segments (`prompt`: everything a user or the template
+supplies, up to and including the marker that opens an assistant turn; `response`: the assistant's tokens and
+the marker that ends its turn), `assemble` gives the training sequence:
+
+  targets  the next token where that token is part of a response, -100 elsewhere: the loss falls on assistant
+           tokens only (the turn's end marker included, so the model learns to stop);
+  fed      positions whose input takes the previous position's state at inference. SOFT / FUSED decoding
+           feeds every generated token (the response's tokens); the end marker ends the turn and is read with
+           the next turn's prompt, plainly, as every prompt position is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fullband.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+SEGMENTS = ("prompt", "response")
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+def check_messages(obj: Any, where: str) -> list[Message]:
+    """The messages of one conversation (a JSON object with a `messages` list), or DataError naming `where`."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object with a 'messages' list, got {type(obj).__name__}")
+    if "messages" not in obj:
+        raise DataError(f"{where}: no 'messages' key (keys: {', '.join(map(str, obj)) or 'none'})")
+    messages = obj["messages"]
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, got "
+                        f"{type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        at = f"{where}: message {i}"
+        if not isinstance(m, dict):
+            raise DataError(f"{at}: expected an object with 'role' and 'content', got {type(m).__name__}")
+        if "role" not in m:
+            raise DataError(f"{at}: no 'role'; accepted: {', '.join(ROLES)}")
+        role = m["role"]
+        if role not in ROLES:
+            raise DataError(f"{at}: unknown role {role!r}; accepted: {', '.join(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise DataError(f"{at} ({role}): 'content' must be a string, got {type(content).__name__}")
+        if role == "assistant" and not content.strip():
+            raise DataError(f"{at}: empty assistant turn (nothing to learn from)")
+        out.append(Message(role, content))
+    if not any(m.role == "assistant" for m in out):
+        raise DataError(f"{where}: no assistant turn (nothing to learn from)")
+    return out
+
+
+def read_chat_jsonl(path: str | Path) -> Iterator[list[Message]]:
+    """Each conversation of a JSONL file (blank lines skipped, a UTF-8 byte-order mark allowed)."""
+    path = Path(path)
+    try:
+        handle = path.open(encoding="utf-8-sig")
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read: {err.strerror or err}") from None
+    with handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+            yield check_messages(obj, where)
+
+
+@dataclass
+class ChatSequence:
+    ids: list[int]
+    targets: list[int]  # next-token targets, IGNORE where the next token is not a response token
+    fed: list[bool]  # positions fed the previous position's state at inference
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(t != IGNORE for t in self.targets)
+
+
+def assemble(segments: Sequence[tuple[str, Sequence[int]]], bos_id: int | None) -> ChatSequence:
+    """The training sequence of a rendered conversation: BOS (when given), then the segments in order (see the
+    module docstring for targets and fed)."""
+    ids: list[int] = [] if bos_id is None else [bos_id]
+    response: list[bool] = [False] * len(ids)
+    last_of_response: list[bool] = [False] * len(ids)
+    for kind, seg in segments:
+        if kind not in SEGMENTS:
+            raise DataError(f"segment kind {kind!r}; accepted: {', '.join(SEGMENTS)}")
+        seg = list(seg)
+        if kind == "response" and not seg:
+            raise DataError("an empty response segment (it must hold at least the turn's end marker)")
+        ids += seg
+        response += [kind == "response"] * len(seg)
+        last_of_response += [kind == "response" and i == len(seg) - 1 for i in range(len(seg))]
+    targets = [ids[t + 1] if response[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
+    fed = [r and not last for r, last in zip(response, last_of_response)]
+    return ChatSequence(ids, targets, fed)

@@ -1,0 +1,84 @@
+"""Chat data (issue 13, first part): reading and checking conversations, and the training sequence of a rendered
+conversation (loss on assistant tokens only; fed positions where inference feeds the state)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fullband.data.chat import IGNORE, Message, assemble, read_chat_jsonl
+from fullband.errors import DataError
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_conversations_are_read_multi_turn_with_blank_lines_and_a_bom(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+                          {"role": "assistant", "content": "6"}]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    path.write_text("\ufeff" + json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    got = list(read_chat_jsonl(path))
+    assert [len(c) for c in got] == [5, 2]
+    assert got[0][3] == Message("user", "and 3+3?")
+
+
+@pytest.mark.parametrize("row,message", [
+    ("{not json", "invalid JSON"),
+    ([1, 2], "expected a JSON object with a 'messages' list, got list"),
+    ({"turns": []}, "no 'messages' key (keys: turns)"),
+    ({"messages": "hi"}, "'messages' must be a list"),
+    ({"messages": [{"content": "x"}]}, "message 0: no 'role'; accepted: system, user, assistant"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "message 0: unknown role 'bot'"),
+    ({"messages": [{"role": "user", "content": 3}]}, "message 0 (user): 'content' must be a string, got int"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "  "}]},
+     "message 1: empty assistant turn"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
+])
+def test_bad_conversations_are_errors_naming_file_and_line(tmp_path, row, message):
+    path = tmp_path / "bad.jsonl"
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    write_jsonl(path, [good, row])
+    with pytest.raises(DataError, match=f"{path}:2: ") as err:
+        list(read_chat_jsonl(path))
+    assert message in str(err.value)
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(DataError, match="nope.jsonl: cannot be read"):
+        list(read_chat_jsonl(tmp_path / "nope.jsonl"))
+
+
+def test_loss_falls_exactly_on_response_tokens_and_fed_positions_are_the_generated_ones():
+    # BOS=0; prompt [10, 11, 12] (12: the assistant marker), response [20, 21, 99] (99: the end marker), then a
+    # second turn: prompt [13, 12], response [22, 99]
+    seq = assemble([("prompt", [10, 11, 12]), ("response", [20, 21, 99]), ("prompt", [13, 12]),
+                    ("response", [22, 99])], bos_id=0)
+    assert seq.ids == [0, 10, 11, 12, 20, 21, 99, 13, 12, 22, 99]
+    # the assistant marker predicts the first response token; the end marker predicts nothing
+    assert seq.targets == [IGNORE, IGNORE, IGNORE, 20, 21, 99, IGNORE, IGNORE, 22, 99, IGNORE]
+    assert seq.loss_tokens == 5
+    # generated tokens are fed; the end marker and every prompt position are read plainly
+    assert seq.fed == [False, False, False, False, True, True, False, False, False, True, False]
+
+
+def test_every_target_is_the_next_token_and_no_prompt_token_is_learned():
+    segments = [("prompt", [5, 6]), ("response", [7, 8, 9]), ("prompt", [6]), ("response", [1])]
+    seq = assemble(segments, bos_id=None)
+    response_positions = {2, 3, 4, 6}  # where 7, 8, 9 and 1 sit in ids [5, 6, 7, 8, 9, 6, 1]
+    for t, target in enumerate(seq.targets):
+        if t + 1 in response_positions:
+            assert target == seq.ids[t + 1]
+        else:
+            assert target == IGNORE
+
+
+def test_malformed_segments_are_refused():
+    with pytest.raises(DataError, match="segment kind 'answer'"):
+        assemble([("answer", [1])], bos_id=0)
+    with pytest.raises(DataError, match="empty response segment"):
+        assemble([("prompt", [1]), ("response", [])], bos_id=0)
