@@ -82,3 +82,49 @@ def test_malformed_segments_are_refused():
         assemble([("answer", [1])], bos_id=0)
     with pytest.raises(DataError, match="empty response segment"):
         assemble([("prompt", [1]), ("response", [])], bos_id=0)
+
+
+def _check_worked_steps(text: str, start: int) -> int:
+    """Every 'a op b = c.' step is right and continues from the previous result; returns the last result."""
+    import re
+
+    value = start
+    for a, op, b, c in re.findall(r"(\d+) ([-+*]) (\d+) = (\d+)\.", text):
+        a, b, c = int(a), int(b), int(c)
+        assert a == value
+        assert c == {"+": a + b, "-": a - b, "*": a * b}[op] and c >= 0
+        value = c
+    return value
+
+
+def test_the_synthetic_set_is_right_step_by_step_and_deterministic(tmp_path):
+    import re
+
+    from fullband.data.chat import arithmetic_chats, check_messages, final_answer, write_chat_jsonl
+
+    chats = arithmetic_chats(300, seed=3)
+    assert chats == arithmetic_chats(300, seed=3) and chats != arithmetic_chats(300, seed=4)
+    two_turn = 0
+    for i, chat in enumerate(chats):
+        messages = check_messages(chat, f"conversation {i}")
+        start = int(re.search(r"starts with (\d+)\.", messages[1].content).group(1))
+        value = _check_worked_steps(messages[1].content, start)
+        assert final_answer(messages[1].content) == str(value)
+        assert f"Answer: {value}" not in messages[0].content  # the label is never in the question
+        if len(messages) == 4:
+            two_turn += 1
+            value = _check_worked_steps(messages[3].content, value)  # the follow-up continues the first answer
+            assert final_answer(messages[3].content) == str(value)
+    assert 0.2 < two_turn / len(chats) < 0.4
+    path = write_chat_jsonl(chats, tmp_path / "sft.jsonl")
+    assert [[m.content for m in c] for c in read_chat_jsonl(path)] == [[m["content"] for m in c["messages"]]
+                                                                       for c in chats]
+
+
+def test_final_answer_reads_the_last_answer_line():
+    from fullband.data.chat import final_answer
+
+    assert final_answer("1 + 2 = 3. Answer: 3") == "3"
+    assert final_answer("Answer: 4\nAnswer: 5\nmore text") == "5"
+    assert final_answer("no answer here") is None
+    assert final_answer("Answer: ") is None
