@@ -201,16 +201,18 @@ def test_chunked_prefill_is_exact_in_every_mode(tmp_path):
 
 
 def test_preemption_by_recompute_gives_the_same_tokens(tmp_path):
-    """A KV cache of 5 blocks of 32 tokens for 8 requests of 40-70 tokens: vLLM preempts running requests and
-    later recomputes them from their tokens (generated ones included)."""
+    """A KV cache of 5 blocks of 32 tokens for 8 requests of 30-60 tokens: vLLM preempts running requests and
+    later recomputes them from their tokens (generated ones included). 20 new tokens: on random weights the
+    recurrence amplifies float rounding (1e-3 in the state after ~25 fed positions), so longer runs would compare
+    rounding, not the engine."""
     model = make_folder(tmp_path, **BASE)
     llm = engine(tmp_path, block_size=32, num_gpu_blocks_override=5, max_model_len=128, max_num_seqs=8,
                  disable_log_stats=False)
     try:
         batch = prompts([30, 12, 25, 40, 18, 33, 19, 27], seed=7)
         modes = [("soft", 1), ("fused", 2), ("standard", 1), ("soft", 1)] * 2
-        got = run(llm, batch, [mode_params(m, k, max_tokens=30) for m, k in modes])
-        want = [reference(model, [p], m, k, max_tokens=30)[0] for p, (m, k) in zip(batch, modes)]
+        got = run(llm, batch, [mode_params(m, k, max_tokens=20) for m, k in modes])
+        want = [reference(model, [p], m, k, max_tokens=20)[0] for p, (m, k) in zip(batch, modes)]
         assert got == want
         metrics = {m.name: m for m in llm.get_metrics()}
         assert metrics["vllm:num_preemptions"].value > 0
