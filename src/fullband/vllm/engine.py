@@ -4,6 +4,7 @@ what is refused, what is turned off and why, and the request tracker added to th
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
@@ -14,14 +15,14 @@ from fullband.errors import ConfigError
 from fullband.model.config import ModelConfig
 from fullband.vllm.requests import served_default
 
+if TYPE_CHECKING:
+    from fullband.hf.modeling import FullbandConfig
+
 logger = init_logger(__name__)
 
-MODEL_FIELDS = tuple(ModelConfig.__dataclass_fields__)
-
-
-def model_config_of(hf_config) -> ModelConfig:
+def model_config_of(hf_config: "FullbandConfig") -> ModelConfig:
     """The native ModelConfig a served folder describes; a latent-feedback wrapper of another HF model is refused."""
-    cfg = ModelConfig(**{name: getattr(hf_config, name) for name in MODEL_FIELDS if hasattr(hf_config, name)})
+    cfg = hf_config.to_model_config()  # a FullbandConfig (fullband.vllm.register registers it with transformers)
     if cfg.hf_path:
         raise ConfigError(f"hf_path={cfg.hf_path!r}: a latent-feedback wrapper around another Hugging Face model is "
                           "not served by fullband's vLLM model (only native full-bandwidth models, converted Llamas "
@@ -42,7 +43,7 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
         hf_config = vllm_config.model_config.hf_config
         cfg = model_config_of(hf_config)
-        default_mode_of(hf_config)  # a bad default in config.json is an error at start, not per request
+        default = default_mode_of(hf_config)  # a bad default in config.json is an error at start, not per request
         if vllm_config.speculative_config is not None:
             raise ConfigError("speculative decoding is not supported with latent feedback: a drafted token's fed-back "
                               "state is not known until it is verified")
@@ -59,8 +60,7 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
         _no_full_cuda_graphs(vllm_config)
         from fullband.vllm.check import FEEDBACK_CHECK, RequestTracker
 
-        RequestTracker.configure(has_feedback=cfg.has_feedback, default=default_mode_of(hf_config),
-                                 max_passes=cfg.max_seq_len)
+        RequestTracker.configure(has_feedback=cfg.has_feedback, default=default, max_passes=cfg.max_seq_len)
         procs = list(vllm_config.model_config.logits_processors or [])
         if FEEDBACK_CHECK not in procs:
             vllm_config.model_config.logits_processors = [*procs, FEEDBACK_CHECK]

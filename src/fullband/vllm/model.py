@@ -58,7 +58,6 @@ from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -70,7 +69,11 @@ from vllm.sequence import IntermediateTensors
 from vllm.forward_context import get_forward_context
 
 from fullband.errors import ConfigError
+from fullband.model.attention import _attend, window_mask
 from fullband.model.config import ModelConfig
+from fullband.model.decoder import plain_positions, shift_right
+from fullband.model.fusion import build_fusion, fused_input
+from fullband.model.layers import RMSNorm as NativeRMSNorm
 from fullband.vllm.check import FUSED, STANDARD, RequestTracker
 from fullband.vllm.engine import default_mode_of, model_config_of
 
@@ -147,16 +150,11 @@ class FeedbackAttention(nn.Module):
     def dense(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One sequence (T, D) from position 0 with plain causal attention (no cache): -> (output, k, v)."""
         q, k, v = self.project(x, positions)
-        T, H, Hk, Dh = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        qh, kh, vh = (t.view(T, -1, Dh).transpose(0, 1) for t in (q, k, v))
-        if Hk != H:
-            kh, vh = kh.repeat_interleave(H // Hk, 0), vh.repeat_interleave(H // Hk, 0)
-        if self.window is not None and self.window < T:
-            diff = positions[:, None] - positions[None, :]
-            y = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=(diff >= 0) & (diff < self.window))
-        else:
-            y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        return self.output(x, y.transpose(0, 1).reshape(T, H * Dh)), k.view(T, Hk, Dh), v.view(T, Hk, Dh)
+        T, H, Dh = x.shape[0], self.n_heads, self.head_dim
+        qh, kh, vh = (t.view(1, T, -1, Dh).transpose(1, 2) for t in (q, k, v))
+        mask = window_mask(positions, positions, self.window) if self.window is not None and self.window < T else None
+        y = _attend(qh, kh, vh, causal=mask is None, mask=mask)[0]
+        return self.output(x, y.transpose(0, 1).reshape(T, H * Dh)), k.view(T, -1, Dh), v.view(T, -1, Dh)
 
 
 class FeedbackMLP(nn.Module):
@@ -265,39 +263,32 @@ class StepPlan:
 def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], device: torch.device) -> StepPlan:
     """The plan of one step: packed rows qsl[i]:qsl[i+1] are the chunk of batch row i, from position starts[i]."""
     R = len(starts)
-    N = qsl[R]
-    token_req = np.zeros(N, dtype=np.int64)
-    token_feed = np.zeros(N, dtype=bool)
-    plan = StepPlan(rows=R, last_rows=torch.tensor(qsl[1:R + 1], dtype=torch.long, device=device) - 1)
-    chain: list[np.ndarray] = []
-    for i in range(R):
-        start, first, n = starts[i], qsl[i], qsl[i + 1] - qsl[i]
-        mode = int(tracker.mode[i])
-        if mode == STANDARD:
-            continue
-        P = int(tracker.prompt_len[i])
-        pos = np.arange(start, start + n)
-        fed = (pos >= P) & (pos > 0)  # generated positions read the previous position's state
-        if fed.any():
-            plan.any_feed = True
-            token_req[first:first + n] = i
-            token_feed[first:first + n] = fed
-            inner = np.nonzero(fed[1:])[0] + 1  # fed rows after the chunk's first read a state of this same step
-            if inner.size:
-                chain.append(first + inner)
-                plan.iterate = max(plan.iterate, int(inner.size))
-        if mode == FUSED and start < P <= start + n and tracker.passes[i] > 1:
-            plan.any_feed = True
-            plan.dense.append(DenseJob(prompt=tracker.prompts[i], passes=min(int(tracker.passes[i]), P), start=start,
-                                       first_row=first, rows=P - start, batch_row=i))
-    if plan.any_feed:
-        plan.token_req = torch.from_numpy(token_req).to(device)
-        plan.token_feed = torch.from_numpy(token_feed).to(device)
-        rows = np.nonzero(token_feed)[0]
+    bounds = np.asarray(qsl, dtype=np.int64)
+    plan = StepPlan(rows=R, last_rows=torch.from_numpy(bounds[1:] - 1).to(device))
+    prompt_len, start = tracker.prompt_len[:R], np.asarray(starts, dtype=np.int64)
+    end = start + np.diff(bounds)
+    row = np.repeat(np.arange(R), np.diff(bounds))  # each packed row's request
+    offset = np.arange(bounds[-1]) - bounds[row]  # its place in the chunk
+    pos = start[row] + offset
+    # generated positions of SOFT / FUSED requests read the previous position's state
+    fed = (tracker.mode[:R][row] != STANDARD) & (pos >= prompt_len[row]) & (pos > 0)
+    chain = np.nonzero(fed & (offset > 0))[0]  # ... computed in this same step: iterated
+    for i in np.nonzero((tracker.mode[:R] == FUSED) & (tracker.passes[:R] > 1) & (start < prompt_len)
+                        & (prompt_len <= end))[0]:  # a FUSED prompt's last chunk
+        P, first = int(prompt_len[i]), int(start[i])
+        plan.dense.append(DenseJob(prompt=tracker.prompts[i], passes=min(int(tracker.passes[i]), P), start=first,
+                                   first_row=int(bounds[i]), rows=P - first, batch_row=int(i)))
+    plan.any_feed = bool(fed.any()) or bool(plan.dense)
+    if chain.size:
+        plan.chain_rows = torch.from_numpy(chain).to(device)
+        plan.iterate = int(np.bincount(row[chain]).max())
+    rows = np.nonzero(fed)[0]
+    if plan.dense or chain.size:  # the rare paths read every row
+        plan.token_req = torch.from_numpy(row).to(device)
+        plan.token_feed = torch.from_numpy(fed).to(device)
+    elif rows.size:
         plan.fed_rows = torch.from_numpy(rows).to(device)
-        plan.fed_reqs = torch.from_numpy(token_req[rows]).to(device)
-    if chain:
-        plan.chain_rows = torch.from_numpy(np.concatenate(chain)).to(device)
+        plan.fed_reqs = torch.from_numpy(row[rows]).to(device)
     return plan
 
 
@@ -319,8 +310,9 @@ class FullbandForCausalLM(nn.Module):
         vllm_config.cache_config.sliding_window = None
         self.config = hf_config
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, prefix=maybe_prefix(prefix, "embed"))
-        self.norm_in = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.fusion = _fusion(cfg, maybe_prefix(prefix, "fusion"))
+        # the fusion (replicated on every rank: 2·D² weights) and the input norm are the native modules
+        self.norm_in = NativeRMSNorm(cfg.d_model, cfg.norm_eps)
+        self.fusion = build_fusion(cfg.fusion, cfg.d_model)
         self.model = FeedbackStack(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.d_model, prefix=maybe_prefix(prefix, "lm_head"))
         if cfg.tie_embeddings:
@@ -350,7 +342,7 @@ class FullbandForCausalLM(nn.Module):
         if plan is not None and plan.any_feed and not (plan.dense or plan.iterate):
             # the common step (decoding, plain prompts): fuse the fed rows only, from their requests' states
             rows = plan.fed_rows
-            fused = self.fuse(e[rows], plain[rows], self.state[plan.fed_reqs])
+            fused = self.fuse(plain[rows], self.state[plan.fed_reqs])
             if bos is not None:  # a BOS token starts afresh
                 fused = torch.where((input_ids[rows] == bos)[:, None], plain[rows], fused)
             x = plain.index_copy(0, rows, fused)
@@ -362,21 +354,21 @@ class FullbandForCausalLM(nn.Module):
                 feed = feed & (input_ids[:n] != bos)
             for job in plan.dense:
                 self._dense_prefill(job, prev, feed)
-            x = self._fed(e, plain, prev, feed)
+            x = self._fed(plain, prev, feed)
         state, top = self._stack(positions, x)
         for _ in range(plan.iterate if plan is not None else 0):
             prev = prev.clone()
             prev[plan.chain_rows] = state[plan.chain_rows - 1].to(prev.dtype)
-            x = self._fed(e, plain, prev, feed)
+            x = self._fed(plain, prev, feed)
             state, top = self._stack(positions, x)
         if plan is not None:  # a real step (profile and warm-up runs leave the states alone)
             self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
         return top
 
-    def _fed(self, e: torch.Tensor, plain: torch.Tensor, prev: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
+    def _fed(self, plain: torch.Tensor, prev: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
         """Stack inputs: rows in `feed` take fuse(e, prev), the others their plain inputs."""
         rows = feed.nonzero().squeeze(1)
-        return plain.index_copy(0, rows, self.fuse(e[rows], plain[rows], prev[rows]))
+        return plain.index_copy(0, rows, self.fuse(plain[rows], prev[rows]))
 
     def _stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fed-back state, final-norm output) of the compiled stack on inputs x."""
@@ -407,26 +399,10 @@ class FullbandForCausalLM(nn.Module):
     def plain_inputs(self, e: torch.Tensor) -> torch.Tensor:
         return self.norm_in(e) if self.cfg.input_norm else e
 
-    def fuse(self, e: torch.Tensor, plain: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """norm_in(fuse(e, prev)) as the native model computes it (fullband.model.fusion.fused_input)."""
-        if self.cfg.input_norm:
-            gate_in = plain
-        else:  # raw-embedding inputs: the gate reads a gain-free RMS-normalised embedding
-            gate_in = F.rms_norm(e.float(), e.shape[-1:], None, self.cfg.norm_eps).to(e.dtype)
-        prev = prev.to(e.dtype)
-        kind = self.cfg.fusion
-        if kind == "gated":
-            u, _ = self.fusion.w_u(prev)
-            g, _ = self.fusion.w_g(gate_in)
-            fused = u * torch.sigmoid(g)
-        elif kind == "additive":
-            w, _ = self.fusion.w_h(prev)
-            fused = gate_in + w
-        else:
-            fused, _ = self.fusion.w_cat(torch.cat([gate_in, prev], dim=-1))
-        return self.norm_in(fused)
+    def fuse(self, plain: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The native model's fused input (fullband.model.fusion.fused_input) of plain inputs and states."""
+        return fused_input(self.fusion, self.norm_in, plain, prev, None, normalise_gate=not self.cfg.input_norm)
 
-    @torch.inference_mode()
     def _dense_prefill(self, job: DenseJob, prev: torch.Tensor, feed: torch.Tensor) -> None:
         """Passes 1..J-1 of a FUSED prompt over all its positions; the chunk's rows then take pass J's inputs
         (prev, feed set in place). Positions before the chunk get pass J's keys/values written to their slots."""
@@ -434,17 +410,14 @@ class FullbandForCausalLM(nn.Module):
         ids = torch.tensor(job.prompt, dtype=torch.long, device=device)
         T = ids.shape[0]
         pos = torch.arange(T, device=device)
-        e = self.embed(ids)
-        plain = self.plain_inputs(e)
-        keep = pos == 0  # position 0 and BOS tokens take plain inputs in every pass
-        if self.cfg.bos_token_id is not None:
-            keep = keep | (ids == self.cfg.bos_token_id)
+        plain = self.plain_inputs(self.embed(ids))
+        keep = plain_positions(ids[None], self.cfg.bos_token_id)[0]  # position 0 and BOS stay plain in every pass
         state = None
         for _ in range(job.passes - 1):
-            x = plain if state is None else self._fused_prompt(e, plain, state, keep)
+            x = plain if state is None else self._fused_prompt(plain, state, keep)
             state, _, _ = self.model.dense(pos, x)
         if job.start > 0:  # pass J over the positions before the chunk, for their keys and values
-            x = plain if state is None else self._fused_prompt(e, plain, state, keep)
+            x = plain if state is None else self._fused_prompt(plain, state, keep)
             _, _, kv = self.model.dense(pos[:job.start], x[:job.start], keep_kv=True)
             for block, (k, v) in zip(self.model.blocks, kv):
                 attn = block.attn.attn
@@ -466,12 +439,10 @@ class FullbandForCausalLM(nn.Module):
         blocks = block_table[row].to(device, torch.long)[pos // block_size]
         return torch.where(blocks > 0, blocks * block_size + pos % block_size, torch.full_like(pos, -1))
 
-    def _fused_prompt(self, e: torch.Tensor, plain: torch.Tensor, state: torch.Tensor,
-                      keep: torch.Tensor) -> torch.Tensor:
+    def _fused_prompt(self, plain: torch.Tensor, state: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """A Jacobi pass's inputs over a prompt from position 0: position t reads state[t - 1], except the
         positions in `keep` (position 0, BOS), which stay plain."""
-        shifted = F.pad(state, (0, 0, 1, 0))[: state.shape[0]]
-        return torch.where(keep[:, None], plain, self.fuse(e, plain, shifted))
+        return torch.where(keep[:, None], plain, self.fuse(plain, shift_right(state[None])[0]))
 
     # ------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -503,17 +474,6 @@ class FullbandForCausalLM(nn.Module):
         if missing:
             raise ConfigError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {sorted(missing)[:6]}")
         return set(params)
-
-
-def _fusion(cfg: ModelConfig, prefix: str) -> nn.Module | None:
-    if not cfg.has_feedback:
-        return None
-    D = cfg.d_model
-    shapes = {"gated": {"w_u": D, "w_g": D}, "additive": {"w_h": D}, "concat": {"w_cat": 2 * D}}[cfg.fusion]
-    module = nn.Module()
-    for name, fan_in in shapes.items():
-        setattr(module, name, ReplicatedLinear(fan_in, D, bias=False, prefix=f"{prefix}.{name}"))
-    return module
 
 
 _BLOCK_NAMES = {
