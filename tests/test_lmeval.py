@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
@@ -156,3 +157,151 @@ def test_the_harness_hf_model_reads_a_converted_folder(setup, tmp_path):
 
     assert lls(theirs) == pytest.approx(lls(ours), abs=1e-4)
     assert theirs["results"]["fb_mc"]["acc,none"] == ours["results"]["fb_mc"]["acc,none"]
+
+
+# ---------------------------------------------------------------------------------------------------- chat templates
+CHAT_GEN = """task: fb_chat_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: {new}
+metric_list:
+  - metric: exact_match
+"""
+CHAT_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory):
+    """A model with a chat byte vocabulary (the markers are ids 259..262) and a local generation task."""
+    tmp = tmp_path_factory.mktemp("lmeval_chat")
+    # seed 9: in each mode, with and without a system message, some answers end at <|end|> before a newline
+    tiny_model(seed=9, vocab_size=263, init_std=0.1).save(tmp / "ckpt", tokenizer=ByteTokenizer(chat=True))
+    gens = [{"prompt": "What is 2 + 2?", "answer": "4"}, {"prompt": "Name a fruit.", "answer": "apple"},
+            {"prompt": "x = ", "answer": "0"}, {"prompt": "Say hi.", "answer": "hi"},
+            {"prompt": "Count to three.", "answer": "1 2 3"}]
+    (tmp / "chat_gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gens))
+    (tmp / "fb_chat_gen.yaml").write_text(CHAT_GEN.format(data=tmp / "chat_gen.jsonl", new=CHAT_NEW))
+    return tmp, gens
+
+
+@pytest.mark.parametrize("mode,k", [("soft", 1), ("fused", 2)])
+@pytest.mark.parametrize("system", [None, "Answer briefly."])
+def test_apply_chat_template_generates_from_the_chat_prompt(chat_setup, mode, k, system, monkeypatch):
+    """Under --apply_chat_template the model reads each request as fullband's chat prompt ids (BOS, <|user|> ...
+    <|end|>, <|assistant|>, the markers as their ids, not their text's bytes) and its answer is
+    fullband.generate's on those ids, ended at the chat stop ids and cut at the task's stop string."""
+    from lm_eval.tasks import TaskManager
+
+    from fullband.data.chat import chat_prompt
+
+    gen_module = importlib.import_module("fullband.decode.generate")  # the module (the package exports a function)
+
+    tmp, gens = chat_setup
+    tok = ByteTokenizer(chat=True)
+    lm = FullbandHarnessLM(checkpoint=str(tmp / "ckpt"), mode=mode, prefill_passes=k)
+    seen: list[list[int]] = []
+    real = gen_module.generate
+
+    def spy(model, prompts, n, **kwargs):
+        seen.extend(list(p) for p in prompts)
+        assert list(kwargs["stop_tokens"]) == [257, 262]
+        return real(model, prompts, n, **kwargs)
+
+    monkeypatch.setattr(gen_module, "generate", spy)
+    res = lm_eval.simple_evaluate(model=lm, tasks=["fb_chat_gen"], task_manager=TaskManager(include_path=str(tmp)),
+                                  apply_chat_template=True, system_instruction=system, log_samples=True)
+    monkeypatch.undo()
+    samples = sorted(res["samples"]["fb_chat_gen"], key=lambda s: s["doc_id"])
+    assert len(seen) == len(gens) == len(samples)
+    early = 0
+    for row, sample in zip(gens, samples):
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": row["prompt"]}]
+        ids = chat_prompt(tok, messages)
+        assert ids[0] == 256 and 260 in ids and ids[-1] == 261  # BOS ... <|user|> ... <|assistant|>
+        assert (259 in ids) == bool(system)
+        ctx = sample["arguments"][0]
+        ctx = ctx["arg_0"] if isinstance(ctx, dict) else ctx[0]
+        assert ctx == lm.apply_chat_template(messages)  # the harness's context is the rendered conversation
+        assert ctx.startswith("<bos>") and ctx.endswith("<|assistant|>")
+        assert ids in seen
+        out = real(lm.model, [ids], CHAT_NEW, mode=mode, prefill_passes=k, stop_tokens=tok.stop_ids)[0]
+        early += len(out) < CHAT_NEW and "\n" not in tok.decode(out)  # the stop id, not the stop string, ends it
+        assert sample["resps"][0][0] == tok.decode(out).split("\n")[0]
+    assert early  # so the comparison covers a turn ended at <|end|> (whose next turn must not leak into the answer)
+    assert 0.0 <= res["results"]["fb_chat_gen"]["exact_match,none"] <= 1.0
+
+
+def test_apply_chat_template_renders_and_reads_back(chat_setup):
+    """apply_chat_template / chat_template / tokenizer_name as lm-eval calls them, and a rendered context read back
+    as the chat prompt ids (also in loglikelihood requests, the continuation after the assistant's marker)."""
+    from fullband.data.chat import MARKER_JINJA, chat_prompt
+
+    tmp, _ = chat_setup
+    tok = ByteTokenizer(chat=True)
+    lm = FullbandHarnessLM(checkpoint=str(tmp / "ckpt"))
+    messages = [{"role": "user", "content": "Ana has 3 pens."}, {"role": "assistant", "content": "Noted."},
+                {"role": "user", "content": "How many <now>?"}]
+    assert lm.chat_template(True) == MARKER_JINJA and lm.chat_template(False) is None
+    assert lm.tokenizer_name.startswith("fullband-byte-")
+    text = lm.apply_chat_template(messages)
+    assert text == "<bos><|user|>Ana has 3 pens.<|end|><|assistant|>Noted.<|end|><|user|>How many <now>?<|end|>" \
+                   "<|assistant|>"
+    ids = chat_prompt(tok, messages)
+    assert lm._encode(text) == ids
+    # without the generation prompt, the last assistant message stays open (lm-eval's gen_prefix)
+    opened = lm.apply_chat_template([*messages, {"role": "assistant", "content": "Answer:"}], add_generation_prompt=False)
+    assert opened == text + "Answer:"
+    assert lm._encode(opened) == ids + list(b"Answer:")
+    ctx, cont = lm._split(text, " 5")
+    assert ctx == ids and cont == list(b" 5")
+    (direct, _), = score(lm.model, [ids], [list(b" 5")])
+    assert lm._score([(ctx, cont)])[0][0] == pytest.approx(direct, abs=1e-6)
+
+
+def test_apply_chat_template_needs_a_chat_vocabulary(setup):
+    from lm_eval.tasks import TaskManager
+
+    tmp, _, _ = setup
+    lm = FullbandHarnessLM(checkpoint=str(tmp / "ckpt"))  # a plain byte vocabulary: no chat markers
+    assert lm.chat_template(True) is None
+    with pytest.raises(ConfigError, match="--apply_chat_template: the checkpoint's byte vocabulary has no chat template"):
+        lm_eval.simple_evaluate(model=lm, tasks=["fb_gen"], task_manager=TaskManager(include_path=str(tmp)),
+                                apply_chat_template=True)
+    with pytest.raises(ConfigError, match="no chat template"):
+        lm.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_apply_chat_template_with_a_pretrained_models_own_template(tmp_path):
+    """A checkpoint whose tokenizer carries a pretrained model's chat template (ChatML here): the harness renders
+    with that template and reads the text back as fullband's chat prompt ids."""
+    pytest.importorskip("transformers")
+    from fullband.data.chat import chat_prompt
+    from fullband.data.tokenizer import PretrainedTokenizer, train_bpe
+
+    bpe = train_bpe(["def f(x):\n    return x\nimport os\n" * 30], 300, show_progress=False)
+    backend = bpe.hf_tokenizer
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    template = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = PretrainedTokenizer(backend, special_ids=(0, 1, 2), stop_ids=(1, backend.token_to_id("<|im_end|>")),
+                              chat_template=template)
+    tiny_model(vocab_size=tok.vocab_size, bos_token_id=0).save(tmp_path / "ckpt", tokenizer=tok)
+    lm = FullbandHarnessLM(checkpoint=str(tmp_path / "ckpt"))
+    assert lm.chat_template(True) == template
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x): return x"}]
+    text = lm.apply_chat_template(messages)
+    assert text == "<bos><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef f(x): return x<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    assert lm._encode_chat(text) == chat_prompt(lm.tokenizer, messages)
+    opened = lm.apply_chat_template([*messages, {"role": "assistant", "content": "Answer:"}],
+                                    add_generation_prompt=False)
+    assert opened == text + "Answer:"

@@ -155,6 +155,79 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = """commands: /mode MODE (standard | soft | fused | fused:K | exact), /reset (a new conversation),
+/exit (or Ctrl-D). Ctrl-C stops an answer and keeps the conversation."""
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive chat in the terminal: the answer streams, the conversation keeps its cache and state."""
+    from fullband.chat import ChatSession, check_chat_model
+    from fullband.data.tokenizer import load_tokenizer
+    from fullband.decode.mode import DecodeMode
+    from fullband.model.decoder import FullbandLM
+
+    model = FullbandLM.load(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype)).eval()
+    tokenizer = load_tokenizer(args.checkpoint)
+    check_chat_model(model, tokenizer)
+    mode = DecodeMode.parse(args.mode) if ":" in args.mode else DecodeMode.of(args.mode, args.prefill_passes)
+    session = ChatSession(model, tokenizer, mode=mode, system=args.system and _utf8(args.system, "--system"),
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed)
+    out = sys.stdout
+    print(f"fullband chat: {args.checkpoint} ({session.mode.label}); /help for commands", flush=True)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:  # at the prompt: a fresh line, the session goes on
+            print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            name, _, rest = text.partition(" ")
+            if name in ("/exit", "/quit"):
+                return 0
+            if name == "/reset":
+                session.reset()
+                print("(new conversation)", flush=True)
+            elif name == "/mode":
+                try:
+                    print(f"(mode: {session.set_mode(DecodeMode.parse(rest.strip() or 'soft')).label})", flush=True)
+                except FullbandError as err:
+                    print(f"(error: {err})", flush=True)
+            else:
+                print(CHAT_HELP, flush=True)
+            continue
+        try:
+            _chat_turn(session, text, out)
+        except KeyboardInterrupt:  # between the answer and its summary line: the session goes on
+            print(flush=True)
+
+
+def _chat_turn(session, text: str, out) -> None:
+    """One turn of `fullband chat`: the streamed answer (Ctrl-C stops it; what was said stays), then its summary."""
+    out.write("assistant> ")
+    out.flush()
+    t0 = time.perf_counter()
+    try:
+        for piece in session.reply(_utf8(text, "your message")):
+            out.write(piece)
+            out.flush()
+    except KeyboardInterrupt:
+        pass  # the answer so far stays in the conversation
+    except FullbandError as err:
+        print(f"\n(error: {err})", flush=True)
+        return
+    turn = session.last
+    dt = time.perf_counter() - t0
+    print(f"\n[{len(turn.ids)} tokens, {session.mode.label}, {len(turn.ids) / max(dt, 1e-9):.1f} tok/s, "
+          f"{turn.stopped or 'interrupted'}{', conversation re-read' if turn.reread else ''}]", flush=True)
+
+
 def _summary(ids: list[int], args: argparse.Namespace, stops: list[int], t0: float) -> None:
     """The generate command's last line on stderr: tokens, mode, speed, and why it stopped."""
     dt = time.perf_counter() - t0
@@ -255,6 +328,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     elif args.what == "probe":
         commands.eval_probe(args.checkpoint, tasks=args.tasks, modes=args.modes, suffix=args.suffix,
                             scratch=args.scratch, out=args.out)
+    elif args.what == "tracking":
+        commands.eval_tracking(args.checkpoint, args.task, train_length=args.train_length, n=args.n,
+                               modes=args.modes, batch_size=args.batch_size, out=args.out)
+    elif args.what == "chat":
+        commands.eval_chat(args.checkpoint, args.data, modes=args.modes, max_new_tokens=args.max_new_tokens,
+                           batch_size=args.batch_size, limit=args.limit, out=args.out)
     else:
         from fullband.decode.mode import DecodeMode
 
@@ -326,7 +405,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=_seed, default=0)
     s.set_defaults(func=cmd_init)
 
-    s = sub.add_parser("generate", help="stream a continuation of a prompt")
+    sampling = argparse.ArgumentParser(add_help=False)  # what generate and chat share
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--seed", type=_seed, default=None)
+    sampling.add_argument("--dtype", choices=DTYPES, default="float32")
+    sampling.add_argument("--device", default="cpu")
+
+    s = sub.add_parser("generate", parents=[sampling], help="stream a continuation of a prompt")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--prompt", required=True)
     s.add_argument("--mode", default="soft", help="standard | soft | fused | exact (default soft)")
@@ -335,18 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "update < --prefill-tol (at most 32)")
     s.add_argument("--prefill-tol", type=_tolerance, default=1e-3, help="tolerance of --prefill-passes auto")
     s.add_argument("--max-new-tokens", type=_count(1), default=128)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-k", type=int, default=None)
-    s.add_argument("--top-p", type=float, default=None)
-    s.add_argument("--seed", type=_seed, default=None)
-    s.add_argument("--dtype", choices=DTYPES, default="float32")
-    s.add_argument("--device", default="cpu")
     s.add_argument("--compile", action="store_true", help="torch.compile the decode step (first call is slow)")
     s.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     s.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the EOS token(s) (by default the tokenizer's EOS, or a converted "
                         "model's own EOS ids, end the generation)")
     s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("chat", parents=[sampling], help="talk to a chat model in the terminal (/mode, /reset, /exit; Ctrl-C stops)")
+    s.add_argument("--checkpoint", required=True, help="a model folder trained on chat data (fullband train, "
+                   "data.format = \"chat\")")
+    s.add_argument("--mode", default="soft", help="standard | soft | fused | fused:K | exact (default soft)")
+    s.add_argument("--prefill-passes", type=_prefill_passes, default=1, help="fused passes over the prompt (fused)")
+    s.add_argument("--system", help="a system message that opens the conversation")
+    s.add_argument("--max-new-tokens", type=_count(1), default=256, help="the longest answer")
+    s.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     s = b.add_parser("decode", help="STANDARD vs SOFT vs FUSED decode tokens/s, matmul bound, HF generate")
@@ -422,11 +512,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--modes", nargs="+", default=["standard", "soft", "fused:1"], help="MODE or fused:K")
     s.add_argument("--max-new-tokens", type=_count(1), default=256)
     s.add_argument("--stop-text", default="\\n", help="the answer is the text before this (default: newline)")
+    s = e.add_parser("chat", parents=[common], help="exact match of the final answer and reply length per mode")
+    s.add_argument("--data", required=True, help="held-out chat JSONL ({\"messages\": [...]} per line); the last "
+                   "assistant turn of each is the reference, its 'Answer: N' line is scored")
+    s.add_argument("--modes", nargs="+", default=["standard", "soft", "fused:1", "fused:2"], help="MODE or fused:K")
+    s.add_argument("--max-new-tokens", type=_count(1), default=192)
+    s.add_argument("--batch-size", type=_count(1), default=16)
+    s.add_argument("--limit", type=_count(1), default=None, help="score only the first N conversations")
+    s = e.add_parser("tracking", parents=[common], help="state tracking accuracy by input length and mode")
+    s.add_argument("--task", choices=["parity", "counter", "s5", "registers"],
+                   help="default: the task the run trained on")
+    s.add_argument("--train-length", type=_count(1), help="L, the longest training input (default: the run's); "
+                   "tested at L, 2L, 4L, 8L")
+    s.add_argument("--n", type=_count(1), default=200, help="examples per length")
+    s.add_argument("--modes", nargs="+", default=None,
+                   help="MODE or fused:K (default: standard fused:1 fused:2 fused:4 fused:auto exact)")
+    s.add_argument("--batch-size", type=_count(1), default=32)
     for what in e.choices.values():
         what.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("reproduce", help="the paper's claims at small scale: train, evaluate, write a report")
-    s.add_argument("experiment", choices=["stability", "probe", "data-efficiency", "fusion-ablation", "all"])
+    s.add_argument("experiment", choices=["stability", "probe", "data-efficiency", "fusion-ablation", "sft", "tracking",
+                                          "all"])
     s.add_argument("--root", default="runs/repro", help="where the runs go (finished ones are reused)")
     s.add_argument("--docs", default="docs/results", help="where the report and figures go")
     s.set_defaults(func=cmd_reproduce)

@@ -9,6 +9,11 @@
 Fig. 4 protocol) and feeds the continuation through the decode step (fullband.decode.score), so a score is
 what decoding in that mode sees. `loglikelihood_rolling` scores a text in max_seq_len windows;
 `generate_until` decodes in the mode and cuts at the first stop string.
+
+With the harness's `--apply_chat_template` (a checkpoint with a chat vocabulary, or a pretrained model's own
+template) each request is the conversation rendered by the vocabulary's template, read back with its special
+tokens' text (<bos>, <|user|>, ...) as their ids: exactly `fullband.apply_chat_template`'s prompt ids; a
+generation then also ends at the vocabulary's stop ids (EOS, <|end|>), where the turn ends.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fullband.errors import ConfigError, FullbandError, closest
+from fullband.errors import ConfigError, DataError, FullbandError, closest
 
 try:
     from lm_eval.api.model import LM
@@ -70,6 +75,8 @@ class FullbandHarnessLM(LM):
         self.max_length = self.model.config.max_seq_len
         self._prefix = self.tokenizer.encode("")  # what the tokenizer prepends (BOS), possibly nothing
         self._bos = self._prefix[-1] if self._prefix else self.model.config.bos_token_id
+        self._template: Any = None  # the vocabulary's chat template, once --apply_chat_template asks for it
+        self._chat = False  # contexts are chat-rendered text (set when the harness applies the chat template)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None):
@@ -83,11 +90,96 @@ class FullbandHarnessLM(LM):
 
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
+    # ------------------------------------------------------------------ chat templates (--apply_chat_template)
+    @property
+    def tokenizer_name(self) -> str:
+        """The vocabulary's name in the harness's request cache keys (read under --apply_chat_template only)."""
+        self._chat_template()  # a vocabulary without a chat template fails here, before any request is built
+        self._chat = True
+        return f"fullband-{self.tokenizer.kind}-{self.tokenizer.fingerprint}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The Jinja text of the vocabulary's chat template (what a converted folder's tokenizer carries), None
+        when not asked for or when the vocabulary has none. fullband has one template per vocabulary, so a
+        template name is not looked up."""
+        from fullband.data.chat import hf_chat_template
+
+        if chat_template is False or chat_template is None:
+            return None
+        return hf_chat_template(self.tokenizer)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered as text by the vocabulary's template: BOS, each message, then the assistant's
+        marker (add_generation_prompt), or, without it, the last (assistant) message left open to continue (the
+        harness's gen_prefix). Contexts so rendered are read back with the markers as their ids."""
+        from fullband.data.chat import MARKER_JINJA, MarkerTemplate, as_message
+
+        template = self._chat_template()
+        self._chat = True
+        messages = [as_message(m, f"chat_history[{i}]") for i, m in enumerate(chat_history)]
+        history = [{"role": m.role, "content": m.content} for m in messages]
+        open_last = not add_generation_prompt and bool(messages) and messages[-1].role == "assistant"
+        if isinstance(template, MarkerTemplate):
+            import jinja2.sandbox
+
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment()
+            text = env.from_string(MARKER_JINJA).render(messages=history, add_generation_prompt=add_generation_prompt,
+                                                        bos_token=self._token_text(self.tokenizer.bos_id))
+            end = "<|end|>"
+            return text[: -len(end)] if open_last and text.endswith(end) else text
+        try:  # a pretrained model's own template, rendered by transformers
+            return template.text(messages, generation_prompt=add_generation_prompt, continue_final=open_last)
+        except DataError as err:
+            raise ConfigError(f"--apply_chat_template: {err}") from None
+
+    def _chat_template(self):
+        """The vocabulary's chat template (fullband.data.chat), or ConfigError saying why there is none."""
+        if self._template is None:
+            from fullband.data.chat import chat_template
+
+            try:
+                self._template = chat_template(self.tokenizer)
+            except DataError as err:
+                raise ConfigError(f"--apply_chat_template: the checkpoint's {self.tokenizer.kind} vocabulary has no "
+                                  f"chat template ({err}); accepted: a checkpoint trained with [data] format = "
+                                  "\"chat\", or evaluation without --apply_chat_template") from None
+        return self._template
+
+    def _token_text(self, token: int) -> str:
+        """A special token's text (<bos>, <|user|>, ...)."""
+        return self.tokenizer.decode([token], skip_special=False)
+
+    def _encode_chat(self, text: str) -> list[int]:
+        """Ids of chat-rendered text: its special tokens' text (BOS, the role markers) as their ids, the text
+        between them encoded as the template encodes a message's content; BOS first."""
+        import re
+
+        from fullband.data.chat import MarkerTemplate
+
+        template = self._chat_template()
+        bos = self.tokenizer.bos_id
+        if isinstance(template, MarkerTemplate):
+            specials = {self._token_text(bos): bos, **self.tokenizer.chat_ids}
+            pattern = "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
+            ids: list[int] = []
+            for piece in re.split(pattern, text):
+                if piece in specials:
+                    ids.append(specials[piece])
+                elif piece:
+                    ids += self.tokenizer.encode(piece, bos=False)
+        else:  # the template writes a pretrained model's special tokens as text: its tokenizer reads them so
+            ids = template.encode_text(text)
+        return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
     # ------------------------------------------------------------------ tokens
+    def _encode(self, context: str) -> list[int]:
+        """Ids of a request's context (chat-rendered under --apply_chat_template)."""
+        return self._encode_chat(context) if self._chat else self.tokenizer.encode(context)
+
     def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Context and continuation ids; the pair is tokenised whole where that keeps the context's tokens."""
-        ctx = self.tokenizer.encode(context)
-        whole = self.tokenizer.encode(context + continuation)
+        ctx = self._encode(context)
+        whole = self._encode(context + continuation)
         if whole[: len(ctx)] == ctx and len(whole) > len(ctx):
             cont = whole[len(ctx):]
         else:
@@ -150,11 +242,13 @@ class FullbandHarnessLM(LM):
             if not math.isfinite(temperature) or temperature < 0:
                 raise ConfigError(f"temperature={kwargs.get('temperature', temperature)!r} in the task's generation "
                                   "settings is invalid; accepted: a number >= 0")
-            ctx = self.tokenizer.encode(context) or [self._bos]
+            ctx = self._encode(context) or [self._bos]
             max_new = max(1, min(max_new, self.max_length - 1))
             ctx = ctx[-(self.max_length - max_new):]
+            # a chat turn ends at a stop id (EOS, <|end|>): the text after it would be the next turn's
+            stops = list(self.tokenizer.stop_ids) if self._chat else None
             ids = generate(self.model, [ctx], max_new, mode=self.mode, temperature=temperature,
-                           seed=0 if temperature > 0 else None)[0]
+                           seed=0 if temperature > 0 else None, stop_tokens=stops)[0]
             text = self.tokenizer.decode(ids)
             cuts = [text.index(stop) for stop in until if stop and stop in text]
             out.append(text[: min(cuts)] if cuts else text)

@@ -147,3 +147,37 @@ def validation_batches(stream: StreamLike, seq_len: int, n_windows: int, batch_s
     # floor(i * total / n) is strictly increasing for n <= total: distinct, evenly spread windows.
     picks = np.arange(n, dtype=np.int64) * total // n
     return [read_windows(stream, picks[i : i + batch_size], seq_len) for i in range(0, n, batch_size)]
+
+
+class ChatSampler(WindowSampler):
+    """The WindowSampler's order over packed chat windows (fullband.data.chat.PackedChat). A batch is (inputs,
+    targets, plain): `plain` (B, T) marks the positions read with plain embeddings in passes > 1. A window reads
+    its prompts plainly, as SOFT decoding does (plain = not fed), or, with probability `fused_prompts`, feeds
+    them too, as FUSED prefill does (plain = nothing beyond BOS); the draw is a function of (seed, step, sample)."""
+
+    def __init__(self, packed, global_batch: int, micro_batch: int, seed: int, *, fused_prompts: float = 0.0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(packed, packed.ids.shape[1], global_batch, micro_batch, seed, rank=rank,
+                         world_size=world_size)
+        self.fused_prompts = float(fused_prompts)
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        windows = self.windows(step, micro)
+        first = (int(micro) * self.world_size + self.rank) * self.micro_batch
+        draws = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 1, int(step)])))
+        fused = draws.random(self.global_batch)[first : first + self.micro_batch] < self.fused_prompts
+        packed = self.stream
+        plain = ~packed.fed[windows] & ~fused[:, None]
+        return (torch.from_numpy(packed.ids[windows]), torch.from_numpy(packed.targets[windows]),
+                torch.from_numpy(plain))
+
+
+def chat_validation_batches(packed, n_windows: int, batch_size: int) -> list[tuple[torch.Tensor, ...]]:
+    """Fixed (inputs, targets, plain) batches over `n_windows` evenly spaced packed windows, prompts read plainly
+    (as SOFT decoding reads them)."""
+    n_windows, batch_size = _positive("n_windows", n_windows), _positive("batch_size", batch_size)
+    total = packed.ids.shape[0]
+    n = min(n_windows, total)
+    picks = np.arange(n, dtype=np.int64) * total // n
+    return [(torch.from_numpy(packed.ids[w]), torch.from_numpy(packed.targets[w]), torch.from_numpy(~packed.fed[w]))
+            for w in (picks[i : i + batch_size] for i in range(0, n, batch_size))]

@@ -16,9 +16,13 @@ from fullband.errors import CheckpointError, InputError
 from fullband.files import Kind, atomic_folder, check_destination
 
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside a pretrained model's tokenizer.json: its own chat template
 SPECIAL_IDS_FILE = "special_ids.json"  # beside a pretrained model's tokenizer.json: its BOS / EOS / PAD ids
-TOKENIZER_KIND = Kind("tokenizer folder", frozenset({TOKENIZER_FILE, SPECIAL_IDS_FILE}))
+TOKENIZER_KIND = Kind("tokenizer folder", frozenset({TOKENIZER_FILE, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE}))
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
+# The role markers of fullband's default chat template (fullband.data.chat.MarkerTemplate), special tokens of a
+# chat vocabulary: <|system|> / <|user|> / <|assistant|> open a turn, <|end|> closes it.
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 INSTALL_HINT = "pip install 'fullband[data]'"
 
 
@@ -34,16 +38,41 @@ def _check_text(text: Any) -> None:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then BOS=256, EOS=257, PAD=258."""
+    """UTF-8 bytes as ids 0..255, then BOS=256, EOS=257, PAD=258; with `chat=True` the chat markers follow
+    (CHAT_TOKENS as ids 259..262)."""
 
     kind = "byte"
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
+    chat_template = None  # the markers are the template (fullband.data.chat.MarkerTemplate)
+
+    def __init__(self, chat: bool = False) -> None:
+        self.chat = bool(chat)
+        if self.chat:
+            self.vocab_size = ByteTokenizer.vocab_size + len(CHAT_TOKENS)
+
+    @property
+    def chat_ids(self) -> dict[str, int] | None:
+        """Marker -> id of the chat markers (None: a vocabulary without them)."""
+        if not self.chat:
+            return None
+        return {t: ByteTokenizer.vocab_size + i for i, t in enumerate(CHAT_TOKENS)}
+
+    def with_chat_tokens(self) -> "ByteTokenizer":
+        """This vocabulary with the chat markers added (itself when it has them)."""
+        return self if self.chat else ByteTokenizer(chat=True)
+
+    def _names(self) -> dict[int, str]:
+        names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>"}
+        names.update({i: t for t, i in (self.chat_ids or {}).items()})
+        return names
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """The ids that end a generation by default (fullband generate stops at them unless --ignore-eos)."""
-        return (self.eos_id,)
+        """The ids that end a generation by default (fullband generate stops at them unless --ignore-eos): EOS,
+        and the end-of-turn marker of a chat vocabulary."""
+        chat = self.chat_ids
+        return (self.eos_id,) + ((chat["<|end|>"],) if chat else ())
 
     @property
     def fingerprint(self) -> str:
@@ -62,7 +91,7 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         """Text of the byte ids (invalid UTF-8 becomes U+FFFD); special ids are dropped or shown as <bos> etc."""
-        names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>"}
+        names = self._names()
         parts, run = [], bytearray()
         for i in ids:
             if i < 256:
@@ -76,7 +105,10 @@ class ByteTokenizer:
         return "".join(parts)
 
     def _payload(self) -> dict:
-        return {"fullband_tokenizer": self.kind, "version": 1, "vocab_size": self.vocab_size}
+        payload = {"fullband_tokenizer": self.kind, "version": 1, "vocab_size": self.vocab_size}
+        if self.chat:  # only then: a plain byte vocabulary keeps its fingerprint (token caches, resumes)
+            payload["chat_tokens"] = list(CHAT_TOKENS)
+        return payload
 
     def to_hf(self):
         """The same tokenizer as a Hugging Face `tokenizers.Tokenizer` (ids 0..255 the bytes, then <bos>, <eos>,
@@ -87,6 +119,8 @@ class ByteTokenizer:
         tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tokenizer.decoder = tk.decoders.ByteLevel()
         tokenizer.add_special_tokens(list(SPECIAL_TOKENS))  # ids 256, 257, 258 in this order
+        if self.chat:
+            tokenizer.add_special_tokens(list(CHAT_TOKENS))  # ids 259.. in this order
         tokenizer.post_processor = tk.processors.TemplateProcessing(
             single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", self.bos_id)])
         return tokenizer
@@ -153,6 +187,27 @@ class BPETokenizer:
         tokenizers = _hf_tokenizers()
         return cls(tokenizers.Tokenizer.from_file(str(path)), source=str(path))
 
+    chat_template: str | None = None  # a pretrained model's own template (PretrainedTokenizer)
+
+    @property
+    def chat_ids(self) -> dict[str, int] | None:
+        """Marker -> id of the chat markers (None: a vocabulary without them)."""
+        ids = {t: self._tok.token_to_id(t) for t in CHAT_TOKENS}
+        return None if None in ids.values() else ids
+
+    def with_chat_tokens(self) -> "BPETokenizer":
+        """This vocabulary with the chat markers added as special tokens after its last id (itself when it has
+        them); saved with it, so `AutoTokenizer` reads them after `fullband convert`."""
+        if self.chat_ids is not None:
+            return self
+        grown = _hf_tokenizers().Tokenizer.from_str(self._tok.to_str())
+        grown.add_special_tokens(list(CHAT_TOKENS))
+        return type(self)._grown(self, grown)
+
+    @classmethod
+    def _grown(cls, old: "BPETokenizer", grown: Any) -> "BPETokenizer":
+        return cls(grown, source="the tokenizer with chat markers")
+
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
@@ -163,8 +218,10 @@ class BPETokenizer:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """The ids that end a generation by default (fullband generate stops at them unless --ignore-eos)."""
-        return (self.eos_id,)
+        """The ids that end a generation by default (fullband generate stops at them unless --ignore-eos): EOS,
+        and the end-of-turn marker of a chat vocabulary."""
+        chat = self.chat_ids
+        return (self.eos_id,) + ((chat["<|end|>"],) if chat else ())
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
         _check_text(text)
@@ -194,9 +251,18 @@ class PretrainedTokenizer(BPETokenizer):
     kind = "pretrained"
 
     def __init__(self, hf_tokenizer: Any, *, source: str = "the given tokenizer",
-                 special_ids: tuple[int, int, int] | None = None, stop_ids: tuple[int, ...] = ()) -> None:
+                 special_ids: tuple[int, int, int] | None = None, stop_ids: tuple[int, ...] = (),
+                 chat_template: str | None = None) -> None:
         super().__init__(hf_tokenizer, source=source, special_ids=special_ids)
         self._stop_ids = tuple(stop_ids) or (self.eos_id,)
+        self.chat_template = chat_template or None
+        if self.chat_template:  # the template is part of what a run trains on
+            self._fingerprint = _short_hash([self._fingerprint, self.chat_template])
+
+    @classmethod
+    def _grown(cls, old: "BPETokenizer", grown: Any) -> "BPETokenizer":
+        return cls(grown, source="the tokenizer with chat markers", special_ids=(old.bos_id, old.eos_id, old.pad_id),
+                   stop_ids=old.stop_ids, chat_template=old.chat_template)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -226,12 +292,16 @@ class PretrainedTokenizer(BPETokenizer):
                              "document-start token")
         eos = eos if eos is not None else bos
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-        return cls(backend, source=str(path), special_ids=(bos, eos, pad), stop_ids=stop_ids)
+        template = getattr(tok, "chat_template", None)
+        return cls(backend, source=str(path), special_ids=(bos, eos, pad), stop_ids=stop_ids,
+                   chat_template=template if isinstance(template, str) else None)
 
     def save(self, directory: str | Path) -> None:
         super().save(directory)
         ids = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id, "stop_ids": list(self.stop_ids)}
         (Path(directory) / SPECIAL_IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
+        if self.chat_template:
+            (Path(directory) / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
 
 
 def train_bpe(
@@ -277,7 +347,10 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
     if "fullband_tokenizer" in data:
         kind = data["fullband_tokenizer"]
         if kind == "byte":
-            return ByteTokenizer()
+            chat = data.get("chat_tokens")
+            if chat not in (None, list(CHAT_TOKENS)):
+                raise CheckpointError(f"{path}: chat_tokens={chat!r}; accepted: {list(CHAT_TOKENS)} or none")
+            return ByteTokenizer(chat=chat is not None)
         raise CheckpointError(
             f"{path}: unknown tokenizer kind {kind!r}; accepted: 'byte' (or a Hugging Face BPE tokenizer.json)"
         )
@@ -287,8 +360,10 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
             ids = json.loads(ids_path.read_text())
             special = (int(ids["bos_id"]), int(ids["eos_id"]), int(ids["pad_id"]))
             stops = tuple(int(i) for i in ids.get("stop_ids", ()))
+            template_path = Path(directory) / CHAT_TEMPLATE_FILE
+            template = template_path.read_text(encoding="utf-8") if template_path.is_file() else None
             return PretrainedTokenizer(_hf_tokenizers().Tokenizer.from_str(text), source=str(path), special_ids=special,
-                                       stop_ids=stops)
+                                       stop_ids=stops, chat_template=template)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{ids_path} is corrupted: {err}") from None
         except Exception as err:  # the Rust side raises a plain Exception on any schema problem

@@ -180,3 +180,63 @@ def eval_generate_length(checkpoint: str | Path, prompts: str | Path, *,
     result = {"checkpoint": str(checkpoint), "prompts": str(prompts), "n": len(rows), "modes": [asdict(r) for r in res]}
     report.show("generate_length", result, Path(out) if out else checkpoint / "eval")
     return result
+
+
+# ---------------------------------------------------------------------- eval chat
+CHAT_MODES = ("standard", "soft", "fused:1", "fused:2")
+
+
+def eval_chat(checkpoint: str | Path, data: str | Path, *, modes=CHAT_MODES, max_new_tokens: int = 192,
+              batch_size: int = 16, limit: int | None = None, out: str | Path | None = None,
+              progress: bool = True) -> dict:
+    """Exact match of the final answer and response length per decoding mode on held-out conversations."""
+    from fullband.eval.chat import chat_eval, chat_figure, chat_table, held_out_items
+
+    checkpoint = Path(checkpoint)
+    _check_counts(max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1), **({} if limit is None else
+                                                                                      {"limit": (limit, 1)}))
+    modes = [m if isinstance(m, DecodeMode) else DecodeMode.parse(m) for m in modes]
+    where = Path(out) if out else checkpoint / "eval"
+    report.check_out(where, "chat")
+    items = held_out_items(data, limit=limit)
+    model, tok = load(checkpoint)
+    for mode in modes:
+        mode.check(model.config, ConfigError)
+    result = {"checkpoint": str(checkpoint), "data": str(data),
+              **chat_eval(model, tok, items, modes, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                          progress=progress)}
+    print(chat_table(result))
+    report.write(where, "chat", result, chat_figure(result))
+    return result
+
+
+# ---------------------------------------------------------------------- eval tracking
+def eval_tracking(checkpoint: str | Path, task: str | None = None, *, train_length: int | None = None,
+                  n: int = 200, modes=None, batch_size: int = 32, out: str | Path | None = None,
+                  progress: bool = True) -> dict:
+    """Accuracy by input length (L, 2L, 4L, 8L) and decoding mode on a serial state-tracking task. The task and L
+    default to the run's own (a `data.format = "tracking"` run, from its run.json)."""
+    from fullband.data.tracking import parse_spec
+    from fullband.eval.tracking import DEFAULT_MODES, accuracy_table, tracking_figure, tracking_table
+
+    checkpoint = Path(checkpoint)
+    _check_counts(n=(n, 1), batch_size=(batch_size, 1))
+    run_json = checkpoint.parent / "run.json"
+    data = json.loads(run_json.read_text()).get("data", {}) if run_json.is_file() else {}
+    if data.get("format") == "tracking":
+        own_task, own_length = parse_spec(data["corpus"])
+        task, train_length = task or own_task, train_length or own_length
+    if task is None or train_length is None:
+        raise ConfigError(f"{checkpoint} is not from a tracking run (no run.json with data.format = 'tracking' "
+                          "beside it); pass --task and --train-length")
+    _check_counts(train_length=(train_length, 1))
+    where = Path(out) if out else checkpoint / "eval"
+    name = f"tracking_{task}"
+    report.check_out(where, name)
+    model, tok = load(checkpoint)
+    result = {"checkpoint": str(checkpoint),
+              **accuracy_table(model, tok, task, train_length, n=n, modes=modes or DEFAULT_MODES,
+                               batch_size=batch_size, progress=progress)}
+    print(tracking_table(result))
+    report.write(where, name, result, tracking_figure(result))
+    return result

@@ -35,25 +35,29 @@ class LossResult:
 
 @torch.no_grad()
 def validation_loss(model, batches, passes: int, *, autocast=None) -> LossResult:
-    """Mean next-token loss of `passes` Jacobi passes over (inputs, targets) batches, in eval mode."""
+    """Mean next-token loss of `passes` Jacobi passes over (inputs, targets) batches, in eval mode. Chat batches
+    (inputs, targets, plain) read `plain` positions plainly and score only targets != -100 (assistant tokens):
+    a window's loss is then the mean over its scored tokens."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     per_window: list[torch.Tensor] = []
+    tokens = 0
     try:
-        for inputs, targets in batches:
+        for inputs, targets, *plain in batches:
             inputs, targets = inputs.to(device), targets.to(device)
             with autocast or contextlib.nullcontext():
-                logits = model(inputs, passes=passes).logits
+                logits = model(inputs, passes=passes, plain_mask=plain[0].to(device) if plain else None).logits
             nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
-            per_window.append(nll.view(targets.shape).mean(dim=1).cpu())
+            scored = (targets != -100).sum(dim=1)
+            tokens += int(scored.sum())
+            per_window.append((nll.view(targets.shape).sum(dim=1) / scored.clamp(min=1)).cpu())
     finally:
         model.train(was_training)
     losses = torch.cat(per_window).double()
     n = losses.numel()
     stderr = float(losses.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("nan")
-    return LossResult(passes=passes, nats=float(losses.mean()), stderr=stderr, tokens=n * targets.shape[1],
-                      per_window=losses)
+    return LossResult(passes=passes, nats=float(losses.mean()), stderr=stderr, tokens=tokens, per_window=losses)
 
 
 @torch.no_grad()

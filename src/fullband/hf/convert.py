@@ -77,7 +77,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
     native = _read_native(src, kind, fusion)
     if dtype is not None:
         native = native.to(dtype)
-    stops = source_stop_ids(src) if kind == "llama" else []
+    stops = source_stop_ids(src) if kind == "llama" else _chat_stop_ids(src)
     with atomic_folder(dst, out_kind, overwrite=overwrite, sources=[src], flag=flag, error=CheckpointError,
                        action=f"write the {target} folder") as tmp:
         if target == "hf":
@@ -85,6 +85,20 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
         else:
             _write_native(native, tmp, src, kind, stops)
     return kind, target
+
+
+def _chat_stop_ids(src: Path) -> list[int]:
+    """A chat vocabulary's stop ids (EOS and the end-of-turn marker), so transformers' and vLLM's generate end a
+    turn where fullband's does; [] for other folders (their converted config names no EOS, as before)."""
+    from fullband.data.tokenizer import load_tokenizer
+
+    if not (src / "tokenizer.json").is_file():
+        return []
+    try:
+        tokenizer = load_tokenizer(src)
+    except CheckpointError:
+        return []
+    return list(tokenizer.stop_ids) if tokenizer.chat_ids else []
 
 
 def source_stop_ids(src: Path) -> list[int]:
@@ -126,22 +140,22 @@ def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int
         return
     if not (tokenizer_dir / "tokenizer.json").is_file():
         return
+    from transformers import PreTrainedTokenizerFast
+
+    from fullband.data.chat import hf_chat_template
     from fullband.data.tokenizer import SPECIAL_TOKENS, BPETokenizer, load_tokenizer
 
-    if isinstance(load_tokenizer(tokenizer_dir), BPETokenizer):  # AutoTokenizer reads it as a fast tokenizer
-        from transformers import PreTrainedTokenizerFast
-
-        bos, eos, pad = SPECIAL_TOKENS
+    tokenizer = load_tokenizer(tokenizer_dir)
+    bos, eos, pad = SPECIAL_TOKENS
+    # a chat vocabulary carries its template, so AutoTokenizer.apply_chat_template and vLLM's chat API render
+    # conversations exactly as fullband's own template does
+    chat = {"chat_template": hf_chat_template(tokenizer)} if hf_chat_template(tokenizer) else {}
+    if isinstance(tokenizer, BPETokenizer):  # AutoTokenizer reads it as a fast tokenizer
         PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"), bos_token=bos,
-                                eos_token=eos, pad_token=pad).save_pretrained(out)
+                                eos_token=eos, pad_token=pad, **chat).save_pretrained(out)
     else:  # the byte tokenizer: its transformers equivalent for other tools, and itself for the way back
-        from transformers import PreTrainedTokenizerFast
-
-        from fullband.data.tokenizer import ByteTokenizer
-
-        bos, eos, pad = SPECIAL_TOKENS
-        PreTrainedTokenizerFast(tokenizer_object=ByteTokenizer().to_hf(), bos_token=bos, eos_token=eos,
-                                pad_token=pad).save_pretrained(out)
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), bos_token=bos, eos_token=eos,
+                                pad_token=pad, **chat).save_pretrained(out)
         shutil.copy2(tokenizer_dir / "tokenizer.json", out / BYTE_TOKENIZER_FILE)
 
 

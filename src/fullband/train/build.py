@@ -92,9 +92,27 @@ def warm_start(model: FullbandLM, path: str) -> dict:
     source = load_state(path)
     own = model.state_dict()
     copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+    grown = {}
+    for k in VOCAB_ROWS:  # a vocabulary grown by new ids (chat markers): the old rows, new ones at their mean
+        if k in own and k in source and k not in copied and _grows(source[k], own[k]):
+            rows = own[k].clone()
+            old = source[k].to(rows.dtype)
+            rows[: old.shape[0]] = old
+            rows[old.shape[0]:] = old.mean(dim=0)
+            copied[k] = rows
+            grown[k] = [old.shape[0], rows.shape[0]]
     if not copied:
         raise ConfigError(f"train.init_from={path!r} shares no weight (name and shape) with this model")
     model.load_state_dict(copied, strict=False)
     fresh = sorted(k for k in own if k not in copied)
-    print(f"warm start from {path}: {len(copied)} tensors copied; fresh: {', '.join(fresh) or 'none'}", flush=True)
-    return {"copied": sorted(copied), "fresh": fresh}
+    grew = "".join(f"; {k} grown {a} -> {b} rows (new rows: the mean of the old)" for k, (a, b) in grown.items())
+    print(f"warm start from {path}: {len(copied)} tensors copied{grew}; fresh: {', '.join(fresh) or 'none'}",
+          flush=True)
+    return {"copied": sorted(copied), "fresh": fresh, "grown": grown}
+
+
+VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # one row per token id
+
+
+def _grows(old: torch.Tensor, new: torch.Tensor) -> bool:
+    return old.ndim == 2 and new.ndim == 2 and old.shape[1] == new.shape[1] and old.shape[0] < new.shape[0]

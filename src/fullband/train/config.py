@@ -17,6 +17,7 @@ from fullband.train.schedule import PassSchedule
 DTYPES = ("auto", "float32", "bfloat16")
 MAX_SEED = 2**63  # seeds are signed 64-bit integers (TOML's range)
 PARALLEL = ("ddp", "fsdp")
+FORMATS = ("text", "chat", "tracking")
 
 
 @dataclass
@@ -27,10 +28,22 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte", "bpe" (trained on the corpus), or a folder holding a tokenizer.json
     bpe_vocab_size: int = 8192
     cache_dir: str = ""  # token shards; default $FULLBAND_CACHE or ~/.cache/fullband
+    format: str = "text"  # "text": packed documents; "chat": conversations (JSONL `messages`), loss on replies;
+    #                       "tracking": a state-tracking task (corpus "TASK:L", fullband.data.tracking)
+    chat_too_long: str = "drop"  # chat: a conversation longer than seq_len is dropped or truncated (counts printed)
+    fused_prompts: float = 0.5  # chat: share of windows whose prompts are fed in passes > 1 (as FUSED prefill
+    #                             reads them); the others read prompts plainly (as SOFT does)
 
     def __post_init__(self) -> None:
         number("data.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
         integer("data.bpe_vocab_size", self.bpe_vocab_size, 260)
+        choice("data.format", self.format, FORMATS)
+        choice("data.chat_too_long", self.chat_too_long, ("drop", "truncate"))
+        number("data.fused_prompts", self.fused_prompts, low=0, high=1)
+        if self.format != "text" and self.tokenizer == "bpe":
+            raise ConfigError(f"data.tokenizer='bpe' trains a tokenizer on text, not on {self.format} data; accepted "
+                              f"for data.format={self.format!r}: 'byte' or the folder of the base model's tokenizer "
+                              "(its checkpoint)")
         if not self.corpus:
             raise ConfigError("data.corpus is empty; accepted: 'stdlib', a path, a glob, a .jsonl file or 'hf:<name>'")
 

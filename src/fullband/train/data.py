@@ -43,8 +43,14 @@ def cache_root(cfg_dir: str) -> Path:
 
 def run_tokenizer(cfg, d: Dist, *, run_dir: Path | None = None):
     """(corpus, tokenizer) of a run: the run's own tokenizer when resuming (run_dir), else the recipe's (a BPE is
-    trained on the corpus once and cached)."""
+    trained on the corpus once and cached). A chat run's corpus is its spec, its tokenizer the recipe's with the
+    chat markers (or a pretrained model's own chat template)."""
     data = cfg.data
+    if data.format == "chat":
+        return data.corpus, _chat_tokenizer(data, run_dir, cfg.model.hf_path)
+    if data.format == "tracking":
+        return data.corpus, load_tokenizer(run_dir) if run_dir is not None else _tokenizer(
+            data, None, cache_root(data.cache_dir), d, None, cfg.model.hf_path)
     corpus = resolve_corpus(data.corpus, text_field=data.text_field, val_percent=data.val_percent)
     return corpus, _tokenizer(data, corpus, cache_root(data.cache_dir), d, run_dir, cfg.model.hf_path)
 
@@ -53,8 +59,10 @@ def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None, source=None) -> R
     """Resolve corpus and tokenizer (or take `source`, run_tokenizer's pair), tokenise both splits (rank 0 first;
     the others read its cache)."""
     corpus, tokenizer = source if source is not None else run_tokenizer(cfg, d, run_dir=run_dir)
-    cache = cache_root(cfg.data.cache_dir)
     model_cfg = fit_model_config(cfg.model, tokenizer)
+    if cfg.data.format in ("chat", "tracking"):
+        return _chat_data(cfg, d, corpus, tokenizer, model_cfg)
+    cache = cache_root(cfg.data.cache_dir)
     streams = {}
     for rank_turn in (True, False):  # rank 0 tokenises and caches; then everybody opens the cache
         if d.main == rank_turn:
@@ -66,6 +74,51 @@ def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None, source=None) -> R
                             rank=d.rank, world_size=d.world)
     val = validation_batches(streams["val"], t.seq_len, cfg.log.eval_windows, t.micro_batch)
     return RunData(tokenizer, streams["train"], streams["val"], sampler, val, model_cfg)
+
+
+def _chat_tokenizer(data, run_dir: Path | None, hf_path: str):
+    if run_dir is not None:
+        return load_tokenizer(run_dir)
+    if data.tokenizer == "byte" and hf_path:
+        base = PretrainedTokenizer.from_pretrained(hf_path)
+        if not base.chat_template:
+            raise ConfigError(f"model.hf_path={hf_path!r} has no chat_template; accepted for data.format='chat': a "
+                              "model whose tokenizer carries one (an instruction-tuned model's folder)")
+        return base
+    if data.tokenizer == "byte":
+        base = ByteTokenizer()
+    else:
+        path = Path(data.tokenizer).expanduser()
+        if not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"data.tokenizer={data.tokenizer!r} is neither 'byte' nor a folder holding a "
+                              "tokenizer.json (for chat data: the base model's folder)")
+        base = load_tokenizer(path)
+    return base if base.chat_template else base.with_chat_tokens()
+
+
+def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData:
+    """Both splits of a chat corpus rendered, checked and packed into windows (in memory, on every rank: a pure
+    function of the data and the tokenizer); a tracking corpus's examples the same way."""
+    from fullband.data.chat import chat_conversations, chat_template, encode_chat, pack_chats
+    from fullband.data.sampler import ChatSampler, chat_validation_batches
+
+    from fullband.data.tracking import training_sequences
+
+    data, t = cfg.data, cfg.train
+    template = chat_template(tokenizer) if data.format == "chat" else None
+    packed = {}
+    for split in ("train", "val"):
+        if template is None:  # tracking: each example's label is its only target
+            sequences = training_sequences(spec, split, tokenizer)
+        else:
+            sequences = (encode_chat(template, m) for m in chat_conversations(spec, split, data.val_percent))
+        packed[split] = pack_chats(sequences, t.seq_len, tokenizer.pad_id, too_long=data.chat_too_long)
+        if d.main:
+            print(f"chat data ({split}): {packed[split].describe()}", flush=True)
+    sampler = ChatSampler(packed["train"], t.global_windows, t.micro_batch, t.seed, fused_prompts=data.fused_prompts,
+                          rank=d.rank, world_size=d.world)
+    val = chat_validation_batches(packed["val"], cfg.log.eval_windows, t.micro_batch)
+    return RunData(tokenizer, packed["train"], packed["val"], sampler, val, model_cfg)
 
 
 def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None, hf_path: str = ""):

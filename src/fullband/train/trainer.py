@@ -130,12 +130,13 @@ class Trainer:
         accum = sampler.accum_steps
         sums = torch.zeros(k + 2, device=d.device)  # per-pass NTP, objective, state RMS
         for micro in range(accum):
-            inputs, targets = sampler.batch(step, micro)
-            inputs, targets = inputs.to(d.device), targets.to(d.device)
+            # text: (inputs, targets); chat: + the positions read plainly (prompts, as decoding reads them)
+            inputs, targets, *plain = (t.to(d.device) for t in sampler.batch(step, micro))
             block = micro * d.world + d.rank  # global micro-batch index: the same noise for any world size
             gen = torch.Generator(device=d.device).manual_seed(noise_seed(cfg.train.seed, step, block))
             with no_sync(model, skip=micro < accum - 1), self.autocast:
-                out = model(inputs, passes=k, targets=targets, generator=gen, return_logits=False, z_loss=z_loss)
+                out = model(inputs, passes=k, targets=targets, generator=gen, return_logits=False, z_loss=z_loss,
+                            plain_mask=plain[0] if plain else None)
                 (out.loss / accum).backward()
             with torch.no_grad():
                 sums[:k] += torch.stack(out.pass_losses).detach().float()

@@ -1,0 +1,119 @@
+"""Chat evaluation (`fullband eval chat`): for held-out conversations, answer the last user turn greedily in each
+decoding mode and report exact match of the final answer ('Answer: N') against the reference reply, and the
+response length in tokens, each with its standard error; differences to STANDARD are paired (same items)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from fullband.data.chat import Message, chat_prompt, chat_template, final_answer, read_chat_jsonl
+from fullband.decode.generate import decode
+from fullband.decode.mode import DecodeMode
+from fullband.errors import DataError
+
+
+def held_out_items(path: str | Path, *, limit: int | None = None) -> list[tuple[list[Message], str]]:
+    """(conversation up to its last assistant turn, that turn's reference answer) of each line of a chat JSONL;
+    conversations whose last reply has no 'Answer: ...' line are refused (nothing to score)."""
+    items = []
+    for i, messages in enumerate(read_chat_jsonl(path)):
+        last = max(j for j, m in enumerate(messages) if m.role == "assistant")
+        reference = final_answer(messages[last].content)
+        if reference is None:
+            raise DataError(f"{path}: conversation {i + 1}: its last assistant turn has no final 'Answer: ...' line "
+                            "to score against")
+        items.append((messages[:last], reference))
+        if limit is not None and len(items) >= limit:
+            break
+    if not items:
+        raise DataError(f"{path} holds no conversation")
+    return items
+
+
+def _mean_se(values) -> tuple[float, float]:
+    a = np.asarray(values, dtype=np.float64)
+    se = float(a.std(ddof=1) / math.sqrt(a.size)) if a.size > 1 else float("nan")
+    return float(a.mean()), se
+
+
+def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: list[DecodeMode], *,
+              max_new_tokens: int = 192, batch_size: int = 16, progress: bool = True) -> dict:
+    """Per mode: accuracy and response length (mean ± s.e.), the share of answers that ended with the end-of-turn
+    token, paired differences to the first mode, and every answer (for inspection)."""
+    template = chat_template(tokenizer)
+    prompts = [chat_prompt(tokenizer, msgs, template=template) for msgs, _ in items]
+    stops = list(tokenizer.stop_ids)
+    # every item gets the same budget: one whose prompt leaves less room is skipped (counted)
+    fits = [len(p) + max_new_tokens <= model.config.max_seq_len for p in prompts]
+    skipped = len(items) - sum(fits)
+    items = [it for it, ok in zip(items, fits) if ok]
+    prompts = [p for p, ok in zip(prompts, fits) if ok]
+    if not items:
+        raise DataError(f"no conversation leaves room for {max_new_tokens} new tokens in max_seq_len="
+                        f"{model.config.max_seq_len}; lower max_new_tokens")
+    new = max_new_tokens
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    rows = []
+    per_item: dict[str, dict[str, list]] = {}
+    for mode in modes:
+        answers: list[list[int]] = [[] for _ in prompts]
+        batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+        for batch in tqdm(batches, desc=f"chat eval {mode.label}", disable=not progress, leave=False):
+            steps = decode(model, [prompts[i] for i in batch], new, mode=mode, stop_tokens=stops)
+            for step in steps:
+                for row, (tok, done) in enumerate(zip(step.tokens.tolist(), step.finished.tolist())):
+                    if not done:
+                        answers[batch[row]].append(tok)
+        texts = [tokenizer.decode([t for t in a if t not in stops]) for a in answers]
+        correct = [float(final_answer(t) == ref) for t, (_, ref) in zip(texts, items)]
+        lengths = [len(a) for a in answers]
+        ended = [float(bool(a) and a[-1] in stops) for a in answers]
+        acc, acc_se = _mean_se(correct)
+        length, length_se = _mean_se(lengths)
+        per_item[mode.label] = {"correct": correct, "lengths": lengths}
+        rows.append({"mode": mode.label, "accuracy": acc, "accuracy_se": acc_se, "tokens": length,
+                     "tokens_se": length_se, "ended": float(np.mean(ended)), "answers": texts})
+    base = per_item[modes[0].label]
+    for row in rows:
+        mine = per_item[row["mode"]]
+        row["accuracy_diff"], row["accuracy_diff_se"] = _mean_se(np.subtract(mine["correct"], base["correct"]))
+        row["tokens_diff"], row["tokens_diff_se"] = _mean_se(np.subtract(mine["lengths"], base["lengths"]))
+    return {"n": len(items), "skipped": skipped, "max_new_tokens": new, "baseline": modes[0].label, "rows": rows,
+            "references": [ref for _, ref in items]}
+
+
+def chat_table(result: dict) -> str:
+    base = result["baseline"]
+    skipped = f" ({result['skipped']} skipped: too long for the context)" if result.get("skipped") else ""
+    lines = [f"{result['n']} held-out conversations{skipped}, greedy, at most {result['max_new_tokens']} new tokens",
+             f"{'mode':<16} {'exact match':>15} {'vs ' + base:>18} {'tokens':>14} {'vs ' + base:>16} {'ended':>6}"]
+    for r in result["rows"]:
+        same = r["mode"] == base
+        acc_diff = "" if same else f"{r['accuracy_diff']:+.3f} ± {r['accuracy_diff_se']:.3f}"
+        tok_diff = "" if same else f"{r['tokens_diff']:+.1f} ± {r['tokens_diff_se']:.1f}"
+        lines.append(f"{r['mode']:<16} {r['accuracy']:>7.3f} ± {r['accuracy_se']:.3f} {acc_diff:>18} "
+                     f"{r['tokens']:>6.1f} ± {r['tokens_se']:>5.1f} {tok_diff:>16} {r['ended']:>6.0%}")
+    return "\n".join(lines)
+
+
+def chat_figure(result: dict):
+    from fullband.eval.report import plt
+
+    rows = result["rows"]
+    names = [r["mode"] for r in rows]
+    fig, axes = plt().subplots(1, 2, figsize=(10, 3.6))
+    x = np.arange(len(rows))
+    axes[0].bar(x, [r["accuracy"] for r in rows], yerr=[r["accuracy_se"] for r in rows], capsize=4, color="#3a7")
+    axes[0].set_ylabel("exact match of the final answer")
+    axes[0].set_ylim(0, 1)
+    axes[1].bar(x, [r["tokens"] for r in rows], yerr=[r["tokens_se"] for r in rows], capsize=4, color="#27a")
+    axes[1].set_ylabel("response length (tokens)")
+    for ax in axes:
+        ax.set_xticks(x, names, fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{Path(result['checkpoint']).name}: {result['n']} held-out conversations per mode")
+    return fig
