@@ -146,3 +146,46 @@ def test_exact_prefill_equals_adaptive_prefill_to_the_fixed_point_and_batches_eq
             logits = model.recurrent_forward(x).logits[0, -1, ids]
         loop.append(int(logits.argmax()))
     assert loop == exact.tolist()
+
+
+def test_reproduce_tracking_writes_a_report(tmp_path):
+    from fullband.reproduce import reproduce
+
+    small = ["train.steps=4", "train.warmup_steps=1", "train.seq_len=64", "train.global_batch_tokens=256",
+             "train.micro_batch=4", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "log.eval_windows=2"]
+    out = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",), n=8)
+    text = out.read_text()
+    assert text.startswith("# Reproduction: tracking") and "## registers" in text
+    assert "**Outcome.** registers (accuracy at L / 2L / 4L / 8L, L = 8): standard model " in text
+    for run in ("registers-standard", "registers-fbt-paper", "registers-fbt-three", "registers-fbt-grow"):
+        assert f"| {run} |" in text and (tmp_path / "docs" / "tracking" / run / "tracking_registers.png").is_file()
+    assert "| registers-fbt-grow | " in text and "| exact |" in text
+
+
+def test_tracking_accuracy_runs_on_a_wrapped_hugging_face_model(tmp_path):
+    """The same prefill engine reads prompts for a Llama wrapped with latent feedback: EXACT equals adaptive
+    prefill to the fixed point there too."""
+    transformers = pytest.importorskip("transformers")
+    from fullband import DecodeMode
+    from fullband.data.tokenizer import PretrainedTokenizer, train_bpe
+    from fullband.eval.tracking import accuracy_table, predictions
+    from fullband.hf.feedback import from_pretrained
+
+    tok = train_bpe(["0110 1001 eo abcde xy = " * 50], 300, show_progress=False)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf_tokenizer, bos_token="<bos>",
+                                                eos_token="<eos>", pad_token="<pad>")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1))
+    llama.save_pretrained(tmp_path / "llama")
+    fast.save_pretrained(tmp_path / "llama")
+    model = from_pretrained(str(tmp_path / "llama")).eval()
+    tokenizer = PretrainedTokenizer.from_pretrained(tmp_path / "llama")
+    exs = examples("parity", 12, min_length=4, max_length=9, seed=2)
+    exact, _ = predictions(model, tokenizer, exs, DecodeMode("exact"), "parity", batch_size=5)
+    adaptive, _ = predictions(model, tokenizer, exs, DecodeMode("fused", "auto", tol=1e-7, max_passes=16), "parity",
+                              batch_size=5)
+    assert np.array_equal(exact, adaptive)
+    res = accuracy_table(model, tokenizer, "parity", 4, n=6, modes=["standard", "fused:1", "exact"], progress=False)
+    assert res["lengths"] == [4, 8, 16, 32] and len(res["rows"]) == 3

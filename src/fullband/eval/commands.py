@@ -233,7 +233,9 @@ def eval_tracking(checkpoint: str | Path, task: str | None = None, *, train_leng
     where = Path(out) if out else checkpoint / "eval"
     name = f"tracking_{task}"
     report.check_out(where, name)
-    model, tok = load(checkpoint)
+    from fullband.checkpoint import load_model
+
+    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)  # native, converted, or a wrapped HF model
     result = {"checkpoint": str(checkpoint),
               **accuracy_table(model, tok, task, train_length, n=n, modes=modes or DEFAULT_MODES,
                                batch_size=batch_size, progress=progress)}
