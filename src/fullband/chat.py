@@ -93,7 +93,7 @@ class ChatSession:
         try:
             shown = ""
             for _ in range(self.max_new_tokens):
-                token = int(sample(logits[None] if logits.ndim == 1 else logits, generator=self.generator,
+                token = int(sample(logits[None], generator=self.generator,
                                    **self.sampling)[0])
                 ids.append(token)
                 if token in self.stops:

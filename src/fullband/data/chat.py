@@ -48,22 +48,7 @@ def check_messages(obj: Any, where: str) -> list[Message]:
     if not isinstance(messages, list):
         raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, got "
                         f"{type(messages).__name__}")
-    out = []
-    for i, m in enumerate(messages):
-        at = f"{where}: message {i}"
-        if not isinstance(m, dict):
-            raise DataError(f"{at}: expected an object with 'role' and 'content', got {type(m).__name__}")
-        if "role" not in m:
-            raise DataError(f"{at}: no 'role'; accepted: {', '.join(ROLES)}")
-        role = m["role"]
-        if role not in ROLES:
-            raise DataError(f"{at}: unknown role {role!r}; accepted: {', '.join(ROLES)}")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise DataError(f"{at} ({role}): 'content' must be a string, got {type(content).__name__}")
-        if role == "assistant" and not content.strip():
-            raise DataError(f"{at}: empty assistant turn (nothing to learn from)")
-        out.append(Message(role, content))
+    out = [as_message(m, f"{where}: message {i}") for i, m in enumerate(messages)]
     if not any(m.role == "assistant" for m in out):
         raise DataError(f"{where}: no assistant turn (nothing to learn from)")
     return out
@@ -120,12 +105,6 @@ MARKER_JINJA = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 Segments = list[tuple[str, list[int]]]
-
-
-def _one(m: Any, where: str) -> list[Message]:
-    """A non-assistant message checked alone (check_messages wants an assistant turn in a conversation)."""
-    checked = check_messages({"messages": [m, {"role": "assistant", "content": "-"}]}, where)
-    return checked[:1]
 
 
 class MarkerTemplate:
@@ -269,9 +248,19 @@ def chat_prompt(tokenizer, messages, *, template=None) -> list[int]:
 
 def as_message(m: Any, where: str) -> Message:
     """One {"role", "content"} message checked (DataError naming `where`)."""
-    if isinstance(m, dict) and m.get("role") == "assistant":
-        return check_messages({"messages": [m]}, where)[0]
-    return _one(m, where)[0]
+    if not isinstance(m, dict):
+        raise DataError(f"{where}: expected an object with 'role' and 'content', got {type(m).__name__}")
+    if "role" not in m:
+        raise DataError(f"{where}: no 'role'; accepted: {', '.join(ROLES)}")
+    role = m["role"]
+    if role not in ROLES:
+        raise DataError(f"{where}: unknown role {role!r}; accepted: {', '.join(ROLES)}")
+    content = m.get("content")
+    if not isinstance(content, str):
+        raise DataError(f"{where} ({role}): 'content' must be a string, got {type(content).__name__}")
+    if role == "assistant" and not content.strip():
+        raise DataError(f"{where}: empty assistant turn (nothing to learn from)")
+    return Message(role, content)
 
 
 # ---------------------------------------------------------------------------------------------------- a synthetic set
