@@ -12,7 +12,7 @@ import torch
 
 from fullband.data.tracking import (COUNTER_P, QUERY, S5_GENERATORS, TASKS, examples, labels, make_example,
                                     parse_spec, length_sets)
-from fullband.errors import InputError
+from fullband.errors import ConfigError, InputError
 
 
 def _direct(task: str, text: str) -> str:
@@ -122,6 +122,23 @@ def test_eval_tracking_reports_every_length_and_mode(tracked, tmp_path):
     assert (tmp_path / "tracking_counter.png").is_file() and (tmp_path / "tracking_counter.json").is_file()
 
 
+def test_eval_tracking_reads_a_converted_transformers_folder_as_the_native_model(tracked, tmp_path):
+    pytest.importorskip("transformers")
+    from fullband.eval.commands import eval_tracking
+    from fullband.hf.convert import convert
+
+    convert(tracked, tmp_path / "hf", to="hf")
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    modes = ["standard", "fused:1", "exact"]
+    native = eval_tracking(tracked, n=24, modes=modes, out=tmp_path / "a", progress=False)
+    with pytest.raises(ConfigError, match="not from a tracking run"):  # no run.json beside a converted folder
+        eval_tracking(tmp_path / "hf", n=24, modes=modes, out=tmp_path / "b", progress=False)
+    hf = eval_tracking(tmp_path / "hf", "counter", train_length=8, n=24, modes=modes, out=tmp_path / "b",
+                       progress=False)
+    assert hf["rows"] == native["rows"] and hf["lengths"] == native["lengths"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == files  # the user's folder is left as it was
+
+
 def test_exact_prefill_equals_adaptive_prefill_to_the_fixed_point_and_batches_equal_a_loop():
     from fullband import ByteTokenizer, DecodeMode, FullbandLM, ModelConfig
     from fullband.eval.tracking import label_ids, predictions
@@ -189,3 +206,10 @@ def test_tracking_accuracy_runs_on_a_wrapped_hugging_face_model(tmp_path):
     assert np.array_equal(exact, adaptive)
     res = accuracy_table(model, tokenizer, "parity", 4, n=6, modes=["standard", "fused:1", "exact"], progress=False)
     assert res["lengths"] == [4, 8, 16, 32] and len(res["rows"]) == 3
+    # the command on the saved wrapped model (a model.hf_path run's folder) scores the same
+    from fullband.eval.commands import eval_tracking
+
+    model.save(tmp_path / "wrapped", tokenizer=tokenizer)
+    cmd = eval_tracking(tmp_path / "wrapped", "parity", train_length=4, n=6, modes=["standard", "fused:1", "exact"],
+                        out=tmp_path / "eval", progress=False)
+    assert cmd["rows"] == res["rows"]

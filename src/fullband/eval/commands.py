@@ -31,6 +31,23 @@ def load(checkpoint: str | Path) -> tuple[FullbandLM, object]:
     return model, load_tokenizer(checkpoint)
 
 
+def load_any(checkpoint: Path) -> tuple[object, object]:
+    """A model and its tokenizer from any checkpoint folder: ours (a native model, or an HF model wrapped with
+    latent feedback), a transformers folder of ours (`fullband convert --to hf`), or a Llama folder (read with
+    latent feedback, as `fullband convert` reads it). The last two go through `convert` into a temporary native
+    folder, so weights and tokenizer come back exactly as the native tools see them."""
+    import tempfile
+
+    from fullband.checkpoint import load_model
+    from fullband.hf.convert import convert, detect
+
+    if detect(checkpoint) == "native":
+        return load_model(checkpoint), load_tokenizer(checkpoint)
+    with tempfile.TemporaryDirectory(prefix="fullband-eval-") as tmp:
+        convert(checkpoint, Path(tmp) / "native", to="native")
+        return load_model(Path(tmp) / "native"), load_tokenizer(Path(tmp) / "native")
+
+
 def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_percent: float | None):
     """The validation split the run held out (from its run.json), or --corpus; tokenised through the cache."""
     from fullband.data.corpus import resolve_corpus
@@ -233,9 +250,7 @@ def eval_tracking(checkpoint: str | Path, task: str | None = None, *, train_leng
     where = Path(out) if out else checkpoint / "eval"
     name = f"tracking_{task}"
     report.check_out(where, name)
-    from fullband.checkpoint import load_model
-
-    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)  # native, converted, or a wrapped HF model
+    model, tok = load_any(checkpoint)
     result = {"checkpoint": str(checkpoint),
               **accuracy_table(model, tok, task, train_length, n=n, modes=modes or DEFAULT_MODES,
                                batch_size=batch_size, progress=progress)}

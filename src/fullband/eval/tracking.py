@@ -101,5 +101,7 @@ def tracking_figure(result: dict):
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"{result['task']}: {Path(result.get('checkpoint', '')).name}")
+    ckpt = Path(result.get("checkpoint", ""))  # run/step_N: the run's name says which model it is
+    ax.set_title(f"{result['task']}: {ckpt.parent.name}/{ckpt.name}" if ckpt.name.startswith("step_") else
+                 f"{result['task']}: {ckpt.name}")
     return fig
