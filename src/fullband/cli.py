@@ -519,7 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=_count(1), default=192)
     s.add_argument("--batch-size", type=_count(1), default=16)
     s.add_argument("--limit", type=_count(1), default=None, help="score only the first N conversations")
-    s = e.add_parser("tracking", parents=[common], help="state tracking accuracy by input length and mode")
+    s = e.add_parser("tracking", parents=[common], help="state tracking accuracy by input length and mode",
+                     description="--checkpoint may also be a `fullband convert --to hf` folder or a Llama folder "
+                     "(read as `fullband convert` reads it); give --task and --train-length for any folder that "
+                     "is not from a tracking run")
     s.add_argument("--task", choices=["parity", "counter", "s5", "registers"],
                    help="default: the task the run trained on")
     s.add_argument("--train-length", type=_count(1), help="L, the longest training input (default: the run's); "
