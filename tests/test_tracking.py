@@ -173,8 +173,9 @@ def test_reproduce_tracking_writes_a_report(tmp_path):
     out = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",), n=8)
     text = out.read_text()
     assert text.startswith("# Reproduction: tracking") and "## registers" in text
-    assert "**Outcome.** registers (accuracy at L / 2L / 4L / 8L, L = 8): standard model " in text
-    for run in ("registers-standard", "registers-fbt-paper", "registers-fbt-three", "registers-fbt-grow"):
+    assert "**Outcome.** registers (accuracy at L / 2L / 4L / 8L, L = 8): best standard (registers-standard" in text
+    for run in ("registers-standard", "registers-standard-3x", "registers-fbt-paper", "registers-fbt-three",
+                "registers-fbt-grow"):
         assert f"| {run} |" in text and (tmp_path / "docs" / "tracking" / run / "tracking_registers.png").is_file()
     assert "| registers-fbt-grow | " in text and "| exact |" in text
 

@@ -46,8 +46,8 @@ def _runs(exp: str) -> list[Run]:
             Run(f"warm-{kind}", [f'model.fusion="{kind}"', 'train.passes="three-pass"', "train.steps=150",
                                  "train.warmup_steps=10"]) for kind in ("gated", "additive", "concat")]
     if exp == "tracking":
-        return [Run(f"{task}-{name}", [f'data.corpus="{task}:{length}"', f"train.passes={passes}"], TRACKING)
-                for task, length in TRACKING_TASKS.items() for name, passes in _tracking_schedules(length).items()]
+        return [Run(f"{task}-{name}", [f'data.corpus="{task}:{length}"', *overrides], TRACKING)
+                for task, length in TRACKING_TASKS.items() for name, overrides in _tracking_schedules(length).items()]
     if exp == "sft":
         return [Run("base", []), Run("sft", [], SFT), Run("standard-base", ['train.passes="none"']),
                 Run("standard-sft", ['train.passes="none"'], SFT)]
@@ -60,15 +60,21 @@ TRACKING = "configs/tracking-tiny.toml"
 TRACKING_TASKS = {"parity": 16, "counter": 16, "s5": 16, "registers": 8}  # task: L, the longest training input
 
 
-def _tracking_schedules(length: int) -> dict[str, str]:
-    """Pass schedules (as TOML values) of the tracking runs: a standard model, the paper's schedule, three passes
-    every step, and a schedule growing to length + 3 passes: the Jacobi fixed point of a whole example (BOS,
-    the input, the query, the label), where training's last pass is the exact recurrence."""
+STANDARD_PASSES = 'train.passes="none"'
+
+
+def _tracking_schedules(length: int) -> dict[str, list[str]]:
+    """The tracking runs' overrides: a standard model, the same with three times the steps (the three-pass
+    model's compute), the paper's schedule, three passes every step, and a schedule growing to length + 3
+    passes: the Jacobi fixed point of a whole example (BOS, the input, the query, the label), where training's
+    last pass is the exact recurrence."""
     deep = length + 3
     grow = (f'[{{until = 0.25, probs = {{"1" = 1.0}}}}, {{until = 0.5, probs = {{"2" = 0.5, "4" = 0.5}}}}, '
             f'{{until = 0.75, probs = {{"4" = 0.5, "8" = 0.5}}}}, '
             f'{{until = 1.0, probs = {{"8" = 0.5, "{deep}" = 0.5}}}}]')
-    return {"standard": '"none"', "fbt-paper": '"paper-200b"', "fbt-three": '"three-pass"', "fbt-grow": grow}
+    return {"standard": [STANDARD_PASSES], "standard-3x": [STANDARD_PASSES, "train.steps=1200"],
+            "fbt-paper": ['train.passes="paper-200b"'], "fbt-three": ['train.passes="three-pass"'],
+            "fbt-grow": [f"train.passes={grow}"]}
 
 
 def hardware() -> str:
@@ -495,7 +501,10 @@ def _tracking(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n:
              "its cell. Each model: `configs/tracking-tiny.toml` (0.9M parameters, byte-level, from scratch), the",
              "loss on the answer only; the full-bandwidth models differ from the standard one only in the pass",
              "schedule: the paper's (`paper-200b`), three passes every step, and a schedule growing to the",
-             "example's fixed point (L + 3 passes, the last stage). Accuracy ± standard error over "
+             "example's fixed point (L + 3 passes, the last stage). A second standard model trains three times",
+             "as many steps (1200, the three-pass model's compute, three times the examples), to tell a task the",
+             "standard model cannot learn at this budget from one it learns but cannot extend beyond L; standard",
+             "models are read in STANDARD mode only. Accuracy ± standard error over "
              f"{n} examples per length; modes: STANDARD, FUSED k = 1, 2, 4 prefill passes, adaptive prefill",
              "(tol 1e-3, at most 32 passes) and EXACT (the recurrence over the prompt).", ""]
     if tasks is not None and set(tasks) != set(TRACKING_TASKS):
@@ -523,9 +532,10 @@ def _tracking(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n:
                 lines.append(f"| {run.name} | {wall / 60:.1f} min | {row['mode']} | {cells} |")
         lines += ["", f"Chance: {results[0][1]['chance']:.2f}. Figures: "
                   + ", ".join(f"[{run.name}]({figs.name}/{run.name}/tracking_{task}.png)" for run, _, _ in results), ""]
-        std = [(r, row) for r, res, _ in results if r.name.endswith("standard") for row in res["rows"]
+        # a standard model is read in STANDARD mode only (its fusion gate was never trained)
+        std = [(r, row) for r, res, _ in results if STANDARD_PASSES in r.overrides for row in res["rows"]
                if row["mode"] == "standard"]
-        fbt = [(r, row) for r, res, _ in results if not r.name.endswith("standard") for row in res["rows"]]
+        fbt = [(r, row) for r, res, _ in results if STANDARD_PASSES not in r.overrides for row in res["rows"]]
         # the best by mean accuracy over the four lengths (one length alone would pick noise at chance level)
         best_std = max(std, key=lambda x: sum(x[1]["accuracy"]))
         best_fbt = max(fbt, key=lambda x: sum(x[1]["accuracy"]))
@@ -533,11 +543,13 @@ def _tracking(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n:
         def by_length(row: dict) -> str:
             return " / ".join(f"{a:.3f}" for a in row["accuracy"])
 
-        line = (f"{task} (accuracy at L / 2L / 4L / 8L, L = {lengths[0]}): standard model {by_length(best_std[1])}; "
+        line = (f"{task} (accuracy at L / 2L / 4L / 8L, L = {lengths[0]}): best standard ({best_std[0].name}) "
+                f"{by_length(best_std[1])}; "
                 f"best full-bandwidth ({best_fbt[0].name}, {best_fbt[1]['mode']}) {by_length(best_fbt[1])}")
         summary.append(line)
         lines += [f"**{task}.** {line[len(task) + 1:]}.", ""]
     lines += ["**Outcome.** " + "; ".join(summary) + ".", "", COMMANDS, ""]
     lines += [f"- {_config_line(run)}" for run in runs]
-    lines += ["- `fullband eval tracking --checkpoint runs/repro/tracking/<run>/step_000400` (task and L from the run)"]
+    lines += ["- `fullband eval tracking --checkpoint runs/repro/tracking/<run>/step_N` (the run's last checkpoint; "
+              "task and L from the run)"]
     return lines
