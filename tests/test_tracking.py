@@ -178,6 +178,20 @@ def test_reproduce_tracking_writes_a_report(tmp_path):
                 "registers-fbt-grow"):
         assert f"| {run} |" in text and (tmp_path / "docs" / "tracking" / run / "tracking_registers.png").is_file()
     assert "| registers-fbt-grow | " in text and "| exact |" in text
+    assert "Scoring in this invocation: 5 models in " in text and "; 0 evaluations reused" in text
+    # a second invocation reuses the runs and their evaluations: the same tables, nothing scored again
+    saved = tmp_path / "docs" / "tracking" / "registers-fbt-three" / "tracking_registers.json"
+    stamp = saved.stat().st_mtime_ns
+    again = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",),
+                      n=8).read_text()
+    assert "Scoring in this invocation: 0 models in 0.0 min; 5 evaluations reused" in again
+    assert saved.stat().st_mtime_ns == stamp
+    tables = [line for line in text.splitlines() if line.startswith("| registers-")]
+    assert tables == [line for line in again.splitlines() if line.startswith("| registers-")]
+    # another number of examples per length is scored afresh
+    third = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",),
+                      n=6).read_text()
+    assert "Scoring in this invocation: 5 models in " in third and "over 6 examples per length" in third
 
 
 def test_tracking_accuracy_runs_on_a_wrapped_hugging_face_model(tmp_path):

@@ -89,7 +89,7 @@ def tracking_table(result: dict) -> str:
 def tracking_figure(result: dict):
     from fullband.eval.report import plt
 
-    fig, ax = plt().subplots(figsize=(6.5, 4))
+    fig, ax = plt().subplots(figsize=(8, 4))
     for r in result["rows"]:
         ax.errorbar(result["lengths"], r["accuracy"], yerr=r["stderr"], marker="o", capsize=3, label=r["mode"])
     ax.axhline(result["chance"], color="k", ls=":", lw=1, label="chance")
@@ -100,8 +100,9 @@ def tracking_figure(result: dict):
     ax.set_xlabel("input length (steps)")
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: lines meet at chance
     ckpt = Path(result.get("checkpoint", ""))  # run/step_N: the run's name says which model it is
     ax.set_title(f"{result['task']}: {ckpt.parent.name}/{ckpt.name}" if ckpt.name.startswith("step_") else
                  f"{result['task']}: {ckpt.name}")
+    fig.tight_layout()
     return fig
