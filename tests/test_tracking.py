@@ -188,6 +188,10 @@ def test_reproduce_tracking_writes_a_report(tmp_path):
     assert saved.stat().st_mtime_ns == stamp
     tables = [line for line in text.splitlines() if line.startswith("| registers-")]
     assert tables == [line for line in again.splitlines() if line.startswith("| registers-")]
+    # a missing figure is drawn again (the evaluation with it)
+    (saved.with_suffix(".png")).unlink()
+    reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",), n=8)
+    assert saved.with_suffix(".png").is_file() and saved.stat().st_mtime_ns > stamp
     # another number of examples per length is scored afresh
     third = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",),
                       n=6).read_text()

@@ -503,15 +503,18 @@ def _finished_eval(saved: Path, checkpoint: Path, n: int) -> dict | None:
     if [row.get("mode") for row in res.get("rows", [])] != [DecodeMode.parse(m).label for m in DEFAULT_MODES]:
         return None
     weights = checkpoint / "model.safetensors"
-    if not weights.is_file() or saved.stat().st_mtime < weights.stat().st_mtime:
+    if not (weights.is_file() and saved.with_suffix(".png").is_file()):  # the report links the figure
+        return None
+    if saved.stat().st_mtime < weights.stat().st_mtime:
         return None
     return res
 
 
 def _tracking(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n: int = 200,
               tasks: tuple[str, ...] | None = None) -> list[str]:
-    """For each task: a standard model and full-bandwidth models of the same size and budget, trained on inputs of
-    1..L steps, scored at L, 2L, 4L, 8L in every decoding mode."""
+    """For each task: a standard model, full-bandwidth models of the same size and budget, and a standard model
+    with the three-pass model's compute, trained on inputs of 1..L steps, scored at L, 2L, 4L, 8L in every
+    decoding mode."""
     from fullband.data.tracking import parse_spec
     from fullband.eval.commands import eval_tracking
 
