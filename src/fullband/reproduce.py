@@ -11,6 +11,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 
 import torch
@@ -576,7 +577,7 @@ def _tracking(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n:
 
         def solved(row: dict) -> str:
             """The longest input length up to which accuracy stays at SOLVED or above."""
-            upto = [k for i, k in enumerate(lengths) if all(a >= SOLVED for a in row["accuracy"][:i + 1])]
+            upto = [k for k, _ in takewhile(lambda x: x[1] >= SOLVED, zip(lengths, row["accuracy"]))]
             return f"{upto[-1]} steps" if upto else "none"
 
         line = (f"{task} (accuracy at L / 2L / 4L / 8L, L = {lengths[0]}): best standard ({best_std[0].name}) "

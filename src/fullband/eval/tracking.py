@@ -102,7 +102,7 @@ def tracking_figure(result: dict):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: lines meet at chance
     ckpt = Path(result.get("checkpoint", ""))  # run/step_N: the run's name says which model it is
-    ax.set_title(f"{result['task']}: {ckpt.parent.name}/{ckpt.name}" if ckpt.name.startswith("step_") else
-                 f"{result['task']}: {ckpt.name}")
+    label = f"{ckpt.parent.name}/{ckpt.name}" if ckpt.name.startswith("step_") else ckpt.name
+    ax.set_title(f"{result['task']}: {label}")
     fig.tight_layout()
     return fig
