@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from fullband.data.chat import IGNORE, Message, assemble, read_chat_jsonl
+from fullband.data.chat.messages import Message, read_chat_jsonl
+from fullband.data.chat.templates import IGNORE, assemble
 from fullband.errors import DataError
 
 
@@ -100,7 +101,8 @@ def _check_worked_steps(text: str, start: int) -> int:
 def test_the_synthetic_set_is_right_step_by_step_and_deterministic(tmp_path):
     import re
 
-    from fullband.data.chat import arithmetic_chats, check_messages, final_answer, write_chat_jsonl
+    from fullband.data.chat.arithmetic import arithmetic_chats, final_answer, write_chat_jsonl
+    from fullband.data.chat.messages import check_messages
 
     chats = arithmetic_chats(300, seed=3)
     assert chats == arithmetic_chats(300, seed=3) and chats != arithmetic_chats(300, seed=4)
@@ -122,7 +124,7 @@ def test_the_synthetic_set_is_right_step_by_step_and_deterministic(tmp_path):
 
 
 def test_final_answer_reads_the_last_answer_line():
-    from fullband.data.chat import final_answer
+    from fullband.data.chat.arithmetic import final_answer
 
     assert final_answer("1 + 2 = 3. Answer: 3") == "3"
     assert final_answer("Answer: 4\nAnswer: 5\nmore text") == "5"

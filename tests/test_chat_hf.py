@@ -14,7 +14,7 @@ import torch
 
 import fullband
 from fullband import ByteTokenizer, FullbandLM, ModelConfig, generate
-from fullband.data.chat import chat_prompt
+from fullband.data.chat.templates import chat_prompt
 from fullband.data.tokenizer import train_bpe
 
 transformers = pytest.importorskip("transformers")

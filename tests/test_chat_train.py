@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from fullband.data.chat import (IGNORE, MARKER_JINJA, JinjaTemplate, MarkerTemplate, chat_prompt, chat_template,
-                                check_messages, encode_chat, pack_chats, write_chat_jsonl)
+from fullband.data.chat.arithmetic import write_chat_jsonl
+from fullband.data.chat.messages import check_messages
+from fullband.data.chat.packing import pack_chats
+from fullband.data.chat.templates import (IGNORE, MARKER_JINJA, JinjaTemplate, MarkerTemplate, chat_prompt,
+                                          chat_template, encode_chat)
 from fullband.data.sampler import ChatSampler
 from fullband.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from fullband.errors import ConfigError, DataError
@@ -123,7 +126,7 @@ def test_the_jinja_form_of_the_marker_template_gives_the_same_ids():
 def test_packing_keeps_conversations_whole_and_counts_what_it_drops():
     tok = ByteTokenizer(chat=True)
     template = chat_template(tok)
-    from fullband.data.chat import arithmetic_chats
+    from fullband.data.chat.arithmetic import arithmetic_chats
 
     seqs = [encode_chat(template, check_messages(o, "x")) for o in arithmetic_chats(60, seed=3)]
     packed = pack_chats(iter(seqs), 200, tok.pad_id)
@@ -147,7 +150,7 @@ def test_packing_keeps_conversations_whole_and_counts_what_it_drops():
 
 def test_the_chat_sampler_reads_prompts_plainly_or_fed_and_replays_exactly():
     tok = ByteTokenizer(chat=True)
-    from fullband.data.chat import arithmetic_chats
+    from fullband.data.chat.arithmetic import arithmetic_chats
 
     template = chat_template(tok)
     packed = pack_chats((encode_chat(template, check_messages(o, "x")) for o in arithmetic_chats(200)), 256,
@@ -346,7 +349,7 @@ def test_chat_data_errors_name_file_and_line(tmp_path, base_checkpoint):
 def test_eval_chat_scores_final_answers_per_mode(tmp_path, base_checkpoint):
     """`fullband eval chat` on a micro chat model: one row per mode, accuracy a share of items equal to a direct
     per-item check of the answers it returns, and references that are the conversations' own answers."""
-    from fullband.data.chat import arithmetic_chats, final_answer
+    from fullband.data.chat.arithmetic import arithmetic_chats, final_answer
     from fullband.eval.commands import eval_chat
     from fullband.train.config import load_run_config
     from fullband.train.trainer import train
@@ -356,7 +359,7 @@ def test_eval_chat_scores_final_answers_per_mode(tmp_path, base_checkpoint):
     res = eval_chat(tmp_path / "sft" / "step_000004", data, modes=["standard", "soft", "fused:2"], max_new_tokens=24,
                     batch_size=5, out=tmp_path / "eval", progress=False)
     assert [r["mode"] for r in res["rows"]] == ["standard", "soft", "fused k=2"]
-    from fullband.data.chat import chat_prompt
+    from fullband.data.chat.templates import chat_prompt
 
     tok = load_tokenizer(tmp_path / "sft" / "step_000004")
     kept = [c for c in arithmetic_chats(12, seed=9) if len(chat_prompt(tok, c["messages"][:-1])) + 24 <= 256]

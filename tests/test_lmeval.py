@@ -200,7 +200,7 @@ def test_apply_chat_template_generates_from_the_chat_prompt(chat_setup, mode, k,
     fullband.generate's on those ids, ended at the chat stop ids and cut at the task's stop string."""
     from lm_eval.tasks import TaskManager
 
-    from fullband.data.chat import chat_prompt
+    from fullband.data.chat.templates import chat_prompt
 
     gen_module = importlib.import_module("fullband.decode.generate")  # the module (the package exports a function)
 
@@ -243,7 +243,7 @@ def test_apply_chat_template_generates_from_the_chat_prompt(chat_setup, mode, k,
 def test_apply_chat_template_renders_and_reads_back(chat_setup):
     """apply_chat_template / chat_template / tokenizer_name as lm-eval calls them, and a rendered context read back
     as the chat prompt ids (also in loglikelihood requests, the continuation after the assistant's marker)."""
-    from fullband.data.chat import MARKER_JINJA, chat_prompt
+    from fullband.data.chat.templates import MARKER_JINJA, chat_prompt
 
     tmp, _ = chat_setup
     tok = ByteTokenizer(chat=True)
@@ -284,7 +284,7 @@ def test_apply_chat_template_with_a_pretrained_models_own_template(tmp_path):
     """A checkpoint whose tokenizer carries a pretrained model's chat template (ChatML here): the harness renders
     with that template and reads the text back as fullband's chat prompt ids."""
     pytest.importorskip("transformers")
-    from fullband.data.chat import chat_prompt
+    from fullband.data.chat.templates import chat_prompt
     from fullband.data.tokenizer import PretrainedTokenizer, train_bpe
 
     bpe = train_bpe(["def f(x):\n    return x\nimport os\n" * 30], 300, show_progress=False)

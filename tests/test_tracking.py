@@ -102,7 +102,7 @@ def tracked(tmp_path_factory):
 
 
 def test_a_tracking_run_learns_on_the_answer_only(tracked, capsys):
-    from fullband.data.chat import IGNORE
+    from fullband.data.chat.templates import IGNORE
     from fullband.data.tokenizer import ByteTokenizer
     from fullband.data.tracking import training_sequences
 

@@ -3,7 +3,7 @@
 from fullband.version import __version__  # noqa: E402, F401
 
 from fullband.checkpoint import load_model  # noqa: E402  (also installs FullbandLM.save / load)
-from fullband.data.chat import chat_prompt as apply_chat_template  # noqa: E402
+from fullband.data.chat.templates import chat_prompt as apply_chat_template  # noqa: E402
 from fullband.data.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 from fullband.decode import MODES, DecodeMode, KVCache, Step, generate, stream  # noqa: E402
 from fullband.errors import CheckpointError, ConfigError, FullbandError, InputError  # noqa: E402

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fullband.data.chat import Message, chat_template, check_messages
+from fullband.data.chat.messages import Message, check_messages
+from fullband.data.chat.templates import chat_template
 from fullband.decode.generate import DecodeState, advance, check_sampling, prefill
 from fullband.decode.mode import DecodeMode
 from fullband.decode.sampling import sample

@@ -102,7 +102,7 @@ class FullbandHarnessLM(LM):
         """The Jinja text of the vocabulary's chat template (what a converted folder's tokenizer carries), None
         when not asked for or when the vocabulary has none. fullband has one template per vocabulary, so a
         template name is not looked up."""
-        from fullband.data.chat import hf_chat_template
+        from fullband.data.chat.templates import hf_chat_template
 
         if chat_template is False or chat_template is None:
             return None
@@ -112,7 +112,8 @@ class FullbandHarnessLM(LM):
         """The conversation rendered as text by the vocabulary's template: BOS, each message, then the assistant's
         marker (add_generation_prompt), or, without it, the last (assistant) message left open to continue (the
         harness's gen_prefix). Contexts so rendered are read back with the markers as their ids."""
-        from fullband.data.chat import MARKER_JINJA, MarkerTemplate, as_message
+        from fullband.data.chat.messages import as_message
+        from fullband.data.chat.templates import MARKER_JINJA, MarkerTemplate
 
         template = self._chat_template()
         self._chat = True
@@ -135,7 +136,7 @@ class FullbandHarnessLM(LM):
     def _chat_template(self):
         """The vocabulary's chat template (fullband.data.chat), or ConfigError saying why there is none."""
         if self._template is None:
-            from fullband.data.chat import chat_template
+            from fullband.data.chat.templates import chat_template
 
             try:
                 self._template = chat_template(self.tokenizer)
@@ -154,7 +155,7 @@ class FullbandHarnessLM(LM):
         between them encoded as the template encodes a message's content; BOS first."""
         import re
 
-        from fullband.data.chat import MarkerTemplate
+        from fullband.data.chat.templates import MarkerTemplate
 
         template = self._chat_template()
         bos = self.tokenizer.bos_id

@@ -392,7 +392,8 @@ def _sft(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_ou
          max_new_tokens: int = 192, sft_extra: tuple[str, ...] = ()) -> list[str]:
     """Table 1 / Fig. 6 at this scale: a full-bandwidth model and a standard one (same size, same budget),
     each instruction-tuned on the synthetic chat set, scored on held-out conversations in every mode."""
-    from fullband.data.chat import chat_conversations, final_answer, write_chat_jsonl
+    from fullband.data.chat.arithmetic import final_answer, write_chat_jsonl
+    from fullband.data.chat.sources import chat_conversations
     from fullband.eval.commands import eval_chat
     from fullband.eval.loss import validation_loss
     from fullband.model.decoder import FullbandLM

@@ -150,7 +150,7 @@ def validation_batches(stream: StreamLike, seq_len: int, n_windows: int, batch_s
 
 
 class ChatSampler(WindowSampler):
-    """The WindowSampler's order over packed chat windows (fullband.data.chat.PackedChat). A batch is (inputs,
+    """The WindowSampler's order over packed chat windows (fullband.data.chat.packing.PackedChat). A batch is (inputs,
     targets, plain): `plain` (B, T) marks the positions read with plain embeddings in passes > 1. A window reads
     its prompts plainly, as SOFT decoding does (plain = not fed), or, with probability `fused_prompts`, feeds
     them too, as FUSED prefill does (plain = nothing beyond BOS); the draw is a function of (seed, step, sample)."""

@@ -20,8 +20,8 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside a pretrained model's tokeni
 SPECIAL_IDS_FILE = "special_ids.json"  # beside a pretrained model's tokenizer.json: its BOS / EOS / PAD ids
 TOKENIZER_KIND = Kind("tokenizer folder", frozenset({TOKENIZER_FILE, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE}))
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
-# The role markers of fullband's default chat template (fullband.data.chat.MarkerTemplate), special tokens of a
-# chat vocabulary: <|system|> / <|user|> / <|assistant|> open a turn, <|end|> closes it.
+# The role markers of fullband's default chat template (fullband.data.chat.templates.MarkerTemplate), special tokens
+# of a chat vocabulary: <|system|> / <|user|> / <|assistant|> open a turn, <|end|> closes it.
 CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 INSTALL_HINT = "pip install 'fullband[data]'"
 
@@ -44,7 +44,7 @@ class ByteTokenizer:
     kind = "byte"
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
-    chat_template = None  # the markers are the template (fullband.data.chat.MarkerTemplate)
+    chat_template = None  # the markers are the template (fullband.data.chat.templates.MarkerTemplate)
 
     def __init__(self, chat: bool = False) -> None:
         self.chat = bool(chat)

@@ -134,7 +134,7 @@ def parse_spec(spec: str) -> tuple[str, int]:
 def training_sequences(spec: str, split: str, tokenizer):
     """The ChatSequences of a tracking corpus's split: BOS, the input and query, the label; the loss falls on the
     label only. Train: TRAIN_EXAMPLES with lengths uniform in [1, L]; val: VAL_EXAMPLES, another seed."""
-    from fullband.data.chat import IGNORE, ChatSequence
+    from fullband.data.chat.templates import IGNORE, ChatSequence
 
     task, length = parse_spec(spec)
     answer = dict(zip(labels(task), label_ids(tokenizer, task)))

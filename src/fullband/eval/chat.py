@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fullband.data.chat import Message, chat_prompt, chat_template, final_answer, read_chat_jsonl
+from fullband.data.chat.arithmetic import final_answer
+from fullband.data.chat.messages import Message, read_chat_jsonl
+from fullband.data.chat.templates import chat_prompt, chat_template
 from fullband.decode.generate import decode
 from fullband.decode.mode import DecodeMode
 from fullband.errors import DataError

@@ -142,7 +142,7 @@ def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int
         return
     from transformers import PreTrainedTokenizerFast
 
-    from fullband.data.chat import hf_chat_template
+    from fullband.data.chat.templates import hf_chat_template
     from fullband.data.tokenizer import SPECIAL_TOKENS, BPETokenizer, load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)

@@ -99,7 +99,9 @@ def _chat_tokenizer(data, run_dir: Path | None, hf_path: str):
 def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData:
     """Both splits of a chat corpus rendered, checked and packed into windows (in memory, on every rank: a pure
     function of the data and the tokenizer); a tracking corpus's examples the same way."""
-    from fullband.data.chat import chat_conversations, chat_template, encode_chat, pack_chats
+    from fullband.data.chat.packing import pack_chats
+    from fullband.data.chat.sources import chat_conversations
+    from fullband.data.chat.templates import chat_template, encode_chat
     from fullband.data.sampler import ChatSampler, chat_validation_batches
 
     from fullband.data.tracking import training_sequences

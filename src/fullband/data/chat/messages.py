@@ -1,0 +1,80 @@
+"""Chat messages: the {role, content} message, one conversation's messages checked, and the conversations of a
+chat JSONL file read.
+
+A conversation is one JSON object per line with a `messages` list of {"role": "system" | "user" | "assistant",
+"content": str}, multi-turn, at least one assistant turn, no empty assistant turn. Any defect is an error naming
+the file and the line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fullband.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+def check_messages(obj: Any, where: str) -> list[Message]:
+    """The messages of one conversation (a JSON object with a `messages` list), or DataError naming `where`."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object with a 'messages' list, got {type(obj).__name__}")
+    if "messages" not in obj:
+        raise DataError(f"{where}: no 'messages' key (keys: {', '.join(map(str, obj)) or 'none'})")
+    messages = obj["messages"]
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, got "
+                        f"{type(messages).__name__}")
+    out = [as_message(m, f"{where}: message {i}") for i, m in enumerate(messages)]
+    if not any(m.role == "assistant" for m in out):
+        raise DataError(f"{where}: no assistant turn (nothing to learn from)")
+    return out
+
+
+def read_chat_jsonl(path: str | Path) -> Iterator[list[Message]]:
+    """Each conversation of a JSONL file (blank lines skipped, a UTF-8 byte-order mark allowed)."""
+    for where, obj in _numbered(Path(path)):
+        yield check_messages(obj, where)
+
+
+def as_message(m: Any, where: str) -> Message:
+    """One {"role", "content"} message checked (DataError naming `where`)."""
+    if not isinstance(m, dict):
+        raise DataError(f"{where}: expected an object with 'role' and 'content', got {type(m).__name__}")
+    if "role" not in m:
+        raise DataError(f"{where}: no 'role'; accepted: {', '.join(ROLES)}")
+    role = m["role"]
+    if role not in ROLES:
+        raise DataError(f"{where}: unknown role {role!r}; accepted: {', '.join(ROLES)}")
+    content = m.get("content")
+    if not isinstance(content, str):
+        raise DataError(f"{where} ({role}): 'content' must be a string, got {type(content).__name__}")
+    if role == "assistant" and not content.strip():
+        raise DataError(f"{where}: empty assistant turn (nothing to learn from)")
+    return Message(role, content)
+
+
+def _numbered(path: Path) -> Iterator[tuple[str, Any]]:
+    """(file:line, object) of each non-blank JSON line of a file."""
+    try:
+        handle = path.open(encoding="utf-8-sig")
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read: {err.strerror or err}") from None
+    with handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None

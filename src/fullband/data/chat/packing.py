@@ -1,0 +1,100 @@
+"""Chat packing: rendered conversations packed whole into training windows of seq_len positions, the rest padding
+without loss; a conversation longer than a window is dropped or truncated."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from fullband.data.chat.templates import IGNORE, ChatSequence
+from fullband.errors import DataError
+
+TOO_LONG = ("drop", "truncate")
+OPEN_WINDOWS = 16
+
+
+@dataclass
+class PackedChat:
+    """Conversations packed whole into windows of seq_len positions (each starts with BOS, none is split across
+    windows; the rest of a window is padding, plain and without loss). Row r of the arrays is window r."""
+
+    ids: np.ndarray  # (N, T) int64
+    targets: np.ndarray  # (N, T) int64, IGNORE off responses
+    fed: np.ndarray  # (N, T) bool
+    conversations: int
+    dropped: int  # longer than a window (too_long="drop"), or left without a response token by truncation
+    truncated: int
+
+    def __len__(self) -> int:  # a WindowSampler counts (len - 1) // seq_len windows
+        return self.ids.size + 1
+
+    @property
+    def fingerprint(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256()
+        for a in (self.ids, self.targets, self.fed):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:16]
+
+    @property
+    def loss_tokens(self) -> int:
+        return int((self.targets != IGNORE).sum())
+
+    def describe(self) -> str:
+        n, t = self.ids.shape
+        parts = [f"{self.conversations} conversations in {n} windows of {t}",
+                 f"{self.loss_tokens} assistant tokens ({self.loss_tokens / max(n * t, 1):.0%} of positions)"]
+        if self.dropped:
+            parts.append(f"{self.dropped} dropped (longer than a window)")
+        if self.truncated:
+            parts.append(f"{self.truncated} truncated to a window")
+        return ", ".join(parts)
+
+
+def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, too_long: str = "drop") -> PackedChat:
+    """Pack conversations in order into windows of `seq_len` positions: a conversation goes into the first of the
+    last OPEN_WINDOWS windows with room for it, else it starts a new one. Longer ones are dropped, or
+    (too_long="truncate") cut to one window (kept when a response token survives)."""
+    if too_long not in TOO_LONG:
+        raise DataError(f"too_long={too_long!r}; accepted: {', '.join(TOO_LONG)}")
+    rows: list[tuple[list[int], list[int], list[bool]]] = []
+    open_rows: list[tuple[list[int], list[int], list[bool]]] = []
+    count = dropped = truncated = 0
+    for seq in sequences:
+        ids, targets, fed = seq.ids, seq.targets, seq.fed
+        if len(ids) > seq_len:
+            if too_long == "drop":
+                dropped += 1
+                continue
+            ids, targets, fed = ids[:seq_len], targets[: seq_len - 1] + [IGNORE], fed[:seq_len]
+            if all(t == IGNORE for t in targets):
+                dropped += 1
+                continue
+            truncated += 1
+        # first fit among the windows still open (the last OPEN_WINDOWS started), else a new window
+        row = next((r for r in open_rows if len(r[0]) + len(ids) <= seq_len), None)
+        if row is None:
+            row = ([], [], [])
+            rows.append(row)
+            open_rows.append(row)
+            if len(open_rows) > OPEN_WINDOWS:
+                open_rows.pop(0)
+        row[0].extend(ids)
+        row[1].extend(targets)
+        row[2].extend(fed)
+        count += 1
+    if not rows:
+        raise DataError(f"no conversation fits a window of seq_len={seq_len} tokens ({dropped} dropped); raise "
+                        "train.seq_len or set data.chat_too_long = \"truncate\"")
+    n = len(rows)
+    out_ids = np.full((n, seq_len), pad_id, dtype=np.int64)
+    out_targets = np.full((n, seq_len), IGNORE, dtype=np.int64)
+    out_fed = np.zeros((n, seq_len), dtype=bool)
+    for r, (ids, targets, fed) in enumerate(rows):
+        out_ids[r, : len(ids)] = ids
+        out_targets[r, : len(ids)] = targets
+        out_fed[r, : len(ids)] = fed
+    return PackedChat(out_ids, out_targets, out_fed, count, dropped, truncated)

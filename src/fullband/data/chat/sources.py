@@ -1,0 +1,66 @@
+"""Chat corpora: a spec (a .jsonl file, a folder or glob of them, 'hf:<dataset>', the synthetic 'arithmetic[:N]') read
+as checked conversations, each on the train or the val side by a hash of its messages."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from fullband.data.chat.arithmetic import arithmetic_chats
+from fullband.data.chat.messages import Message, _numbered, check_messages
+from fullband.errors import DataError
+
+SYNTHETIC = "arithmetic"  # "arithmetic" or "arithmetic:N": arithmetic_chats(N, seed=0), generated in memory
+SYNTHETIC_SIZE = 20000
+CHAT_ACCEPTED = "a .jsonl file, a folder or glob of .jsonl files, 'hf:<dataset>' with a 'messages' column, or " \
+                "'arithmetic[:N]' (the built-in synthetic set)"
+
+
+def chat_conversations(spec: str | Sequence[str], split: str, val_percent: float) -> Iterator[list[Message]]:
+    """The checked conversations of a chat corpus's `split` ('train' or 'val'). A conversation's split is a hash
+    of its messages, so a conversation repeated anywhere in the data is always on the same side."""
+    from fullband.data.corpus import in_val
+
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    want_val = split == "val"
+    for one in specs:
+        for where, obj in _chat_objects(str(one)):
+            messages = check_messages(obj, where)
+            key = json.dumps([[m.role, m.content] for m in messages], ensure_ascii=False)
+            if in_val(key, val_percent) == want_val:
+                yield messages
+
+
+def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
+    import glob
+    import os
+
+    name, _, count = spec.partition(":")
+    if name == SYNTHETIC:
+        if count and not count.isdigit() or count == "0":
+            raise DataError(f"chat corpus {spec!r}: accepted 'arithmetic' or 'arithmetic:N' with N >= 1")
+        for i, obj in enumerate(arithmetic_chats(int(count) if count else SYNTHETIC_SIZE, seed=0)):
+            yield f"{SYNTHETIC} conversation {i}", obj
+        return
+    if spec.startswith("hf:"):
+        from fullband.data.corpus import _hf_part
+
+        part = _hf_part(spec, "messages", None, "train", None)
+        for i, row in enumerate(part.dataset.select_columns(["messages"])):
+            yield f"{spec} row {i}", row
+        return
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        files = sorted(path.rglob("*.jsonl"))
+    elif path.is_file():
+        files = [path]
+    elif any(c in spec for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
+    else:
+        raise DataError(f"chat corpus not found: {spec!r}; accepted: {CHAT_ACCEPTED}")
+    if not files:
+        raise DataError(f"chat corpus {spec!r} holds no .jsonl file; accepted: {CHAT_ACCEPTED}")
+    for file in files:
+        yield from _numbered(file)
