@@ -191,7 +191,8 @@ def test_fused_input_of_the_first_response_token_is_the_one_generate_builds():
     prompt, answer = seq.ids[:first], seq.ids[first]
     ids = torch.tensor([seq.ids])
     seen = []
-    hook = model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    # the stack input, as block 0's first norm reads it (in a whole-sequence pass and in a decode step)
+    hook = model.blocks[0].attn_norm.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
     for passes, mode, k, plain in [(2, "soft", 0, ~torch.tensor([seq.fed])), (3, "soft", 0, ~torch.tensor([seq.fed])),
                                    (2, "fused", 0, None), (3, "fused", 1, None), (4, "fused", 2, None)]:
         seen.clear()

@@ -35,15 +35,12 @@ def _uncached_logits(model, prompt: list[int], new: list[int], mode: str, k: int
             e = model.norm_in(model.embed(seq))
             prompt_state = model(seq[:, :P], passes=k).hidden if k else None
             shift = lambda h: F.pad(h, (0, 0, 1, 0))[:, : h.shape[1]]  # noqa: E731
-            plain = model.plain_positions(seq)
-            x_prompt = model.fuse_inputs(e[:, :P], None if k == 0 else shift(prompt_state), plain[:, :P])
-            cos, sin = model.rotary.prefix(P + n, e.dtype)
-            pos = torch.arange(P + n)
-            local = model._window_mask(pos, pos, P + n)
+            plain = model.plain_of(seq)
+            x_prompt = model.pass_inputs(e[:, :P], None if k == 0 else shift(prompt_state), plain[:, :P])
             state = torch.zeros_like(e)
             for _ in range(n + 1):
-                x_gen = model.fuse_inputs(e[:, P:], shift(state)[:, P:], plain[:, P:])
-                state, top = model.body(torch.cat([x_prompt, x_gen], 1), cos, sin, window_mask=local)
+                x_gen = model.pass_inputs(e[:, P:], shift(state)[:, P:], plain[:, P:])
+                state, top = model.stack(torch.cat([x_prompt, x_gen], 1))
             logits = model.head(top)
     return logits[0, P - 1 : P + n - 1]
 
@@ -180,16 +177,44 @@ def test_decode_mode_owns_the_passes_rule():
 
     assert [DecodeMode(m).passes for m in ("standard", "soft", "exact")] == [1, 1, 1]
     assert DecodeMode("fused", 2).passes == 3 and DecodeMode("fused", 0).passes == 1
-    auto = DecodeMode("fused", "auto", tol=1e-4, max_passes=5)
-    assert auto.passes == 6 and auto.tolerance == 1e-4 and DecodeMode("soft", "auto").tolerance is None
-    assert DecodeMode("fused", 9).prompt_passes(4) == 4  # never more passes than the prompt is long
-    assert DecodeMode.parse("fused:2") == DecodeMode("fused", 2) and DecodeMode.parse("fused:auto").tolerance
+    auto = DecodeMode("fused", 5, tol=1e-4)  # until the update is below 1e-4, at most 5 fused passes
+    assert auto.passes == 6 and auto.tolerance == 1e-4 and auto.adaptive and DecodeMode("soft", tol=1e-4).tolerance is None
+    # the older spelling with the word "auto" means the same
+    assert DecodeMode("fused", "auto", tol=1e-4, max_passes=5) == auto == DecodeMode.of("fused", "auto", tol=1e-4, max_passes=5)
+    assert DecodeMode("fused", "auto") == DecodeMode("fused", 32, tol=1e-3) == DecodeMode.parse("fused:auto")
+    assert DecodeMode("fused", 2).tolerance is None and not DecodeMode("fused", 2).adaptive
+    assert DecodeMode.parse("fused:2") == DecodeMode("fused", 2)
     assert DecodeMode.parse("soft").feeds_state and not DecodeMode.parse("standard").feeds_state
     assert DecodeMode.from_passes(1) == DecodeMode("standard") and DecodeMode.from_passes(3) == DecodeMode("fused", 2)
     assert [DecodeMode("fused", 2).label, auto.label] == ["fused k=2", "fused auto tol=0.0001"]
     for bad, match in ((lambda: DecodeMode("fast"), "mode='fast'"), (lambda: DecodeMode("fused", -1), ">= 0"),
                        (lambda: DecodeMode.parse("soft:2"), "only fused"), (lambda: DecodeMode("fused", "x"), "'auto'"),
+                       (lambda: DecodeMode.parse("fused:\u00b2"), "fused:K"),
+                       (lambda: DecodeMode("fused", 3, max_passes=4), "max_passes goes with"),
+                       (lambda: DecodeMode("fused", 2, tol=0.0), "prefill_tol"),
                        (lambda: DecodeMode("fused", 200).check(ModelConfig(max_seq_len=128)), "cap of max_seq_len=128"),
                        (lambda: DecodeMode("soft").check(ModelConfig(fusion="none")), "fusion='none'")):
         with pytest.raises(InputError, match=match):
             bad()
+
+
+def test_a_prompt_is_never_read_with_more_passes_than_it_is_long():
+    from fullband import DecodeMode
+
+    model = tiny_model()
+    prompt = random_ids(1, 4, seed=2)
+    with torch.no_grad():
+        assert model.read(prompt, DecodeMode("fused", 9)).passes_used == 4
+    assert next(stream(model, prompt, 1, mode="fused", prefill_passes=9)).prefill_passes == 4
+
+
+def test_generate_takes_a_sampling_object_and_the_separate_settings():
+    from fullband import Sampling
+
+    model = tiny_model()
+    prompt = random_ids(2, 6, seed=2)
+    a = generate(model, prompt, 8, mode="soft", sampling=Sampling(temperature=1.0, top_k=5, seed=4))
+    assert a == generate(model, prompt, 8, mode="soft", temperature=1.0, top_k=5, seed=4)
+    assert a == generate(model, prompt, 8, mode="soft", sampling=Sampling(temperature=1.0, top_k=5), seed=4)
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=-1)

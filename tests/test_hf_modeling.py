@@ -14,6 +14,7 @@ from conftest import tiny_model
 from fullband import generate
 from fullband.decode.score import score
 from fullband.errors import CheckpointError, ConfigError, InputError
+from fullband.train.objective import objective
 
 transformers = pytest.importorskip("transformers")
 from fullband.hf import FeedbackCache, FullbandConfig, FullbandForCausalLM  # noqa: E402
@@ -49,7 +50,9 @@ def test_forward_is_the_native_model_in_every_mode(pair):
         ref = torch.nn.functional.cross_entropy(native(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         assert torch.allclose(loss, ref, atol=1e-6)
         targets = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
-        assert torch.allclose(hf(ids, labels=ids, passes=3).loss, native(ids, passes=3, targets=targets).loss)
+        assert torch.allclose(hf(ids, labels=ids, passes=3).loss, objective(native, ids, targets, 3).loss)
+        # passes beyond the sequence length repeat its fixed point: the same objective, without running them
+        assert torch.allclose(hf(ids, labels=ids, passes=60).loss, objective(native, ids, targets, 60).loss)
 
 
 def test_padded_rows_score_as_alone(pair):
@@ -247,6 +250,37 @@ def test_convert_native_to_hf_and_back_is_bitwise(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_every_tool_reads_a_transformers_folder_as_its_native_model(tmp_path, capsys):
+    """One loader: load_model, `fullband generate` and `fullband eval loss` take the folder `convert --to hf` writes
+    (weights read without transformers, checked before allocation) as they take the native folder it came from."""
+    from fullband import load_model
+    from fullband.cli import main
+    from fullband.data.tokenizer import ByteTokenizer, load_tokenizer
+    from fullband.eval.commands import eval_loss
+
+    native = tiny_model(seed=7)
+    native.save(tmp_path / "native", tokenizer=ByteTokenizer())
+    assert main(["convert", str(tmp_path / "native"), str(tmp_path / "hf")]) == 0
+    loaded = load_model(tmp_path / "hf")
+    a, b = native.state_dict(), loaded.state_dict()
+    assert type(loaded) is type(native) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert isinstance(load_tokenizer(tmp_path / "hf"), ByteTokenizer)
+    outputs = []
+    for folder in ("native", "hf"):
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", str(tmp_path / folder), "--prompt", "def f(", "--mode", "fused",
+                     "--max-new-tokens", "8", "--ignore-eos"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def f(x):\n    return x + 1\n" * 200)
+    losses = [eval_loss(tmp_path / folder, max_prefill=1, exact=False, seq_len=8, windows=4, batch_size=4,
+                        corpus=str(corpus), out=tmp_path / f"eval-{folder}", progress=False)
+              for folder in ("native", "hf")]
+    assert [r["nats_per_token"] for r in losses[0]["rows"]] == [r["nats_per_token"] for r in losses[1]["rows"]]
+
+
 def test_convert_keeps_a_bpe_tokenizer_usable_by_autotokenizer(tmp_path):
     from fullband.data.tokenizer import load_tokenizer, train_bpe
     from fullband.hf.convert import convert
@@ -292,8 +326,10 @@ def test_saved_folder_loads_without_fullband_through_trust_remote_code(pair, tmp
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_fullband.FullbandForCausalLM"
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
+    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
     ref = {"ids": ids, "logits": native(ids, passes=3).logits.detach(),
-           "tokens": torch.tensor(generate(native, ids.tolist(), 6, mode="fused", prefill_passes=2))}
+           "tokens": torch.tensor(generate(native, ids.tolist(), 6, mode="fused", prefill_passes=2)),
+           "loss": objective(native, ids, targets, 3).loss.detach()}
     torch.save(ref, tmp_path / "ref.pt")
     reader = f"""
 import sys
@@ -307,15 +343,40 @@ with torch.no_grad():
     diff = (m(ref["ids"], feedback_mode="fused", prefill_passes=2).logits - ref["logits"]).abs().max().item()
 out = m.generate(ref["ids"], max_new_tokens=6, min_new_tokens=6, do_sample=False, feedback_mode="fused",
                  prefill_passes=2)[:, 9:]
-m.save_pretrained({str(tmp_path / "again")!r})  # the standalone module saves itself again
-print("DIFF", diff, "SAME", torch.equal(out, ref["tokens"]))
+with torch.no_grad():
+    loss = m(ref["ids"], labels=ref["ids"], passes=3).loss  # the training objective is shipped too
+m.save_pretrained({str(tmp_path / "again")!r})  # the shipped code saves itself again
+print("DIFF", diff, "SAME", torch.equal(out, ref["tokens"]), "LOSS", torch.allclose(loss, ref["loss"]))
 """
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "DIFF 0.0 SAME True" in done.stdout
-    assert (tmp_path / "again" / "modeling_fullband.py").read_text() == (tmp_path / "m" / "modeling_fullband.py").read_text()
+    assert "DIFF 0.0 SAME True LOSS True" in done.stdout
+    shipped = sorted(p.name for p in (tmp_path / "m").glob("*.py"))
+    assert shipped == sorted(p.name for p in (tmp_path / "again").glob("*.py")) and "modeling_fullband.py" in shipped
+    for name in shipped:
+        assert (tmp_path / "again" / name).read_text() == (tmp_path / "m" / name).read_text(), name
+
+
+def test_shipped_modules_import_only_each_other():
+    """Every shipped file is its module's source with its fullband imports made relative, each to a shipped file;
+    a shipped module that imported anything else of fullband would be refused when saving, not stubbed out."""
+    import ast
+
+    from fullband.hf import remote
+
+    files = remote.shipped_files()
+    assert set(files) == {remote.file_name(m) for m in remote.SHIPPED}
+    for name, text in files.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert f"{node.module}.py" in files, (name, node.module)
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n.split(".")[0] == "fullband" for n in names), (name, names)
+    with pytest.raises(RuntimeError, match="imports 'fullband.files', which is not shipped"):
+        remote.shipped_source("fullband.folder")
 
 
 def test_cache_grows_past_its_first_allocation(pair):

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fullband.errors import ConfigError
+from fullband import load_model
+from fullband.errors import CheckpointError, ConfigError
 from fullband.train.config import load_run_config
 from fullband.train.trainer import Trainer, train
 
@@ -72,8 +73,10 @@ def test_train_from_a_pretrained_hf_model(tmp_path, corpus, cache, hf_folders, k
     saved = json.loads((run / "run.json").read_text())["model"]
     assert saved["hf_path"] == str(hf_path) and saved["d_model"] == 64 and saved["vocab_size"] == 320
     assert saved["bos_token_id"] == 0  # the pretrained tokenizer's BOS
-    # the checkpoint reloads as the wrapped model, with the trained weights
-    model = FullbandLM.load(run / "step_000006")
+    # the checkpoint reloads as the wrapped model, with the trained weights (FullbandLM.load is for native models)
+    model = load_model(run / "step_000006")
+    with pytest.raises(CheckpointError, match="fullband.load_model"):
+        FullbandLM.load(run / "step_000006")
     assert isinstance(model, LatentFeedback) and type(model.hf).__name__ == type(
         transformers.AutoModelForCausalLM.from_pretrained(hf_path)).__name__
     weights = load_file(str(run / "step_000006" / "model.safetensors"))
@@ -184,13 +187,19 @@ def test_hf_run_with_activation_checkpointing_gives_the_same_losses(tmp_path, co
     assert plain["steps"] == 4
 
 
-def test_native_only_tools_refuse_a_wrapped_checkpoint(tmp_path, corpus, cache, hf_folders):
-    from fullband.errors import CheckpointError
+def test_every_tool_loads_a_wrapped_checkpoint(tmp_path, corpus, cache, hf_folders):
+    """One loader: `fullband eval` and the harness model read a model.hf_path run's checkpoint like a native one and
+    decode it on the same engine (a score through the harness equals fullband.decode.score on the loaded model)."""
+    from fullband.decode.score import score
     from fullband.eval.commands import load
+    from fullband.hf import LatentFeedback
 
     train(load_run_config(recipe(tmp_path, corpus, cache, hf_folders / "gpt2", steps=3)))
-    with pytest.raises(CheckpointError, match="wrapped with latent feedback .* fullband eval needs a native"):
-        load(tmp_path / "run" / "step_000003")
+    ckpt = tmp_path / "run" / "step_000003"
+    model, tok = load(ckpt)
+    assert isinstance(model, LatentFeedback)
     lmeval = pytest.importorskip("fullband.lmeval") if pytest.importorskip("lm_eval") else None
-    with pytest.raises(CheckpointError, match="lm-eval model 'fullband' needs a native FullbandLM"):
-        lmeval.FullbandHarnessLM(checkpoint=str(tmp_path / "run" / "step_000003"))
+    harness = lmeval.FullbandHarnessLM(checkpoint=str(ckpt), mode="fused", prefill_passes=1)
+    context, continuation = tok.encode("def f(x):", bos=True), tok.encode(" return x", bos=False)
+    want = score(model, [context], [continuation], mode="fused", prefill_passes=1)[0]
+    assert harness._score([(context, continuation)])[0] == pytest.approx(want, abs=1e-5)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_config, tiny_model
-from fullband import FullbandLM, ModelConfig
-from fullband.model.decoder import prefix_mixin
+from fullband import DecodeMode, FullbandLM, ModelConfig
+from fullband.model.core import plain_positions
+from fullband.train.objective import ntp, objective, prefix_mixin, training_feed
 
 
 @pytest.mark.parametrize(
@@ -54,7 +55,7 @@ def test_bos_positions_are_plain_and_cut_the_feedback():
         exact = model.recurrent_forward(ids).hidden
         one_pass = model(ids, passes=1).hidden
         # with feedback cut at 12, position 12 reads no state: its plain input equals the one-pass input
-        x_multi = model.fuse_inputs(model.norm_in(model.embed(ids)), torch.randn(1, 30, 64), model.plain_positions(ids))
+        x_multi = model.pass_inputs(model.norm_in(model.embed(ids)), torch.randn(1, 30, 64), model.plain_of(ids))
         x_plain = model.norm_in(model.embed(ids))
     assert (jacobi - exact).abs().max() <= 1e-4
     assert torch.equal(x_multi[0, 12], x_plain[0, 12]) and torch.equal(x_multi[0, 0], x_plain[0, 0])
@@ -101,53 +102,111 @@ def test_fusion_parameter_count(fusion, weights):
 def test_gradients_flow_through_passes_unless_detached():
     for detach in (False, True):
         model = tiny_model(detach_between_passes=detach, jitter=0.0, prefix_mixin_prob=0.0).train()
-        ids = random_ids(2, 16)
-        out = model(ids, passes=3, targets=random_ids(2, 16, seed=5))
-        first = out.pass_hidden[0]
+        ids, targets = random_ids(2, 16), random_ids(2, 16, seed=5)
+        out = model(ids, passes=3, feed=training_feed(model.config, noise=True, generator=None),
+                    each_pass=lambda j, h, top: (h, ntp(model.head(top), targets)))
+        first, last_loss = out.per_pass[0][0], out.per_pass[-1][1]
         if detach:
-            assert not first.requires_grad or torch.autograd.grad(
-                out.pass_losses[-1], first, allow_unused=True, retain_graph=True)[0] is None
+            assert torch.autograd.grad(last_loss, first, allow_unused=True, retain_graph=True)[0] is None
         else:
-            (grad,) = torch.autograd.grad(out.pass_losses[-1], first, retain_graph=True)
+            (grad,) = torch.autograd.grad(last_loss, first, retain_graph=True)
             assert grad.abs().sum() > 0
-        out.loss.backward()
+        objective(model, ids, targets, 3).loss.backward()
         assert all(p.grad is not None for p in model.fusion.parameters())
 
 
-def test_loss_composition_and_training_outputs():
+def test_loss_composition():
     model = tiny_model(jitter=0.0, prefix_mixin_prob=0.0)
     ids, targets = random_ids(2, 16), random_ids(2, 16, seed=9)
     targets[0, :3] = -100
     model.train()
-    out = model(ids, passes=3, targets=targets)
+    out = objective(model, ids, targets, 3)
     assert len(out.pass_losses) == 3
     expected = out.pass_losses[0] + (out.pass_losses[1] + out.pass_losses[2]) / 2
     assert torch.allclose(out.loss, expected)
-    # with zero noise the training-mode passes equal eval-mode passes
+    with torch.no_grad():  # each pass's NTP is the cross-entropy of that many eval-mode passes
+        for k, loss in enumerate(out.pass_losses, 1):
+            assert torch.allclose(loss, ntp(model.eval()(ids, passes=k).logits, targets), atol=1e-6)
+    # with zero noise the training-mode objective equals the eval-mode one
     with torch.no_grad():
-        ev = model.eval()(ids, passes=3, targets=targets)
+        ev = objective(model.eval(), ids, targets, 3)
     assert torch.allclose(ev.loss, out.loss.detach(), atol=1e-6)
     weighted = tiny_model(jitter=0.0, prefix_mixin_prob=0.0, pass_loss_weight=0.5)
-    o = weighted(ids, passes=2, targets=targets)
+    o = objective(weighted, ids, targets, 2)
     assert torch.allclose(o.loss, o.pass_losses[0] + 0.5 * o.pass_losses[1])
-    model.train()
-    logits_out = model(ids, passes=2)
-    assert len(logits_out.pass_logits) == 2 and logits_out.pass_logits[-1] is logits_out.logits
+    z = objective(model, ids, targets, 2, z_loss=1e-2)
+    lse = [model(ids, passes=k).logits.float().logsumexp(-1).pow(2).mean() for k in (1, 2)]
+    zterms = [ce + 1e-2 * lz for ce, lz in zip(z.pass_losses, lse)]
+    assert torch.allclose(z.loss, zterms[0] + zterms[1], atol=1e-5)
 
 
-def test_jitter_and_prefix_mixin_only_in_training():
-    model = tiny_model(jitter=0.5, prefix_mixin_prob=1.0)
-    ids = random_ids(2, 32)
+def test_passes_beyond_the_fixed_point_cost_nothing_and_change_nothing():
+    """A T-token sequence is exact after T passes: reading it with more, or an objective of more passes without noise,
+    runs T passes and gives the same numbers (each later pass's term is the T-th's)."""
+    model = tiny_model()
+    T = 10
+    ids, targets = random_ids(2, T), random_ids(2, T, seed=4)
+    calls = []
+    stack = model.stack
+    model.stack = lambda x, cache=None: calls.append(1) or stack(x, cache)
     with torch.no_grad():
-        a, b = model(ids, passes=3).hidden, model(ids, passes=3).hidden
-        assert torch.equal(a, b)  # eval: deterministic, no noise
-        model.train()
-        g = torch.Generator().manual_seed(0)
-        c = model(ids, passes=3, generator=g).hidden
-        d = model(ids, passes=3, generator=torch.Generator().manual_seed(0)).hidden
-        e = model(ids, passes=3, generator=torch.Generator().manual_seed(1)).hidden
+        long = model.read(ids, DecodeMode("fused", 40), return_logits=True)
+        assert long.passes_used == T and len(calls) == T
+        assert torch.equal(long.logits, model.read(ids, DecodeMode("fused", T - 1), return_logits=True).logits)
+        calls.clear()
+        obj = objective(model, ids, targets, 41)
+        assert len(calls) == T and len(obj.pass_losses) == 41
+        terms = [ntp(model(ids, passes=k).logits, targets) for k in range(1, T + 1)]
+        want = terms[0] + torch.stack(terms[1:] + [terms[-1]] * (41 - T)).mean()
+        assert torch.allclose(obj.loss, want, atol=1e-6)
+
+
+def test_the_pass_loop_keeps_two_states_alive():
+    """Adaptive prefill of 32 passes holds the current and the previous pass's state, not every pass's."""
+    import weakref
+
+    model = tiny_model()
+    ids = random_ids(2, 48)
+    refs: list = []
+    alive: list[int] = []
+
+    def each_pass(j, h, top):
+        refs.append(weakref.ref(h))
+        alive.append(sum(r() is not None for r in refs))
+
+    with torch.no_grad():
+        out = model(ids, passes=32, tol=1e-30, each_pass=each_pass)
+    assert out.passes_used == 32 and max(alive) == 1, alive
+
+
+def test_the_forward_adds_no_training_noise_the_objective_does():
+    model = tiny_model(jitter=0.5, prefix_mixin_prob=1.0)
+    ids, targets = random_ids(2, 32), random_ids(2, 32, seed=3)
+    with torch.no_grad():
+        a = model(ids, passes=3).hidden
+        b = model.train()(ids, passes=3).hidden
+        assert torch.equal(a, b)  # the model's forward is the same in both modes
+        c = objective(model, ids, targets, 3, generator=torch.Generator().manual_seed(0)).state
+        d = objective(model, ids, targets, 3, generator=torch.Generator().manual_seed(0)).state
+        e = objective(model, ids, targets, 3, generator=torch.Generator().manual_seed(1)).state
+        f = objective(model.eval(), ids, targets, 3, generator=torch.Generator().manual_seed(1)).state
     assert torch.equal(c, d) and not torch.equal(c, e)  # reproducible from the generator
-    assert not torch.allclose(a, c)
+    assert not torch.allclose(a, c) and torch.equal(a, f)  # noise in training mode only
+
+
+def test_the_plain_rule_is_elementwise():
+    """One rule for a batch, a decode step and vLLM's packed rows (torch or numpy)."""
+    import numpy as np
+
+    ids = torch.tensor([[256, 5, 7, 256, 9]])
+    batch = plain_positions(ids, torch.arange(5), 256, prefix=2)
+    assert batch.tolist() == [[True, True, False, True, False]]
+    step = plain_positions(torch.tensor([256, 4, 4]), torch.tensor([7, 0, 3]), 256)
+    assert step.tolist() == [True, True, False]
+    packed = plain_positions(np.array([3, 3, 256]), np.array([2, 5, 6]), 256, prefix=np.array([4, 4, 1]))
+    assert packed.tolist() == [True, False, True]
+    mask = torch.tensor([[False, True, False, False, False]])
+    assert plain_positions(ids, torch.arange(5), None, mask=mask).tolist() == [[True, True, False, False, False]]
 
 
 def test_prefix_mixin_reverts_a_prefix_to_plain():
@@ -177,7 +236,7 @@ def test_eval_forward_computes_only_what_is_asked():
     model = tiny_model()
     ids = random_ids(1, 10)
     out = model(ids, passes=2, return_logits=False)
-    assert out.logits is None and out.hidden.shape == (1, 10, 64) and out.pass_logits == []
+    assert out.logits is None and out.hidden.shape == (1, 10, 64) and out.per_pass == []
     assert model(ids).logits.shape == (1, 10, 259)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from conftest import random_ids, tiny_model
 from fullband.errors import ConfigError
+from fullband.train.objective import objective
 from fullband.train.optim import (
     NORMUON_ROUTES,
     CompositeOptimizer,
@@ -314,7 +315,7 @@ def test_a_few_dozen_steps_reduce_the_loss():
     opt = build_optimizer(model, OptimConfig(lr=0.02, adam_lr=3e-3))
     losses = []
     for _ in range(30):
-        loss = model(inputs, targets=targets).loss
+        loss = objective(model, inputs, targets, 1).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

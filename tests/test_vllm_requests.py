@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from fullband.cli import main
-from fullband.decode.mode import DecodeMode
+from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
 from fullband.vllm.requests import request_mode, served_default
 

@@ -17,16 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fullband.data.tokenizer import TextStream
 from fullband.data.chat.messages import Message, check_messages
 from fullband.data.chat.templates import chat_template
-from fullband.decode.generate import DecodeState, advance, check_sampling, prefill
-from fullband.decode.mode import DecodeMode
-from fullband.decode.sampling import sample
+from fullband.decode.generate import DecodeState, advance, prefill
+from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
+from fullband.model.mode import DecodeMode
 from fullband.validate import integer
-
-PLAIN = DecodeMode("standard")
-FED = DecodeMode("soft")
 
 
 @dataclass
@@ -45,18 +43,17 @@ class ChatSession:
     `reply(text)` adds a user message and yields the answer's text as it is generated; stopping the iteration
     early (Ctrl-C in the terminal) keeps what was answered so far as the assistant's turn."""
 
-    def __init__(self, model, tokenizer, *, mode: str | DecodeMode = "soft", prefill_passes: int | str = 1,
+    def __init__(self, model, tokenizer, *, mode: str | DecodeMode = "soft", prefill_passes: int | str | None = None,
                  system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.template = chat_template(tokenizer)
         self.mode = DecodeMode.of(mode, prefill_passes).check(model.config)
         integer("max_new_tokens", max_new_tokens, 1, error=InputError)
-        check_sampling(temperature, top_k, top_p, seed)
-        self.sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
+        self.sampling = Sampling(temperature, top_k, top_p, seed)
         self.max_new_tokens = max_new_tokens
         self.device = next(model.parameters()).device
-        self.generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+        self.generator = self.sampling.generator(self.device)
         self.stops = set(tokenizer.stop_ids)
         self.system = system
         self.last = Turn()
@@ -69,7 +66,7 @@ class ChatSession:
         self.read: list[int] = []  # the tokens whose keys and values are in the cache, in order
         self.state: DecodeState | None = None
 
-    def set_mode(self, mode: str | DecodeMode, prefill_passes: int | str = 1) -> DecodeMode:
+    def set_mode(self, mode: str | DecodeMode, prefill_passes: int | str | None = None) -> DecodeMode:
         """Switch the decoding mode; the next turn reads the conversation again in it."""
         self.mode = DecodeMode.of(mode, prefill_passes).check(self.model.config)
         self.state = None
@@ -91,26 +88,24 @@ class ChatSession:
             self.messages.pop()
             raise
         ids: list[int] = []
+        text = TextStream(self.tokenizer)
         try:
-            shown = ""
             for _ in range(self.max_new_tokens):
-                token = int(sample(logits[None], generator=self.generator,
-                                   **self.sampling)[0])
+                token = int(self.sampling(logits[None], self.generator)[0])
                 ids.append(token)
                 if token in self.stops:
                     self.last.stopped = "end"
                     break
-                text_now = self.tokenizer.decode(ids)
-                if not text_now.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                    yield text_now[len(shown):]
-                    shown = text_now
+                piece = text.push(token)
+                if piece:
+                    yield piece
                 if len(self.read) + 1 >= self.context:
                     self.last.stopped = "context"
                     break
-                logits = self._feed([token], FED if self.mode.feeds_state else PLAIN)
+                logits = self._feed([token], feed=self.mode.feeds_state)
             else:
                 self.last.stopped = "length"
-            rest = self.tokenizer.decode([i for i in ids if i not in self.stops])[len(shown):]
+            rest = text.rest()
             if rest:
                 yield rest
         finally:
@@ -138,7 +133,7 @@ class ChatSession:
         if not incremental:
             return self._prefill(full)
         self.last.prompt_tokens = len(full) - len(self.read)
-        return self._feed(full[len(self.read):], FED if self.mode.exact else PLAIN)
+        return self._feed(full[len(self.read):], feed=self.mode.exact)
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
         self.last.reread, self.last.prompt_tokens = True, len(ids)
@@ -150,12 +145,12 @@ class ChatSession:
         self.read = list(ids)
         return logits
 
-    def _feed(self, ids: list[int], how: DecodeMode) -> torch.Tensor:
-        """Read `ids` one by one through the decode step (`how`: PLAIN or FED) -> the last one's logits."""
+    def _feed(self, ids: list[int], *, feed: bool) -> torch.Tensor:
+        """Read `ids` one by one through the decode step, fed the state when `feed` -> the last one's logits."""
         logits = None
         with torch.inference_mode():
             for token in ids:
-                logits = advance(self.model, self.state, torch.tensor([token], device=self.device), how)[0]
+                logits = advance(self.model, self.state, torch.tensor([token], device=self.device), feed=feed)[0]
                 self.read.append(token)
         return logits
 

@@ -13,14 +13,11 @@ import time
 from pathlib import Path
 
 from fullband.errors import FullbandError, InputError
-
-DTYPES = ("float32", "bfloat16", "float16")
+from fullband.validate import DTYPES, dtype as _dtype_of
 
 
 def _dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
+    return _dtype_of("--dtype", name, error=InputError)
 
 
 def _device(name: str) -> str:
@@ -114,12 +111,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of --prompt to stdout, token by token."""
     import torch
 
-    from fullband.data.tokenizer import load_tokenizer
-    from fullband.decode.generate import decode
-    from fullband.model.decoder import FullbandLM
+    from fullband.data.tokenizer import TextStream, load_tokenizer
+    from fullband.decode.generate import stream
+    from fullband.decode.sampling import Sampling
+    from fullband.loader import load_model
+    from fullband.model.mode import DecodeMode
 
     prompt_text = _utf8(args.prompt, "--prompt")
-    model = FullbandLM.load(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype))
+    mode = DecodeMode.of(args.mode, args.prefill_passes, tol=args.prefill_tol)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    model = load_model(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype))
     tokenizer = load_tokenizer(args.checkpoint)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise FullbandError(
@@ -128,30 +129,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(prompt_text, bos=True)
     stops = [] if args.ignore_eos else [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
     t0 = time.perf_counter()
-    # the native model and a wrapped HF model (a model.hf_path run) both decode through the engine
-    steps = decode(
-        model, [prompt], args.max_new_tokens, mode=args.mode, prefill_passes=args.prefill_passes,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stops,
-        compile=args.compile, prefill_tol=args.prefill_tol,
-    )
+    steps = stream(model, [prompt], args.max_new_tokens, mode=mode, sampling=sampling, stop_tokens=stops,
+                   compile=args.compile)
     out = sys.stdout
     if args.echo:
         out.write(prompt_text)
-    ids: list[int] = []
-    shown = ""
+    text = TextStream(tokenizer)
     with torch.inference_mode():
         for step in steps:
             if bool(step.finished[0]):
                 break
-            ids.append(int(step.tokens[0]))
-            text = tokenizer.decode(ids)
-            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                out.write(text[len(shown):])
-                out.flush()
-                shown = text
-    out.write(tokenizer.decode(ids)[len(shown):] + "\n")
+            out.write(text.push(int(step.tokens[0])))
+            out.flush()
+    out.write(text.rest() + "\n")
     out.flush()
-    _summary(ids, args, stops, t0)
+    _summary(text.ids, args, stops, t0)
     return 0
 
 
@@ -163,10 +155,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """An interactive chat in the terminal: the answer streams, the conversation keeps its cache and state."""
     from fullband.chat import ChatSession, check_chat_model
     from fullband.data.tokenizer import load_tokenizer
-    from fullband.decode.mode import DecodeMode
-    from fullband.model.decoder import FullbandLM
+    from fullband.model.mode import DecodeMode
+    from fullband.loader import load_model
 
-    model = FullbandLM.load(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype)).eval()
+    model = load_model(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype))
     tokenizer = load_tokenizer(args.checkpoint)
     check_chat_model(model, tokenizer)
     mode = DecodeMode.parse(args.mode) if ":" in args.mode else DecodeMode.of(args.mode, args.prefill_passes)
@@ -335,7 +327,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         commands.eval_chat(args.checkpoint, args.data, modes=args.modes, max_new_tokens=args.max_new_tokens,
                            batch_size=args.batch_size, limit=args.limit, out=args.out)
     else:
-        from fullband.decode.mode import DecodeMode
+        from fullband.model.mode import DecodeMode
 
         modes = [DecodeMode.parse(m) for m in args.modes]
         commands.eval_generate_length(args.checkpoint, args.prompts, modes=modes, max_new_tokens=args.max_new_tokens,

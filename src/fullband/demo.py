@@ -21,7 +21,8 @@ from fullband.train.checkpoint import list_checkpoints, read_trainer_state
 from fullband.train.config import load_run_config
 from fullband.train.data import prepare_data
 from fullband.train.parallel import Dist
-from fullband.train.trainer import RUN_FILE, train
+from fullband.train.rundir import RUN_FILE
+from fullband.train.trainer import train
 
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 MODES = [("standard", 0), ("soft", 0), ("fused", 1), ("fused", 2), ("exact", 0)]

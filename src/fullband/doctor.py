@@ -51,7 +51,7 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
     from fullband.folder import CONFIG_FILE
     from fullband.files import read_json
     from fullband.train.checkpoint import STEP_DIR
-    from fullband.train.trainer import RUN_FILE
+    from fullband.train.rundir import RUN_FILE
 
     path = Path(path)
     if not path.is_dir():
@@ -126,7 +126,7 @@ def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
 
 
 def _weights(report: Report, folder: Path, label, data: dict, config) -> None:
-    from fullband.checkpoint import load_model
+    from fullband.loader import load_model
     from fullband.folder import HF_CONFIG_KEY, WEIGHTS_FILE
 
     try:
@@ -216,7 +216,8 @@ def _run_dir(path: Path, hashes: bool) -> Report:
     from fullband.files import try_lock
     from fullband.train.checkpoint import STEP_DIR, TRAINER_FILE, read_trainer_state
     from fullband.train.config import RunConfig
-    from fullband.train.trainer import METRICS_FILE, RUN_FILE
+    from fullband.train.metrics import METRICS_FILE
+    from fullband.train.rundir import RUN_FILE
 
     report = Report(path, "run directory")
     cfg = None
@@ -263,7 +264,7 @@ def _run_dir(path: Path, hashes: bool) -> Report:
 def _matches_run(report: Report, step: Path, cfg) -> bool:
     """Whether the checkpoint's own config agrees with run.json on everything a resume compares."""
     from fullband.train.checkpoint import read_trainer_state
-    from fullband.train.trainer import resume_differences
+    from fullband.train.rundir import resume_differences
 
     if cfg is None:
         return True

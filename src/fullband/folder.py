@@ -1,12 +1,14 @@
 """The model folder on disk: `config.json` (the resolved ModelConfig, written last with a record of the other
 files) and `model.safetensors` (+ tokenizer). Written atomically (a temporary sibling folder renamed into place)
 so a crash never leaves half a folder; read with every size checked against the weights file's own header before
-anything is allocated. Which model a folder holds (native, or a wrapped HF model) is decided above, in
-fullband.checkpoint.
+anything is allocated. A transformers folder of ours (`fullband convert --to hf`, save_pretrained: config.json of
+model_type "fullband", the weights under `model.`) is read here too, into its native model, by the same checks.
+Which model a folder holds is decided above, in fullband.loader.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -150,18 +152,19 @@ def _model_config(directory: str | Path, data: dict) -> ModelConfig:
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
-def read_header(directory: str | Path, data: dict | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{name: (dtype, shape)} of a folder's model.safetensors from its header alone (nothing is allocated),
-    after checking the file's size against the one recorded at save time and that every tensor is floating point."""
+def read_header(directory: str | Path, data: dict | None = None,
+                name: str = WEIGHTS_FILE) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of a folder's weights file from its header alone (nothing is allocated), after
+    checking the file's size against the one recorded at save time and that every tensor is floating point."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
-    path = directory / WEIGHTS_FILE
+    path = directory / name
     if not path.is_file():
-        raise CheckpointError(f"{str(directory)!r} is incomplete: {WEIGHTS_FILE} is missing")
+        raise CheckpointError(f"{str(directory)!r} is incomplete: {name} is missing")
     record = (data or {}).get(FILES_KEY, {})
-    if WEIGHTS_FILE in record:
-        problems = check_record(directory, {WEIGHTS_FILE: record[WEIGHTS_FILE]}, hashes=False)
+    if name in record:
+        problems = check_record(directory, {name: record[name]}, hashes=False)
         if problems:
             raise CheckpointError(f"{path} is corrupted or truncated: {problems[0]}")
     try:
@@ -169,11 +172,15 @@ def read_header(directory: str | Path, data: dict | None = None) -> dict[str, tu
             header = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"{path} is corrupted or truncated: {err}") from None
+    check_float(path, header)
+    return header
+
+
+def check_float(path: Path, header: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     wrong = [f"{k} ({dt})" for k, (dt, _) in header.items() if dt not in FLOAT_DTYPES]
     if wrong:
         raise CheckpointError(f"{path} holds non-floating-point tensors {_few(sorted(wrong))}; accepted: weights in "
                               f"{', '.join(FLOAT_DTYPES)} (a model's weights are never cast from integers)")
-    return header
 
 
 def load_state(directory: str | Path, data: dict | None = None) -> dict[str, torch.Tensor]:
@@ -182,12 +189,12 @@ def load_state(directory: str | Path, data: dict | None = None) -> dict[str, tor
     return read_tensors(directory)
 
 
-def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a folder's model.safetensors (whose header was checked), all finite."""
+def read_tensors(directory: str | Path, name: str = WEIGHTS_FILE) -> dict[str, torch.Tensor]:
+    """The tensors of a folder's weights file (whose header was checked), all finite."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(directory) / WEIGHTS_FILE
+    path = Path(directory) / name
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
@@ -223,21 +230,51 @@ def check_layer_count(directory: str | Path, n_layers: int, names) -> None:
                               f"{found} layers; the folder is inconsistent (was one of its files replaced?)")
 
 
-def load_native_model(directory: str | Path, data: dict, config: ModelConfig, header: dict, *,
-                      device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """The native FullbandLM of a folder whose config.json (data, config) and header were read and checked."""
+def load_native_model(directory: str | Path, config: ModelConfig, header: dict, *, files=(WEIGHTS_FILE,),
+                      prefix: str = "", device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """The native FullbandLM of a folder whose config and weights header (names without `prefix`) were read and
+    checked: the shapes are compared on the meta device before the weights `files` are read."""
     from fullband.model.decoder import FullbandLM
 
     with torch.device("meta"):
         model = FullbandLM(config)
     check_shapes(directory, config, {k: tuple(v.shape) for k, v in model.state_dict().items()}, header)
-    state = read_tensors(directory)
+    state = {k.removeprefix(prefix): v for name in files for k, v in read_tensors(directory, name).items()}
     model = model.to_empty(device=device)
     model.rotary.reset_tables()  # non-persistent buffers: to_empty left them uninitialised
     model.load_state_dict(state, strict=True)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
+
+
+HF_MODEL_TYPE = "fullband"  # config.json's model_type in a transformers folder of ours
+HF_INDEX_FILE = "model.safetensors.index.json"  # a sharded transformers folder's map of tensor -> file
+HF_PREFIX = "model."  # FullbandForCausalLM holds the native model as `.model`
+
+
+def is_transformers_folder(directory: str | Path) -> bool:
+    data = read_json(Path(directory) / CONFIG_FILE)
+    return isinstance(data, dict) and data.get("model_type") == HF_MODEL_TYPE
+
+
+def load_transformers_folder(directory: str | Path, *, device: str | torch.device = "cpu",
+                             dtype: torch.dtype | None = None):
+    """The native FullbandLM of a transformers folder of ours, read without transformers: the ModelConfig fields of
+    its config.json, and its weights (one file or shards) checked against that config before anything is allocated."""
+    directory = Path(directory)
+    path = directory / CONFIG_FILE
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        config = ModelConfig.from_dict({k: v for k, v in read_json(path).items() if k in fields}, source=str(path))
+    except (ConfigError, TypeError) as err:
+        raise CheckpointError(f"{path}: invalid model config: {err}") from None
+    index = read_json(directory / HF_INDEX_FILE)
+    shards = index.get("weight_map") if isinstance(index, dict) else None
+    files = sorted(set(shards.values())) if isinstance(shards, dict) else [WEIGHTS_FILE]
+    header = {k.removeprefix(HF_PREFIX): v for name in files for k, v in read_header(directory, name=name).items()}
+    check_layer_count(directory, config.n_layers, header)
+    return load_native_model(directory, config, header, files=files, prefix=HF_PREFIX, device=device, dtype=dtype)
 
 
 def _compare(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:

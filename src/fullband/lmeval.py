@@ -49,9 +49,10 @@ class FullbandHarnessLM(LM):
             raise ConfigError("--model fullband needs model_args checkpoint=DIR (a fullband model folder)")
         import torch
 
-        from fullband.checkpoint import load_native
+        from fullband import validate
+        from fullband.loader import load_model
         from fullband.data.tokenizer import load_tokenizer
-        from fullband.decode.mode import DecodeMode
+        from fullband.model.mode import DecodeMode
 
         if str(batch_size).startswith("auto"):
             batch_size = 8
@@ -60,15 +61,13 @@ class FullbandHarnessLM(LM):
         if prefill_passes != "auto":
             prefill_passes = _int_arg("prefill_passes", prefill_passes, 0, accepted="an integer >= 0 or 'auto'")
         decode_mode = DecodeMode.of(mode, prefill_passes, error=ConfigError)
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if dtype not in dtypes:
-            raise ConfigError(f"dtype={dtype!r} is invalid; accepted: {', '.join(dtypes)}")
+        torch_dtype = validate.dtype("dtype", dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():  # the harness CLI's default device
             import warnings
 
             warnings.warn(f"device={device!r} asked for but CUDA is not available; using the CPU", stacklevel=2)
             device = "cpu"
-        self.model = load_native(checkpoint, "the lm-eval model 'fullband'", device=device, dtype=dtypes[dtype]).eval()
+        self.model = load_model(checkpoint, device=device, dtype=torch_dtype).eval()
         self.tokenizer = load_tokenizer(checkpoint)
         self.mode = decode_mode.check(self.model.config, ConfigError)
         self.batch_size, self.max_gen_toks = int(batch_size), int(max_gen_toks)

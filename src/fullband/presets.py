@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from fullband.configio import read_settings_file
+from fullband.configio import apply_overrides, read_settings_file
 from fullband.errors import ConfigError, closest
 from fullband.model.config import ModelConfig
 
@@ -18,22 +17,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the decode benchmark's shape: 12 layers, D 768, vocab 8192, ~91M parameters
     "bench-91m": dict(vocab_size=8192, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=2048),
 }
-
-
-def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
-    """['d_model=256', 'fusion="additive"'] -> {'d_model': 256, 'fusion': 'additive'} (values parsed as TOML;
-    a bare word that is not TOML is taken as a string)."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {pair!r} is not key=value (e.g. --set d_model=256)")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        out[key.strip()] = value
-    return out
 
 
 def load_model_config(spec: str, overrides: list[str] | None = None) -> ModelConfig:
@@ -52,5 +35,5 @@ def load_model_config(spec: str, overrides: list[str] | None = None) -> ModelCon
             f"config {spec!r} is neither a preset{closest(spec, PRESETS)} nor a .toml/.json file; "
             f"presets: {', '.join(PRESETS)}"
         )
-    data.update(parse_overrides(overrides))
+    data = apply_overrides(data, overrides)
     return ModelConfig.from_dict(data, source=source)

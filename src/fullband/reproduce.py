@@ -495,7 +495,7 @@ SOLVED = 0.9  # accuracy the tracking report counts as solving a length
 def _finished_eval(saved: Path, checkpoint: Path, n: int) -> dict | None:
     """A tracking evaluation already written for this checkpoint (same examples per length, every default mode,
     newer than the weights), so a rerun of the report does not score finished models again."""
-    from fullband.decode.mode import DecodeMode
+    from fullband.model.mode import DecodeMode
     from fullband.eval.tracking import DEFAULT_MODES
     from fullband.files import read_json
 

@@ -70,6 +70,16 @@ def choice(name: str, value: Any, choices: Iterable[str], *, error: type[Fullban
     return value
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # the weight dtypes a model can be loaded in, by name
+
+
+def dtype(name: str, value: Any, *, error: type[FullbandError] = ConfigError):
+    """A weight dtype by name (one of DTYPES) -> the torch.dtype."""
+    import torch
+
+    return getattr(torch, choice(name, value, DTYPES, error=error))
+
+
 def boolean(name: str, value: Any, *, error: type[FullbandError] = ConfigError) -> bool:
     if not isinstance(value, bool):
         raise error(f"{name}={value!r} must be true or false")

@@ -18,6 +18,7 @@ import torch
 
 from fullband.model.cache import KVCache
 from fullband.decode.generate import generate, stream
+from fullband.model.weights import lookup, split as split_rows
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.model.layers import linear
@@ -51,18 +52,17 @@ def _decode_timer(model, prompts, new_tokens: int, mode: str, prefill_passes: in
 
 def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Callable[[], float]:
     """The decode step's weight matrix-vector products alone, one token's worth, with the model's own kernel
-    choice (`layers.linear`): per block wqkv, wo, w_in, w_down, then the LM head. `split` times the Llama-style sequence instead (q, k, v, o, gate, up, down as
-    seven matrices of the same total size). The callable returns seconds per token (median of 5)."""
+    choice (`layers.linear`): every hidden matrix of every block (fullband.model.weights: wqkv, wo, w_in, w_down,
+    and the output gates when there are any), then the LM head. `split` times the Llama-style sequence instead
+    (fused matrices cut into their row blocks: q, k, v, o, gate, up, down as seven matrices of the same total size).
+    The callable returns seconds per token (median of 5)."""
+    head = "embed.weight" if model.lm_head is None else "lm_head.weight"
     weights: list[torch.Tensor] = []
-    for block in model.blocks:
-        a, m = block.attn, block.mlp
-        if split:
-            H, Hk, Dh = a.n_heads, a.n_kv_heads, a.head_dim
-            mats = [*a.wqkv.weight.split([H * Dh, Hk * Dh, Hk * Dh]), a.wo.weight, *m.w_in.weight.chunk(2), m.w_down.weight]
-            weights += [w.contiguous() for w in mats]
-        else:
-            weights += [a.wqkv.weight, a.wo.weight, m.w_in.weight, m.w_down.weight]
-    weights.append(model.embed.weight if model.lm_head is None else model.lm_head.weight)
+    for name, p in model.named_parameters():
+        w, _ = lookup(name)
+        if w.kind == "matrix":
+            weights += [m.contiguous() for m in split_rows(w, p, model.config)] if split else [p]
+    weights.append(dict(model.named_parameters())[head])
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
 
     def once() -> None:

@@ -1,4 +1,4 @@
-"""Synthetic state-tracking tasks of the paper's appendix F (METHOD.md section 11): the label is fixed before a
+"""Synthetic state-tracking tasks of the paper's appendix F (docs/method.md, section 11): the label is fixed before a
 final colon and never appears in the input; scratch updates that do not change it vary the length.
 
 Each generator is deterministic from its seed and returns balanced examples with a group id for grouped

@@ -16,6 +16,7 @@ from fullband.errors import CheckpointError, InputError
 from fullband.files import Kind, atomic_folder, check_destination
 
 TOKENIZER_FILE = "tokenizer.json"
+BYTE_TOKENIZER_FILE = "fullband_tokenizer.json"  # beside a transformers folder of ours: the byte tokenizer it was made from
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside a pretrained model's tokenizer.json: its own chat template
 SPECIAL_IDS_FILE = "special_ids.json"  # beside a pretrained model's tokenizer.json: its BOS / EOS / PAD ids
 TOKENIZER_KIND = Kind("tokenizer folder", frozenset({TOKENIZER_FILE, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE}))
@@ -332,9 +333,35 @@ def train_bpe(
     return BPETokenizer(tok, source="the trained tokenizer")
 
 
+class TextStream:
+    """The text of a growing sequence of ids, piece by piece, as a terminal shows a generation: each piece ends on a
+    whole character (a partial UTF-8 character, decoded as U+FFFD, is held back until it completes or `rest`)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def push(self, token: int) -> str:
+        """Add one id -> the new text it completes ('' while a character is incomplete)."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    def rest(self) -> str:
+        """What is still held back (an incomplete character, as the tokenizer decodes it)."""
+        piece = self.tokenizer.decode(self.ids)[len(self.shown):]
+        self.shown += piece
+        return piece
+
+
 def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | PretrainedTokenizer:
-    """The tokenizer saved in a checkpoint folder; a folder without one gets the byte tokenizer."""
-    path = Path(directory) / TOKENIZER_FILE
+    """The tokenizer saved in a checkpoint folder (a transformers folder of ours: the byte tokenizer kept beside it,
+    else its tokenizer.json); a folder without one gets the byte tokenizer."""
+    path = Path(directory) / BYTE_TOKENIZER_FILE
+    if not path.is_file():
+        path = Path(directory) / TOKENIZER_FILE
     if not path.exists():
         return ByteTokenizer()
     try:

@@ -1,9 +1,55 @@
-"""Next-token selection from logits: greedy, temperature, top-k and top-p (nucleus) sampling."""
+"""Next-token selection from logits: greedy, temperature, top-k and top-p (nucleus) sampling, with its settings in
+one small checked object (Sampling) that travels from the caller to the decode loop.
+
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from fullband.errors import InputError
+from fullband.validate import integer, number
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen: temperature 0 is greedy (argmax); otherwise sampling at `temperature` after the top_k /
+    top_p filters, from a generator seeded with `seed` (None: torch's global generator). Checked on construction."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        number("temperature", self.temperature, low=0, error=InputError)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if self.top_k is not None:
+            integer("top_k", self.top_k, 1, error=InputError)
+        if self.top_p is not None:
+            number("top_p", self.top_p, low=0, high=1, low_open=True, error=InputError)
+        if self.seed is not None:
+            object.__setattr__(self, "seed", integer("seed", self.seed, 0, below=2**63, error=InputError))
+
+    @classmethod
+    def of(cls, sampling: Sampling | None = None, **settings) -> Sampling:
+        """`sampling` (default greedy) with the settings given as keywords (None: keep) replacing its own."""
+        base = sampling if sampling is not None else cls()
+        if not isinstance(base, Sampling):
+            raise InputError(f"sampling must be a fullband.Sampling, got {type(base).__name__}")
+        given = {k: v for k, v in settings.items() if v is not None}
+        return base if not given else cls(**{**base.__dict__, **given})
+
+    def generator(self, device: torch.device | str) -> torch.Generator | None:
+        return torch.Generator(device).manual_seed(self.seed) if self.seed is not None else None
+
+    def __call__(self, logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """logits (B, V) -> token ids (B,)."""
+        return sample(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, generator=generator)
 
 
 def sample(

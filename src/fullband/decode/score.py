@@ -13,12 +13,13 @@ from collections.abc import Sequence
 import torch
 
 from fullband.decode.generate import stream
-from fullband.decode.mode import DecodeMode
+from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
 
 
 def score(model, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], *,
-          mode: str | DecodeMode = "standard", prefill_passes: int | str = 1, **kwargs) -> list[tuple[float, bool]]:
+          mode: str | DecodeMode = "standard", prefill_passes: int | str | None = None,
+          **kwargs) -> list[tuple[float, bool]]:
     """For each (context, continuation) pair of token-id lists: (sum of log p(continuation token), whether
     greedy decoding would have produced the whole continuation). Rows may differ in both lengths."""
     if len(contexts) != len(continuations):

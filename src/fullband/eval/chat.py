@@ -13,8 +13,8 @@ from tqdm import tqdm
 from fullband.data.chat.arithmetic import final_answer
 from fullband.data.chat.messages import Message, read_chat_jsonl
 from fullband.data.chat.templates import chat_prompt, chat_template
-from fullband.decode.generate import decode
-from fullband.decode.mode import DecodeMode
+from fullband.decode.generate import generate
+from fullband.model.mode import DecodeMode
 from fullband.errors import DataError
 
 
@@ -65,11 +65,8 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
         answers: list[list[int]] = [[] for _ in prompts]
         batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
         for batch in tqdm(batches, desc=f"chat eval {mode.label}", disable=not progress, leave=False):
-            steps = decode(model, [prompts[i] for i in batch], new, mode=mode, stop_tokens=stops)
-            for step in steps:
-                for row, (tok, done) in enumerate(zip(step.tokens.tolist(), step.finished.tolist())):
-                    if not done:
-                        answers[batch[row]].append(tok)
+            for i, ids in zip(batch, generate(model, [prompts[i] for i in batch], new, mode=mode, stop_tokens=stops)):
+                answers[i] = ids
         texts = [tokenizer.decode([t for t in a if t not in stops]) for a in answers]
         correct = [float(final_answer(t) == ref) for t, (_, ref) in zip(texts, items)]
         lengths = [len(a) for a in answers]

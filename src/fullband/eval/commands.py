@@ -15,37 +15,34 @@ import torch
 
 from fullband.data.sampler import count_windows, read_windows
 from fullband.data.tokenizer import load_tokenizer
-from fullband.decode.mode import DecodeMode
+from fullband.model.mode import DecodeMode
 from fullband.errors import ConfigError
 from fullband.eval import report
 from fullband.eval.loss import loss_by_mode
-from fullband.model.decoder import FullbandLM
+from fullband.model.core import FeedbackModel
 from fullband.validate import integer
 
 
 # ---------------------------------------------------------------------- inputs
-def load(checkpoint: str | Path) -> tuple[FullbandLM, object]:
-    from fullband.checkpoint import load_native
+def load(checkpoint: str | Path) -> tuple[FeedbackModel, object]:
+    """The model and tokenizer of any folder fullband writes (fullband.loader.load_model)."""
+    from fullband.loader import load_model
 
-    model = load_native(checkpoint, "fullband eval")
-    return model, load_tokenizer(checkpoint)
+    return load_model(checkpoint), load_tokenizer(checkpoint)
 
 
-def load_any(checkpoint: Path) -> tuple[object, object]:
-    """A model and its tokenizer from any checkpoint folder: ours (a native model, or an HF model wrapped with
-    latent feedback), a transformers folder of ours (`fullband convert --to hf`), or a Llama folder (read with
-    latent feedback, as `fullband convert` reads it). The last two go through `convert` into a temporary native
-    folder, so weights and tokenizer come back exactly as the native tools see them."""
+def load_any(checkpoint: Path) -> tuple[FeedbackModel, object]:
+    """`load`, and also a Llama folder (read with latent feedback, as `fullband convert` reads it, through a temporary
+    native folder, so weights and tokenizer come back exactly as the native tools see them)."""
     import tempfile
 
-    from fullband.checkpoint import load_model
     from fullband.hf.convert import convert, detect
 
-    if detect(checkpoint) == "native":
-        return load_model(checkpoint), load_tokenizer(checkpoint)
+    if detect(checkpoint) != "llama":
+        return load(checkpoint)
     with tempfile.TemporaryDirectory(prefix="fullband-eval-") as tmp:
         convert(checkpoint, Path(tmp) / "native", to="native")
-        return load_model(Path(tmp) / "native"), load_tokenizer(Path(tmp) / "native")
+        return load(Path(tmp) / "native")
 
 
 def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_percent: float | None):
@@ -125,7 +122,7 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
     per_byte = bytes_per_token(tok, model.config.vocab_size)
     modes = [("standard", DecodeMode("standard"))]
     modes += [(f"fused k={k}", DecodeMode("fused", k)) for k in range(1, max_prefill + 1)]
-    modes += [(f"auto tol={t:g}", DecodeMode("fused", "auto", tol=t, max_passes=max_auto)) for t in auto_tols]
+    modes += [(f"auto tol={t:g}", DecodeMode("fused", max_auto, tol=t)) for t in auto_tols]
     if exact:
         modes.append(("exact", DecodeMode("exact")))
     from tqdm.auto import tqdm

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.decode.generate import generate
-from fullband.decode.mode import DecodeMode
+from fullband.model.mode import DecodeMode
 from fullband.errors import DataError
 
 
 @dataclass
 class ModeResult:
     mode: str
-    prefill_passes: int | str  # fused prefill passes ("auto": adaptive), 0 for the other modes
+    prefill_passes: int | str  # fused prefill passes ("auto": adaptive, at most that many), 0 for the other modes
     median_tokens: float
     mean_tokens: float
     accuracy: float | None  # exact match over rows with an answer
@@ -71,7 +71,7 @@ def generation_lengths(model, tokenizer, rows: list[dict], modes: list[DecodeMod
                 if row["answer"] is not None:
                     answered += 1
                     hits += int(answer_text == row["answer"].strip())
-        k = mode.prefill_passes if mode.name == "fused" else 0
+        k = ("auto" if mode.adaptive else mode.prefill_passes) if mode.name == "fused" else 0
         results.append(ModeResult(mode.name, k, float(statistics.median(lengths)), float(statistics.fmean(lengths)),
                                   hits / answered if answered else None, outputs))
     return results

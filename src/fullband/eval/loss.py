@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from fullband.decode.mode import DecodeMode
+from fullband.model.mode import DecodeMode
+from fullband.train.objective import ntp
 
 
 @dataclass
@@ -35,20 +35,24 @@ class LossResult:
 
 @torch.no_grad()
 def validation_loss(model, batches, passes: int, *, autocast=None) -> LossResult:
-    """Mean next-token loss of `passes` Jacobi passes over (inputs, targets) batches, in eval mode. Chat batches
-    (inputs, targets, plain) read `plain` positions plainly and score only targets != -100 (assistant tokens):
-    a window's loss is then the mean over its scored tokens."""
+    """Mean next-token loss of `passes` Jacobi passes over (inputs, targets) batches, in eval mode (a window is read
+    as FeedbackModel.read reads a prompt: passes beyond its length repeat the fixed point, so are not run). Chat
+    batches (inputs, targets, plain) read `plain` positions plainly and score only targets != -100 (assistant
+    tokens): a window's loss is then the mean over its scored tokens. `model` may be a data-parallel wrapper."""
     was_training = model.training
     model.eval()
+    net = getattr(model, "module", model)
     device = next(model.parameters()).device
+    mode = DecodeMode.from_passes(passes)
     per_window: list[torch.Tensor] = []
     tokens = 0
     try:
         for inputs, targets, *plain in batches:
             inputs, targets = inputs.to(device), targets.to(device)
             with autocast or contextlib.nullcontext():
-                logits = model(inputs, passes=passes, plain_mask=plain[0].to(device) if plain else None).logits
-            nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+                logits = net.read(inputs, mode, plain_mask=plain[0].to(device) if plain else None,
+                                  return_logits=True).logits
+            nll = ntp(logits, targets, reduction="none")
             scored = (targets != -100).sum(dim=1)
             tokens += int(scored.sum())
             per_window.append((nll.view(targets.shape).sum(dim=1) / scored.clamp(min=1)).cpu())
@@ -66,26 +70,22 @@ def loss_by_mode(model, batches, modes: list[tuple[str, DecodeMode]], bytes_per_
     prompt (Jacobi passes, adaptive under "auto", or the exact recurrence): one row per mode with nats/token, its
     standard error over windows, bits/byte, and the fused passes adaptive prefill used on average."""
     sums = {name: [] for name, _ in modes}
-    used: dict[str, list[int]] = {name: [] for name, mode in modes if mode.tolerance}
+    used: dict[str, list[int]] = {name: [] for name, mode in modes if mode.adaptive}
     nbytes = 0.0
     for inputs, targets in batches:
         nbytes += float(bytes_per_token[targets].sum())
         for name, mode in modes:
-            if mode.exact:
-                logits = model.recurrent_forward(inputs).logits
-            else:
-                res = model(inputs, passes=mode.passes, tol=mode.tolerance)
-                logits = res.logits
-                if mode.tolerance:
-                    used[name].append(res.passes_used - 1)
-            nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+            res = model.read(inputs, mode, return_logits=True)
+            if mode.adaptive:
+                used[name].append(res.passes_used - 1)
+            nll = ntp(res.logits, targets, reduction="none")
             sums[name].append(nll.view(targets.shape).double())
     rows = []
     for name, mode in modes:
         nll = torch.cat(sums[name])  # (N, T)
         per_window = nll.mean(dim=1)
         rows.append({
-            "mode": name, "passes": None if mode.exact or mode.tolerance else mode.passes,
+            "mode": name, "passes": None if mode.exact or mode.adaptive else mode.passes,
             "fused_passes_used": float(np.mean(used[name])) if name in used else None,
             "nats_per_token": float(per_window.mean()),
             "stderr": float(per_window.std() / math.sqrt(len(per_window))),

@@ -32,14 +32,12 @@ def final_streams(model, tokenizer, examples: list[Example], mode: str, *, suffi
     out = np.zeros((len(examples), len(model.blocks) + 1, model.config.d_model), dtype=np.float32)
     captured: list[torch.Tensor] = []
 
-    def grab_input(module, args, kwargs):
+    def grab(module, args):
         captured.append(args[0][:, -1].float().cpu())
 
-    def grab_output(module, args, kwargs, result):
-        captured.append(result[:, -1].float().cpu())
-
-    hooks = [model.blocks[0].register_forward_pre_hook(grab_input, with_kwargs=True)]
-    hooks += [b.register_forward_hook(grab_output, with_kwargs=True) for b in model.blocks]
+    # depth d < L is the input of block d (its first norm reads it), depth L the final norm's input: both in a
+    # whole-sequence pass and in a decode step
+    hooks = [m.register_forward_pre_hook(grab) for m in [*(b.attn_norm for b in model.blocks), model.norm_out]]
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -147,7 +145,7 @@ def probe_tasks(model, tokenizer, tasks, modes, *, suffix: int, scratch: tuple[i
     """For each synthetic task: what the model itself answers (STANDARD and FUSED k=1 prefill) and the layer-by-layer
     probe accuracy under each probe prefill `modes` (see PREFILLS). -> {task: {examples, groups, modes, answer}}."""
     from fullband.data.synthetic import completion_tracking, delayed_memory, register_last_write
-    from fullband.decode.mode import DecodeMode
+    from fullband.model.mode import DecodeMode
 
     build = {"completion": lambda: completion_tracking(scratch=scratch), "memory": lambda: delayed_memory(scratch=scratch),
              "registers": lambda: register_last_write()}

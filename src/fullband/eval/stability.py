@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 KS = (1, 2, 3, 5, 10, 30, 100, 300, 1000)
+_EXACTLY_ZERO = 2.0**-149  # the smallest float32 above zero: only an update of exactly zero is below it
 
 
 class PassMap:
@@ -25,7 +26,7 @@ class PassMap:
     def __init__(self, model, input_ids: Tensor) -> None:
         self.model = model
         self.e = model.embed_inputs(input_ids)
-        self.plain = model.plain_positions(input_ids)
+        self.plain = model.plain_of(input_ids)
 
     def first(self) -> tuple[Tensor, Tensor]:
         return self.model.jacobi_pass(self.e)
@@ -64,28 +65,36 @@ def jacobi_sweep(model, batches, ks=KS, *, exact: bool = True, progress: bool = 
     bar = _bar(progress, len(batches))
     for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
-        pm = PassMap(model, inputs)
         h_exact = None
         if exact:
             ref = model.recurrent_forward(inputs)
             h_exact = ref.hidden
             exact_losses.append(_window_nll(ref.logits, targets))
-        h, top = pm.first()
-        upd_sq[0] += h.double().pow(2).sum().item()
-        done_at = None
-        for k in range(1, kmax + 1):
-            if k > 1 and done_at is None:
-                h_new, top = pm(h)
-                delta = (h_new - h).double().pow(2).sum().item()
-                h = h_new
-                upd_sq[k - 1] += delta
-                if delta == 0.0:
-                    done_at = k
+        last: dict = {}
+
+        def each_pass(j: int, h: Tensor, top: Tensor) -> None:
+            k = j + 1
+            prev = last.get("h")
+            delta = h.double().pow(2).sum().item() if prev is None else (h - prev).double().pow(2).sum().item()
+            upd_sq[k - 1] += delta
+            if prev is not None and delta == 0.0 and "done" not in last:
+                last["done"] = k
+            last.update(h=h, k=k)
             if k in per_window:
-                per_window[k].append(_window_nll(model.head(top), targets))
-                if h_exact is not None:
-                    exact_sq[k] += (h - h_exact).double().pow(2).sum().item()
-        converged.append(done_at)
+                record(k, h, top)
+
+        def record(k: int, h: Tensor, top: Tensor) -> None:
+            per_window[k].append(_window_nll(model.head(top), targets))
+            if h_exact is not None:
+                exact_sq[k] += (h - h_exact).double().pow(2).sum().item()
+
+        # the loop stops once an update is exactly zero: the fixed point, repeated bit for bit by every later pass
+        h, top, used, _ = model.iterate(model.embed_inputs(inputs), model.plain_of(inputs), kmax, tol=_EXACTLY_ZERO,
+                                        each_pass=each_pass)
+        for k in ks:
+            if k > used:
+                record(k, h, top)
+        converged.append(last.get("done"))
         count += h.numel()
         if bar is not None:
             bar.update(1)

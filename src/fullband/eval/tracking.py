@@ -15,8 +15,7 @@ import torch
 from tqdm import tqdm
 
 from fullband.data.tracking import Example, label_ids, labels, length_sets
-from fullband.decode.generate import prefill
-from fullband.decode.mode import DecodeMode
+from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
 
 DEFAULT_MODES = ("standard", "fused:1", "fused:2", "fused:4", "fused:auto", "exact")
@@ -41,11 +40,11 @@ def predictions(model, tokenizer, examples: list[Example], mode: DecodeMode, tas
             if int(lengths.max()) > model.config.max_seq_len:
                 raise InputError(f"an example of {int(lengths.max())} tokens exceeds max_seq_len="
                                  f"{model.config.max_seq_len}; lower the train length or the number of multiples")
-            _, out = prefill(model, ids, lengths, mode, room=0)
+            out = model.read(ids, mode)
             top = out.top[torch.arange(len(rows), device=device), lengths - 1]
             logits = model.head(top).float()[:, candidates.to(device)]
             preds.append(logits.argmax(-1).cpu().numpy())
-            if mode.tolerance is not None:
+            if mode.adaptive:
                 used.append(out.passes_used - 1)
     finally:
         model.train(was_training)

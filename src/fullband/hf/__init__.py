@@ -17,7 +17,12 @@ __all__ = ["LatentFeedback", "add_latent_feedback", "config_from_llama", "from_l
 
 
 if importlib.util.find_spec("transformers") is not None:
-    from fullband.hf.modeling import FeedbackCache, FullbandConfig, FullbandForCausalLM  # noqa: F401 (registers)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fullband.hf.modeling import FeedbackCache, FullbandConfig, FullbandForCausalLM  # noqa: F401
+
+    AutoConfig.register(FullbandConfig.model_type, FullbandConfig, exist_ok=True)
+    AutoModelForCausalLM.register(FullbandConfig, FullbandForCausalLM, exist_ok=True)
 
 
 def __getattr__(name: str):

@@ -16,26 +16,23 @@ from pathlib import Path
 
 import torch
 
+from fullband.data.tokenizer import BYTE_TOKENIZER_FILE
 from fullband.errors import CheckpointError, ConfigError
 from fullband.files import Kind, atomic_folder, check_destination, read_json
+from fullband.folder import HF_INDEX_FILE, HF_MODEL_TYPE, is_transformers_folder, load_transformers_folder
 
 KINDS = ("native", "hf", "llama")
 TARGETS = ("hf", "native")
-BYTE_TOKENIZER_FILE = "fullband_tokenizer.json"  # our byte tokenizer, kept beside an HF folder for the way back
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
-def _is_hf_fullband(folder: Path) -> bool:
-    data = read_json(folder / "config.json")
-    return data is not None and data.get("model_type") == "fullband"
-
-
-# what save_pretrained and convert write into a transformers folder of ours
+# what save_pretrained and convert write into a transformers folder of ours (the model's code: fullband.hf.remote)
 HF_KIND = Kind("transformers fullband folder",
-               frozenset({"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+               frozenset({"config.json", "generation_config.json", "model.safetensors", HF_INDEX_FILE,
                           "modeling_fullband.py", "chat_template.jinja", "added_tokens.json", BYTE_TOKENIZER_FILE,
                           *HF_TOKENIZER_FILES}),
-               patterns=(r"model-\d{5}-of-\d{5}\.safetensors",), marker=_is_hf_fullband)
+               patterns=(r"model-\d{5}-of-\d{5}\.safetensors", r"fullband_[a-z_]+\.py"),
+               marker=is_transformers_folder)
 
 
 def detect(src: str | Path) -> str:
@@ -49,7 +46,7 @@ def detect(src: str | Path) -> str:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from None
     if data.get("format") == "fullband":
         return "native"
-    kind = {"fullband": "hf", "llama": "llama"}.get(data.get("model_type"))
+    kind = {HF_MODEL_TYPE: "hf", "llama": "llama"}.get(data.get("model_type"))
     if kind is None:
         raise CheckpointError(f"{path}: neither a fullband checkpoint (format 'fullband') nor a transformers "
                               f"folder of model_type 'fullband' or 'llama' (model_type={data.get('model_type')!r})")
@@ -123,9 +120,7 @@ def _read_native(src: Path, kind: str, fusion: str):
         from fullband.hf.llama import from_llama
 
         return from_llama(str(src), fusion=fusion)
-    from fullband.hf.modeling import FullbandForCausalLM
-
-    return FullbandForCausalLM.from_pretrained(src).to_native()
+    return load_transformers_folder(src)
 
 
 def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int]) -> None:

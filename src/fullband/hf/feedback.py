@@ -7,11 +7,12 @@ fusion operator, and the exact recurrence runs token by token through the model'
 model's weights are not touched; the new ones are the fusion and `norm_in`, whose gain starts at the
 embedding RMS so fused inputs begin at the scale of plain ones.
 
-The wrapper is a full-bandwidth model for the rest of fullband: `forward(ids, passes=k, targets=...)` is the
-same multi-pass objective as FullbandLM's (jitter, prefix mixin, z-loss; `fullband train` with
-`model.hf_path`), its `config` is a ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks`
-are the HF model's layers (activation checkpointing, FSDP), and a saved folder (config.json with the HF
-config inside + model.safetensors) loads back with `FullbandLM.load`.
+The wrapper is a full-bandwidth model for the rest of fullband: a FeedbackModel (fullband.model.core) whose stack is
+the HF model, so the Jacobi passes, the recurrence, every decoding mode and the training objective
+(fullband.train.objective, `fullband train` with `model.hf_path`) are the native model's own; its `config` is a
+ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks` are the HF model's layers (activation
+checkpointing, FSDP), and a saved folder (config.json with the HF config inside + model.safetensors) loads back
+with `fullband.load_model`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from torch import Tensor, nn
 from fullband.folder import HF_CONFIG_KEY
 from fullband.errors import CheckpointError, ConfigError
 from fullband.model.config import ModelConfig
-from fullband.model.decoder import ModelOutput, _check_passes, check_ids, multipass, plain_positions, shift_right
-from fullband.model.fusion import FUSION_TYPES, build_fusion, embedding_rms, fused_input, init_fusion_weight_
+from fullband.decode.generate import generate as generate_ids
+from fullband.model.core import FeedbackModel
+from fullband.model.fusion import FUSION_TYPES, build_fusion, embedding_rms
 from fullband.model.layers import RMSNorm
+from fullband.model.weights import init_fusion_weight_
 
 def config_for(hf_config: Any, base: ModelConfig | None = None, **changes: Any) -> ModelConfig:
     """A ModelConfig describing a HF model: its vocabulary, width, depth, heads and context from `hf_config`,
@@ -56,16 +59,21 @@ def config_for(hf_config: Any, base: ModelConfig | None = None, **changes: Any) 
 
 
 class HFCache:
-    """The wrapped model's own KV cache (a transformers Cache, appended to one slot per step) for the decode
-    engine. Right-padded prompts leave their padding in the first `prompt` slots; `visible` masks it out."""
+    """The wrapped model's own KV cache (a transformers Cache, appended to one slot per call of the stack) for the
+    decode engine. A prefill fills the first slots; right-padded prompts leave their padding there, which `visible`
+    masks out."""
 
     def __init__(self, batch: int, max_len: int) -> None:
         self.past = None
-        self.batch, self.max_len, self.prompt = batch, max_len, 0
+        self.batch, self.max_len = batch, max_len
+        self.filled = 0  # slots written
+        self.prompt: int | None = None  # slots the prefill wrote (known at the first decode step)
 
     def visible(self, positions: Tensor, kv_len: int) -> Tensor:
         """attention_mask (B, prompt + steps + 1) for the next step, steps = decode steps taken so far: a row's
         prompt slots count up to its prompt length (its next position minus the steps), the rest all count."""
+        if self.prompt is None:
+            self.prompt = self.filled
         steps = kv_len - 1 - self.prompt
         prompt_len = positions - steps
         slots = torch.arange(self.prompt, device=positions.device)
@@ -76,9 +84,10 @@ class HFCache:
         self.max_len = max(self.max_len, max_len)  # the transformers cache grows by itself
 
 
-class LatentFeedback(nn.Module):
-    """A HF causal LM with latent feedback: Jacobi passes (`forward`), the exact recurrence (`recurrent_forward`)
-    and decoding in every mode (`generate`), all through the wrapped model."""
+class LatentFeedback(FeedbackModel):
+    """A HF causal LM with latent feedback: it supplies the wrapped model's stack (its base model on inputs_embeds,
+    through its own KV cache) to the method's core, which runs the Jacobi passes (`forward`), the exact recurrence
+    (`recurrent_forward`) and every decoding mode (`generate`, fullband.generate)."""
 
     def __init__(self, model: nn.Module, fusion: str | None = None, bos_token_id: int | None = None, *,
                  config: ModelConfig | None = None) -> None:
@@ -125,113 +134,49 @@ class LatentFeedback(nn.Module):
                 return module
         raise ConfigError(f"{type(self.hf).__name__}: no list of {n} layers found in its base model")
 
-    # ---------------------------------------------------------------- the pieces `multipass` calls
-    def plain_positions(self, input_ids: Tensor, plain_mask: Tensor | None = None, plain_prefix: int = 0) -> Tensor:
-        return plain_positions(input_ids, self.config.bos_token_id, plain_mask, plain_prefix)
-
-    def embed_inputs(self, input_ids: Tensor) -> Tensor:
+    # ---------------------------------------------------------------- the stack (FeedbackModel's interface)
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
         return self.hf.get_input_embeddings()(input_ids)
 
-    def fuse_inputs(self, e: Tensor, prev: Tensor | None, plain: Tensor | None = None) -> Tensor:
-        if prev is None:
-            return e
-        return fused_input(self.fusion, self.norm_in, e, prev, plain, normalise_gate=True)
+    def stack(self, x: Tensor, cache: HFCache | None = None) -> tuple[Tensor, Tensor]:
+        """The base model on inputs_embeds x; its fed-back state is its top state (after its final norm)."""
+        if cache is None:
+            state = self.hf.base_model(inputs_embeds=x, use_cache=False).last_hidden_state
+        else:
+            cache.past, state = self._run(x, None)
+            cache.filled, cache.prompt = x.shape[1], None
+        return state, state
+
+    def stack_step(self, x: Tensor, positions: Tensor, cache: HFCache, kv_len: int,
+                   mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x (B, 1, D) appended to the base model's cache; `mask` (from cache.visible, rows at different positions)
+        also sets each row's position."""
+        extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions[:, None]}
+        cache.past, state = self._run(x, cache.past, **extra)
+        cache.filled += 1
+        return state, state
 
     def head(self, top: Tensor) -> Tensor:
         return self.hf.get_output_embeddings()(top)
 
-    def check_ids(self, input_ids: Tensor) -> None:
-        check_ids(input_ids, self.config.vocab_size, self.config.max_seq_len)
+    def new_cache(self, batch: int, max_len: int) -> HFCache:
+        return HFCache(batch, max_len)
 
-    def jacobi_pass(self, e: Tensor, prev: Tensor | None = None, plain: Tensor | None = None, *,
-                    cache: HFCache | None = None) -> tuple[Tensor, Tensor]:
-        """One Jacobi pass (see FullbandLM.jacobi_pass) through the wrapped model; a `cache` receives its keys and
-        values (the base model's own cache). The fed-back state is the top state: (state, state)."""
-        x = e if prev is None else self.fuse_inputs(e, shift_right(prev), plain)
-        if cache is None:
-            state = self.hf.base_model(inputs_embeds=x, use_cache=False).last_hidden_state
-        else:
-            cache.past, state = self._run_cached(x, None)
-            cache.prompt = x.shape[1]
-        return state, state
-
-    # ---------------------------------------------------------------- forward
-    def forward(self, input_ids: Tensor, passes: int = 1, *, targets: Tensor | None = None,
-                plain_mask: Tensor | None = None, generator: torch.Generator | None = None,
-                return_logits: bool = True, z_loss: float = 0.0, tol: float | None = None,
-                cache: HFCache | None = None) -> ModelOutput:
-        """k Jacobi passes over the sequence (pass 1 is exactly the wrapped model); with `targets` the
-        multi-pass objective, in training mode with jitter and prefix mixin (see FullbandLM.forward). A `cache`
-        (new_cache) receives the last pass's keys and values."""
-        self.check_ids(input_ids)
-        passes = _check_passes(passes, self.config)
-        return multipass(self, input_ids, passes, targets=targets, plain_mask=plain_mask, generator=generator,
-                         return_logits=return_logits, z_loss=z_loss, tol=tol, cache=cache)
-
-    @torch.no_grad()
-    def recurrent_forward(self, input_ids: Tensor, plain_prefix: int = 0, *, cache: HFCache | None = None,
-                          return_logits: bool = True) -> ModelOutput:
-        """The exact recurrence, one position at a time through the wrapped model's own KV cache (kept in
-        `cache` when given)."""
-        self.check_ids(input_ids)
-        past, hidden = self._recur(input_ids, plain_prefix, keep=True)
-        if cache is not None:
-            cache.past, cache.prompt = past, input_ids.shape[1]
-        return ModelOutput(logits=self.head(hidden) if return_logits else None, hidden=hidden, top=hidden)
-
-    def _recur(self, input_ids: Tensor, plain_prefix: int, keep: bool = False):
-        """(cache, last state (B, 1, D)), or every state (B, T, D) with keep=True."""
-        plain = self.plain_positions(input_ids, plain_prefix=plain_prefix)
-        e = self.embed_inputs(input_ids)
-        past, state, states = None, None, []
-        for t in range(input_ids.shape[1]):
-            x = e[:, t : t + 1]
-            if state is not None:
-                x = self.fuse_inputs(x, state, plain[:, t : t + 1])
-            past, state = self._run_cached(x, past)
-            states.append(state)
-        return past, (torch.cat(states, dim=1) if keep else state)
-
-    def _run_cached(self, x: Tensor, past, **extra):
+    def _run(self, x: Tensor, past, **extra):
         out = self.hf.base_model(inputs_embeds=x, use_cache=True, **{self._cache_arg: past}, **extra)
         # transformers 5 returns `cache` (reading the old name warns), 4.x `past_key_values`
         past = out["cache"] if "cache" in out else out["past_key_values"]
         return past, out.last_hidden_state
 
-    # ---------------------------------------------------------------- the decode interface (fullband.decode)
-    def new_cache(self, batch: int, max_len: int) -> HFCache:
-        return HFCache(batch, max_len)
-
-    def step(self, tokens: Tensor, positions: Tensor, cache: HFCache, *, prev: Tensor | None = None,
-             plain: Tensor | None = None, kv_len: int, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """One cached position per row: tokens (B,) fed the states prev (B, D) (none: plain) -> (state, top),
-        both (B, D). `mask` (from cache.visible, rows at different positions) also sets each row's position."""
-        x = self.embed_inputs(tokens[:, None])
-        if prev is not None:
-            x = self.fuse_inputs(x, prev[:, None], None if plain is None else plain[:, None])
-        extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions[:, None]}
-        cache.past, state = self._run_cached(x, cache.past, **extra)
-        return state[:, 0], state[:, 0]
-
     @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens: int, *, mode: str = "soft", prefill_passes: int | str = 1,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop_tokens=None, compile: bool = False, prefill_tol: float = 1e-3):
-        """Decoding in any mode through the wrapped model's KV cache, by fullband's decode engine: STANDARD is the
-        wrapped model's own decoding; SOFT feeds each position's top state into the next; FUSED first runs
-        1 + prefill_passes Jacobi passes over the prompt ("auto": until the RMS update < prefill_tol); EXACT runs
-        the prompt through the recurrence. temperature 0 is greedy; else sampling with top_k / top_p.
-
-        `input_ids`: (B, T) prompts -> (B, max_new_tokens) new tokens (a row that hit a stop token repeats it), or
-        a list of token-id lists of any lengths -> a list of each row's new tokens (up to its stop token)."""
-        from fullband.decode.generate import collect, decode
-
-        steps = decode(self, input_ids, max_new_tokens, mode=mode, prefill_passes=prefill_passes,
-                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
-                       compile=compile, prefill_tol=prefill_tol)
+    def generate(self, input_ids, max_new_tokens: int, **options):
+        """fullband.generate on this model: any mode, sampling, stop tokens, adaptive prefill, compile (options as
+        for fullband.stream). STANDARD is the wrapped model's own decoding. `input_ids` (B, T) -> (B, max_new_tokens)
+        new tokens (a row that hit a stop token repeats it), or a list of token-id lists of any lengths -> a list of
+        each row's new tokens (up to its stop token)."""
+        rows = generate_ids(self, input_ids, max_new_tokens, **options)
         if not isinstance(input_ids, Tensor):
-            return collect(steps)
-        rows = collect(steps)
+            return rows
         device = input_ids.device
         out = torch.empty(len(rows), max_new_tokens, dtype=torch.long, device=device)
         for b, row in enumerate(rows):

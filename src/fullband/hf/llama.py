@@ -17,6 +17,7 @@ from fullband.errors import ConfigError, FullbandError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.model.fusion import embedding_rms
+from fullband.model.weights import lookup, named
 
 _REQUIRED = {  # LlamaConfig field -> the value the native block computes
     "hidden_act": "silu",
@@ -95,17 +96,12 @@ def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = N
     sd = model.state_dict()
     native = FullbandLM(cfg)
     dtype = sd["model.embed_tokens.weight"].dtype
-    out: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm_out.weight": sd["model.norm.weight"]}
-    for i in range(cfg.n_layers):
-        src, dst = f"model.layers.{i}.", f"blocks.{i}."
-        out[dst + "attn_norm.weight"] = sd[src + "input_layernorm.weight"]
-        out[dst + "mlp_norm.weight"] = sd[src + "post_attention_layernorm.weight"]
-        out[dst + "attn.wqkv.weight"] = torch.cat([sd[src + f"self_attn.{p}_proj.weight"] for p in "qkv"])
-        out[dst + "attn.wo.weight"] = sd[src + "self_attn.o_proj.weight"]
-        out[dst + "mlp.w_in.weight"] = torch.cat([sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]])
-        out[dst + "mlp.w_down.weight"] = sd[src + "mlp.down_proj.weight"]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
+    out: dict[str, torch.Tensor] = {}
+    for name in native.state_dict():  # each native weight from the Llama tensors the weight table names
+        w, layer = lookup(name)
+        sources = [named(w, layer, n) for n in w.llama]
+        if sources and all(n in sd for n in sources):
+            out[name] = torch.cat([sd[n] for n in sources])
     out["norm_in.weight"] = torch.full((cfg.d_model,), embedding_rms(out["embed.weight"]))
     own = native.state_dict()
     missing = [k for k in own if k not in out and not k.startswith("fusion.")]

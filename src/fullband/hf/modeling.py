@@ -10,33 +10,37 @@ The fed-back state of each sequence lives in the cache (FeedbackCache) next to i
 search reordering and num_return_sequences expansion move both together. Prompts of different lengths are
 left-padded (transformers' convention, `attention_mask`); each row is run from its first real token, at its
 own positions, exactly as `fullband.generate` runs a ragged batch.
+
+Importing fullband.hf registers these classes with the Auto classes. Shipped as source with every transformers
+folder, as modeling_fullband.py (fullband.hf.remote): it imports only other shipped modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fullband.decode.generate import DecodeState, advance, prefill
-from fullband.decode.mode import DecodeMode
 from fullband.errors import ConfigError, InputError
+from fullband.hf.remote import write_shipped
 from fullband.model.config import ModelConfig
-from fullband.model.decoder import FullbandLM, init_parameter_
+from fullband.model.decoder import FullbandLM
 from fullband.model.layers import Rotary
+from fullband.model.mode import DecodeMode
+from fullband.model.weights import init_parameter_
+from fullband.train.objective import objective
 from fullband.validate import integer
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 # transformers 5 names the output's cache field `cache`, 4.x `past_key_values`
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-# save_pretrained writes this self-contained module and points the Auto classes at it (trust_remote_code)
-REMOTE_FILE = "modeling_fullband.py"
+# save_pretrained writes the shipped modules (fullband.hf.remote) and points the Auto classes at them
 AUTO_MAP = {
     "AutoConfig": "modeling_fullband.FullbandConfig",
     "AutoModelForCausalLM": "modeling_fullband.FullbandForCausalLM",
@@ -193,11 +197,11 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         return super().generate(*args, **kwargs)
 
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> None:
-        """transformers' save_pretrained, plus modeling_fullband.py and `auto_map`, so the folder also loads
-        where fullband is not installed: AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)."""
+        """transformers' save_pretrained, plus the model's code (fullband.hf.remote) and `auto_map`, so the folder also
+        loads where fullband is not installed: AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)."""
         self.config.auto_map = dict(AUTO_MAP)
         super().save_pretrained(save_directory, *args, **kwargs)
-        (Path(save_directory) / REMOTE_FILE).write_text(_remote_source())
+        write_shipped(save_directory)
 
     @classmethod
     def from_native(cls, model: FullbandLM, **config_kwargs: Any) -> "FullbandForCausalLM":
@@ -280,23 +284,24 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
             raise InputError(f"prompt length {longest} leaves no room to generate within "
                              f"max_seq_len={model.config.max_seq_len}")
         room = min(max(2 * T, T + 64), model.config.max_seq_len) - longest
-        new_cache = None
+        new_cache, loss = None, None
         if targets is not None:
             if mode.exact:
                 raise InputError("labels with feedback_mode='exact' are not supported; train with passes=k")
             kv = model.new_cache(B, longest + room) if use_cache else None
-            out = model(ids, passes=mode.passes, targets=targets, cache=kv, tol=mode.tolerance)
+            out = objective(model, ids, targets, mode.passes, cache=kv)
+            loss = out.loss
             if kv is not None:
                 rows = torch.arange(B, device=ids.device)
-                new_cache = FeedbackCache(kv, lengths.clone(), out.hidden[rows, lengths - 1], longest,
+                new_cache = FeedbackCache(kv, lengths.clone(), out.state[rows, lengths - 1], longest,
                                           ragged=bool((lengths != longest).any()))
         elif use_cache:
             state, out = prefill(model, ids, lengths, mode, room=room, longest=longest)
             new_cache = FeedbackCache(**vars(state))
         else:
-            out = _uncached(model, ids, mode)
+            out = model.read(ids, mode)
         top = _scatter_rows(out.top, starts, lengths, input_ids.shape[1])
-        return self._output(out.loss, self._logits(top, logits_to_keep), new_cache)
+        return self._output(loss, self._logits(top, logits_to_keep), new_cache)
 
     def _decode(self, input_ids: Tensor, cache: FeedbackCache, mode: DecodeMode) -> Tensor:
         """One decode step per new column of input_ids (B, n) -> logits (B, n, V); advances the cache."""
@@ -304,7 +309,9 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids.ndim != 2 or input_ids.shape[0] != cache.kv.batch:
             raise InputError(f"input_ids for a cached step must be (B={cache.kv.batch}, n); got "
                              f"{tuple(input_ids.shape)}")
-        return torch.stack([advance(self.model, cache, input_ids[:, t], mode) for t in range(input_ids.shape[1])], 1)
+        feed = mode.feeds_state
+        steps = range(input_ids.shape[1])
+        return torch.stack([advance(self.model, cache, input_ids[:, t], feed=feed) for t in steps], 1)
 
     def _logits(self, top: Tensor, logits_to_keep: int) -> Tensor:
         if logits_to_keep:
@@ -314,22 +321,6 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
     @staticmethod
     def _output(loss: Tensor | None, logits: Tensor, cache: FeedbackCache | None) -> CausalLMOutputWithPast:
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
-
-
-def _uncached(model: FullbandLM, ids: Tensor, mode: DecodeMode):
-    """The prompt as `mode` reads it, without a cache (the engine's prefill, minus the cache)."""
-    if mode.exact:
-        return model.recurrent_forward(ids, return_logits=False)
-    return model(ids, passes=mode.prompt_passes(ids.shape[1]), return_logits=False, tol=mode.tolerance)
-
-
-def _remote_source() -> str:
-    """The standalone module's text: generated from the package, or (in that module itself) its own file."""
-    if globals().get("_STANDALONE"):
-        return Path(__file__).read_text()
-    from fullband.hf.remote import standalone_source
-
-    return standalone_source()
 
 
 def _left_align(input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -374,7 +365,3 @@ def _scatter_rows(top: Tensor, starts: Tensor, lengths: Tensor, T: int) -> Tenso
     keep = (span >= starts[:, None]) & (span < (starts + lengths)[:, None])
     moved = top.gather(1, src[..., None].expand(-1, -1, top.shape[-1]))
     return moved.masked_fill(~keep[..., None], 0.0)
-
-
-AutoConfig.register(FullbandConfig.model_type, FullbandConfig, exist_ok=True)
-AutoModelForCausalLM.register(FullbandConfig, FullbandForCausalLM, exist_ok=True)

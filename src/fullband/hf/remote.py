@@ -1,10 +1,15 @@
-"""The self-contained `modeling_fullband.py` that `save_pretrained` writes beside the weights.
+"""The transformers code a saved folder carries, so it loads where fullband is not installed:
+AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).
 
-With it (and `auto_map` in config.json) a saved folder loads on a machine without fullband:
-`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`. The file is assembled from this package's
-own modules (the native model, the decode engine and the transformers adapter) at save time, so it is always the
-code that wrote the weights: fullband imports are dropped, module-private names that two modules both define
-are renamed apart, and what needs the rest of fullband (native checkpoint files) raises a clear error instead.
+`save_pretrained` writes the modules the transformers class needs beside the weights, one file each, related by
+relative imports, which is what trust_remote_code loads: `modeling_fullband.py` (fullband.hf.modeling, the file
+`auto_map` names) and `fullband_<name>.py` for the others (SHIPPED). Each file is its module's source as it is,
+except that its imports of other shipped modules become relative ones, read from the syntax tree (for example
+fullband.model.layers's names come from `.fullband_layers`). A shipped module that imports any other fullband
+module is refused when the files are written (and by the tests), so nothing is silently left out. A model loaded
+from such a folder re-saves by copying the files beside this one.
+
+Shipped as source with every transformers folder (it is in SHIPPED): it imports only the standard library.
 """
 
 from __future__ import annotations
@@ -12,10 +17,10 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import re
+from pathlib import Path
 
-# In dependency order: each module only uses names defined by the ones before it.
-MODULES = (
+ENTRY = "fullband.hf.modeling"
+SHIPPED = (
     "fullband.errors",
     "fullband.validate",
     "fullband.model.config",
@@ -23,61 +28,57 @@ MODULES = (
     "fullband.model.attention",
     "fullband.model.fusion",
     "fullband.model.cache",
+    "fullband.model.mode",
+    "fullband.model.weights",
+    "fullband.model.core",
     "fullband.model.decoder",
     "fullband.decode.sampling",
-    "fullband.decode.mode",
     "fullband.decode.generate",
-    "fullband.hf.modeling",
+    "fullband.train.objective",
+    "fullband.hf.remote",
+    ENTRY,
 )
-_FULLBAND_IMPORT = re.compile(r"^([ \t]*)from fullband[.\w]* import (\([^)]*\)|[^\n]*)\n", re.MULTILINE)
-_FUTURE = "from __future__ import annotations\n"
 
 
-def _top_level_names(tree: ast.Module) -> set[str]:
-    names = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {t.id for t in targets if isinstance(t, ast.Name)}
-    return names
+def file_name(module: str) -> str:
+    """The file a shipped module is written to."""
+    return "modeling_fullband.py" if module == ENTRY else f"fullband_{module.rsplit('.', 1)[-1]}.py"
 
 
-def _drop_imports(source: str) -> str:
-    def replace(match: re.Match) -> str:
-        indent = match.group(1)
-        if not indent:  # a module-level import of another fullband module: its names are defined above
-            return ""
-        return f'{indent}raise NotImplementedError("this needs the fullband package (pip install fullband)")\n'
+def shipped_source(module: str) -> str:
+    """The text of a shipped module's file: its source, with its imports of shipped modules made relative."""
+    source = inspect.getsource(importlib.import_module(module))
+    lines = source.splitlines(keepends=True)
+    edits = []
+    for node in ast.walk(ast.parse(source)):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        ours = [n for n in names if n.split(".")[0] == "fullband"]
+        if not ours:
+            continue
+        if isinstance(node, ast.Import) or node.level or ours[0] not in SHIPPED:
+            raise RuntimeError(f"{module} (shipped with every transformers folder) imports {ours[0]!r}, which is "
+                               f"not shipped; import only {', '.join(SHIPPED)} as `from MODULE import NAMES`")
+        if lines[node.end_lineno - 1][node.end_col_offset:].split("#")[0].strip():
+            raise RuntimeError(f"{module}:{node.lineno}: an import of a shipped module must stand on its own line(s)")
+        edits.append(node)
+    for node in sorted(edits, key=lambda n: n.lineno, reverse=True):
+        indent = lines[node.lineno - 1][: node.col_offset]
+        imported = ", ".join(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
+        lines[node.lineno - 1 : node.end_lineno] = [f"{indent}from .{file_name(node.module)[:-3]} import {imported}\n"]
+    path = module.replace(".", "/") + ".py"
+    return f"# {path} of the fullband package, shipped for trust_remote_code (fullband.hf.remote)\n" + "".join(lines)
 
-    return _FULLBAND_IMPORT.sub(replace, source)
+
+def shipped_files() -> dict[str, str]:
+    """{file name: text} of every file a saved folder carries."""
+    if __name__ == "fullband.hf.remote":  # the installed package: generated from its modules
+        return {file_name(m): shipped_source(m) for m in SHIPPED}
+    here = Path(__file__).parent  # a shipped copy, loaded by trust_remote_code: the files beside this one
+    return {name: (here / name).read_text(encoding="utf-8") for name in map(file_name, SHIPPED)}
 
 
-def standalone_source() -> str:
-    """The text of modeling_fullband.py."""
-    defined: set[str] = set()
-    parts = [f'"""Full-bandwidth transformer (latent feedback) for transformers\' trust_remote_code, generated by '
-             f'fullband.hf.remote from the fullband package. Do not edit: re-save the model instead."""\n\n',
-             _FUTURE]
-    for name in MODULES:
-        source = inspect.getsource(importlib.import_module(name))
-        source = source.replace(_FUTURE, "")
-        source = _drop_imports(source)
-        if name == "fullband.hf.modeling":  # the loader registers the classes itself
-            source = re.sub(r"^AutoConfig\.register\(.*\n|^AutoModelForCausalLM\.register\(.*\n", "", source,
-                            flags=re.MULTILINE)
-        names = _top_level_names(ast.parse(source))
-        clashes = {n for n in names & defined}
-        public = {n for n in clashes if not n.startswith("_")}
-        if public:
-            raise RuntimeError(f"{name} redefines {sorted(public)}; the standalone file needs distinct names")
-        prefix = "_" + name.rsplit(".", 1)[-1]
-        for clash in sorted(clashes):
-            source = re.sub(rf"\b{re.escape(clash)}\b", f"{prefix}{clash}", source)
-        defined |= {f"{prefix}{n}" if n in clashes else n for n in names}
-        parts.append(f"\n# {'-' * 70} {name}\n{source}")
-    parts.append("\n_STANDALONE = True  # this file is its own source when the model is saved again\n")
-    text = "".join(parts)
-    ast.parse(text)  # fail here, not on the reader's machine
-    return text
+def write_shipped(directory: str | Path) -> None:
+    """Write the shipped files into a saved folder."""
+    for name, text in shipped_files().items():
+        (Path(directory) / name).write_text(text, encoding="utf-8")

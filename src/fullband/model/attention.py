@@ -45,20 +45,8 @@ class Attention(nn.Module):
         # per-head output gate (one scalar per head and position), as in the paper's 1B model
         self.w_gate = nn.Linear(cfg.d_model, cfg.n_heads, bias=False) if cfg.attn_gate else None
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        kv: tuple[Tensor, Tensor] | None = None,
-        slots: Tensor | None = None,
-        kv_len: int = 0,
-        mask: Tensor | None = None,
-        window_mask: Tensor | None = None,
-    ) -> Tensor:
-        """Full causal attention over x from position 0 (slots None; fills kv[:, :T] if given), or one decode
-        step per row (x (B, 1, D) written at cache `slots` (B,), attending to the cache's first kv_len positions
-        under `mask`). Sliding-window layers use `window_mask` instead (None: the window covers everything)."""
+    def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q (B, H, T, Dh), k (B, T, Hk, Dh), v (B, T, Hk, Dh): normalised and rotated."""
         B, T, _ = x.shape
         H, Hk, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = linear(x, self.wqkv.weight).view(B, T, H + 2 * Hk, Dh)
@@ -66,20 +54,36 @@ class Attention(nn.Module):
         if self.qk_gain is not None:
             qk = rms_norm(qk, None, self.eps) * self.qk_gain
         qk = apply_rotary(qk, cos, sin)  # (B, T, H + Hk, Dh)
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:]
-        if self.window is not None and window_mask is not None:
-            mask = window_mask
-        if slots is None:
-            if kv is not None:
-                kv[0][:, :T] = k
-                kv[1][:, :T] = v
-            y = _attend(q, k.transpose(1, 2), v.transpose(1, 2), causal=mask is None, mask=mask)
-        else:
-            kv[0].view(-1, Hk, Dh).index_copy_(0, slots, k[:, 0])
-            kv[1].view(-1, Hk, Dh).index_copy_(0, slots, v[:, 0])
-            keys, values = kv[0][:, :kv_len].transpose(1, 2), kv[1][:, :kv_len].transpose(1, 2)
-            y = _attend(q, keys, values, causal=False, mask=mask)
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:], v
+
+    def _output(self, x: Tensor, y: Tensor) -> Tensor:
+        """Per-head attention outputs y (B, H, T, Dh) -> (B, T, D), through the output gates when there are any."""
+        B, T, _ = x.shape
         if self.w_gate is not None:
             y = y * torch.sigmoid(linear(x, self.w_gate.weight)).transpose(1, 2)[..., None]  # (B, H, T, 1)
-        y = y.transpose(1, 2).reshape(B, T, H * Dh)
-        return linear(y, self.wo.weight)
+        return linear(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), self.wo.weight)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None = None,
+                window_mask: Tensor | None = None) -> Tensor:
+        """Causal attention over x (B, T, D) at positions 0..T-1; fills kv[:, :T] when a cache layer is given.
+        Sliding-window layers attend under `window_mask` (None: the window covers everything)."""
+        T = x.shape[1]
+        q, k, v = self._project(x, cos, sin)
+        if kv is not None:
+            kv[0][:, :T] = k
+            kv[1][:, :T] = v
+        mask = window_mask if self.window is not None else None
+        return self._output(x, _attend(q, k.transpose(1, 2), v.transpose(1, 2), causal=mask is None, mask=mask))
+
+    def step(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], slots: Tensor, kv_len: int,
+             mask: Tensor | None = None, window_mask: Tensor | None = None) -> Tensor:
+        """One decode position per row: x (B, 1, D) written at cache `slots` (B,), attending to the cache's first
+        kv_len positions under `mask` (rows at different positions); sliding-window layers under `window_mask`."""
+        Hk, Dh = self.n_kv_heads, self.head_dim
+        q, k, v = self._project(x, cos, sin)
+        kv[0].view(-1, Hk, Dh).index_copy_(0, slots, k[:, 0])
+        kv[1].view(-1, Hk, Dh).index_copy_(0, slots, v[:, 0])
+        if self.window is not None and window_mask is not None:
+            mask = window_mask
+        keys, values = kv[0][:, :kv_len].transpose(1, 2), kv[1][:, :kv_len].transpose(1, 2)
+        return self._output(x, _attend(q, keys, values, causal=False, mask=mask))

@@ -28,7 +28,7 @@ def _default_d_ff(d_model: int) -> int:
 class ModelConfig:
     """Architecture of a decoder-only full-bandwidth LM.
 
-    Fusion variants (METHOD.md section 2): `gated` (h W_U) * sigmoid(norm_in(e) W_G) (the paper's),
+    Fusion variants (docs/method.md, section 2): `gated` (h W_U) * sigmoid(norm_in(e) W_G) (the paper's),
     `additive` norm_in(e) + h W, `concat` [norm_in(e); h] W, and `none` (a standard transformer with no
     feedback weights, usable only with one pass). `feedback` picks which top state is fed back:
     `final` (after the final RMSNorm, the vector the tied LM head reads) or `residual` (before it).

@@ -2,8 +2,8 @@
 
 `gated` is the paper's asymmetric gated unit, fuse(e, h) = (h W_U) * sigmoid(norm_in(e) W_G): the state is
 the value path and the token only gates it, so a model cannot learn to ignore the state. `additive` and
-`concat` exist for the ablation that shows why (METHOD.md section 2). The caller applies norm_in to the
-result; here `e` is already norm_in(embedding).
+`concat` exist for the ablation that shows why (docs/method.md, section 2). Shipped as source with every
+transformers folder (fullband.hf.remote): it imports only other shipped modules.
 """
 
 from __future__ import annotations
@@ -59,19 +59,12 @@ def build_fusion(kind: str, d_model: int) -> nn.Module | None:
     return None if kind == "none" else FUSION_TYPES[kind](d_model)
 
 
-def fused_input(fusion: nn.Module, norm_in: nn.Module, e: Tensor, prev: Tensor, plain: Tensor | None,
-                *, normalise_gate: bool) -> Tensor:
-    """The stack input of a fed-back position: norm_in(fuse(e, prev)); rows / positions in `plain` keep e.
-    `normalise_gate`: e is a raw embedding, so the fusion reads a gain-free RMS-normalised copy of it."""
+def fused_input(fusion: nn.Module, norm_in: nn.Module, e: Tensor, prev: Tensor, *, normalise_gate: bool) -> Tensor:
+    """The stack input of a fed-back position: norm_in(fuse(e, prev)) (which positions are fed is
+    fullband.model.core's rule). `normalise_gate`: e is a raw embedding, so the fusion reads a gain-free
+    RMS-normalised copy of it."""
     gate_in = rms_norm(e, None, norm_in.eps) if normalise_gate else e
-    fused = norm_in(fusion(gate_in, prev.to(e.dtype)))
-    return fused if plain is None else torch.where(plain[..., None], e, fused)
-
-
-@torch.no_grad()
-def init_fusion_weight_(p: Tensor) -> Tensor:
-    """Fusion matrices at 1/sqrt(fan_in): the fused input starts at unit scale, gates spread over sigmoid's range."""
-    return nn.init.normal_(p, std=p.shape[1] ** -0.5)
+    return norm_in(fusion(gate_in, prev.to(e.dtype)))
 
 
 def embedding_rms(weight: Tensor) -> float:

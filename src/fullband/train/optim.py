@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from fullband.errors import ConfigError
 from fullband.validate import boolean, choice, integer, number
 from fullband.model.config import ModelConfig
+from fullband.model.weights import SPLITS, WEIGHTS, Weight
 
 OPTIMIZERS = ("normuon", "adamw")  # OptimConfig.name
 ROUTE_OPTIMIZERS = ("normuon", "adam")  # Route.optimizer
@@ -30,7 +31,7 @@ RMS_MATCH = 0.2  # NorMuon rescales its update to Adam's typical per-entry RMS
 
 @dataclass
 class OptimConfig:
-    """Optimizer hyperparameters (METHOD.md section 9). `lr` / `weight_decay` are NorMuon's, for hidden
+    """Optimizer hyperparameters (docs/method.md, section 9). `lr` / `weight_decay` are NorMuon's, for hidden
     matrices; `adam_*` are for everything else. With name="adamw" every parameter uses AdamW at `adam_lr`,
     matrices keeping `weight_decay`. `grad_clip` (0 = off) is applied by the trainer."""
 
@@ -101,28 +102,17 @@ class Route:
             raise ConfigError(f"route pattern {self.pattern!r} is not a valid regular expression: {err}") from None
 
 
-# Row blocks of fused matrices, from the model config: attention's q, k, v stacked by rows; the MLP's gate
-# rows then up rows. Each block is a separate linear map, so it is orthogonalised on its own.
-SPLITS: dict[str, Callable[[ModelConfig], tuple[int, ...]]] = {
-    "qkv": lambda c: (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim),
-    "gate_up": lambda c: (c.d_ff, c.d_ff),
-}
+def _native_route(w: Weight) -> Route:
+    """A weight-table row's route: hidden and fusion matrices on NorMuon (fused matrices split by rows into the
+    logical matrices orthogonalised separately), embedding and head on Adam, gains on Adam and never decayed
+    (decay pulls them toward 0, not toward their init of 1). The embedding decays with adam_weight_decay (0 by
+    default)."""
+    if w.kind in ("matrix", "fusion"):
+        return Route(w.pattern, "normuon", splits=w.splits)
+    return Route(w.pattern, "adam", wd_mult=0.0 if w.kind == "gain" else 1.0)
 
-_BLOCK = r"^blocks\.\d+\."
-_FUSION = r"^fusion\.(w_u|w_g|w_h|w_cat)\.weight$"
-_GAINS = r"^(norm_in|norm_out|blocks\.\d+\.(attn_norm|mlp_norm))\.weight$"
-# First match wins. Embedding: wd_mult 1 times adam_weight_decay (0 by default). Gains never decay: decay
-# pulls them toward 0, not toward their init of 1.
-NORMUON_ROUTES: tuple[Route, ...] = (
-    Route(_BLOCK + r"attn\.wqkv\.weight$", "normuon", splits="qkv"),
-    Route(_BLOCK + r"mlp\.w_in\.weight$", "normuon", splits="gate_up"),
-    Route(_BLOCK + r"(attn\.wo|attn\.w_gate|mlp\.w_down)\.weight$", "normuon"),
-    Route(_FUSION, "normuon"),
-    Route(r"^embed\.weight$", "adam"),
-    Route(r"^lm_head\.weight$", "adam"),
-    Route(_GAINS, "adam", wd_mult=0.0),
-    Route(_BLOCK + r"attn\.qk_gain$", "adam", wd_mult=0.0),
-)
+
+NORMUON_ROUTES: tuple[Route, ...] = tuple(_native_route(w) for w in WEIGHTS)
 
 
 def _on_adamw(routes: tuple[Route, ...]) -> tuple[Route, ...]:
@@ -139,7 +129,7 @@ ROUTES: dict[str, tuple[Route, ...]] = {"normuon": NORMUON_ROUTES, "adamw": ADAM
 # optim.name="adamw"). Norm gains and biases never decay.
 _HF_NORMS = r"^hf\..*(norm|ln_[0-9f]|layernorm)[^.]*\.(weight|bias)$"
 HF_ROUTES: tuple[Route, ...] = (
-    Route(_FUSION, "normuon"),
+    *(Route(w.pattern, "normuon") for w in WEIGHTS if w.kind == "fusion"),
     Route(r"^norm_in\.weight$", "adam", wd_mult=0.0),
     Route(_HF_NORMS, "adam", wd_mult=0.0),
     Route(r"^hf\..*\.bias$", "adam", wd_mult=0.0),

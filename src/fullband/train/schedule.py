@@ -76,7 +76,7 @@ PRESETS: dict[str, list[tuple[float, dict[int, float]]]] = {
     "paper-100b": [(1.0, {1: 0.75, 3: 0.25})],
     # single-pass first, feedback passes from mid training: 75/22/3 one/two/three (mean 1.28 passes)
     "paper-200b": [(0.5, {1: 1.0}), (1.0, {1: 0.75, 2: 0.22, 3: 0.03})],
-    # the stability experiment (METHOD.md section 7): 75/25 one/two diverges when iterated, 3% three-pass fixes it
+    # the stability experiment (docs/method.md, section 8): 75/25 one/two diverges when iterated, 3% three-pass fixes it
     "one-two": [(1.0, {1: 0.75, 2: 0.25})],
     "one-two-three": [(1.0, {1: 0.75, 2: 0.22, 3: 0.03})],
 }

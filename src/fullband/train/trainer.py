@@ -16,23 +16,21 @@ from pathlib import Path
 
 import torch
 
-from fullband.errors import ConfigError, FullbandError
-from fullband.files import FolderLock, describe_entries, lock_folder, make_folder, replace_file, sweep_temps, writing
+from fullband.errors import FullbandError
+from fullband.files import replace_file, writing
 from fullband.eval.loss import validation_loss
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
 from fullband.train.build import build, resolve
 from fullband.train.data import RunData, prepare_data
+from fullband.train.objective import objective
+from fullband.train.rundir import (
+    RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir, truncate_metrics,
+)
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync
 from fullband.train.parallel import shutdown
 from fullband.train.schedule import in_cooldown, wsd_factor
-
-RUN_FILE = "run.json"
-# resuming needs these to be equal; anything else (logging, eval cadence) may change
-MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tokens", "train.seed", "train.passes",
-              "train.steps", "train.warmup_steps", "train.cooldown_fraction", "train.z_loss",
-              "train.decay_wd_in_cooldown")
 
 
 class TrainingDiverged(FullbandError):
@@ -64,7 +62,7 @@ class Trainer:
         self.d = init_distributed(cfg.train.device)
         self.run_dir = Path(resume if resume is not None else cfg.log.run_dir)
         if resume is not None:
-            self.run_dir = _resume_run_dir(self.run_dir)
+            self.run_dir = resume_run_dir(self.run_dir)
         # the run directory is owned before anything in it is read or written: a second process stops here
         self.lock, created = claim_run_dir(self.run_dir, resume=resume is not None) if self.d.main else (None, False)
         try:
@@ -83,8 +81,8 @@ class Trainer:
         cfg = self.cfg
         self.resume_from: Path | None = None
         if resume is not None:
-            self.resume_from = _resume_checkpoint(Path(resume), self.run_dir)
-            _check_resume_config(self.run_dir, cfg)
+            self.resume_from = resume_checkpoint(Path(resume), self.run_dir)
+            check_resume_config(self.run_dir, cfg)
         self.data: RunData = prepare_data(cfg, self.d, source=source)
         built = build(cfg, self.d, warm=resume is None)
         self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
@@ -101,11 +99,11 @@ class Trainer:
             self.step, self.tokens = state["step"], state["tokens"]
             self.compute_tokens, self.elapsed = state["compute_tokens"], state["elapsed"]
             if self.d.main:
-                _truncate_metrics(self.run_dir / METRICS_FILE, self.step)
+                truncate_metrics(self.run_dir / METRICS_FILE, self.step)
             _print0(self.d, f"resumed from {self.resume_from} at {ckpt.describe(state)}")
         elif resume is not None:  # a run killed before its first checkpoint: it starts again from step 0
             if self.d.main:
-                _truncate_metrics(self.run_dir / METRICS_FILE, 0)
+                truncate_metrics(self.run_dir / METRICS_FILE, 0)
             _print0(self.d, f"{self.run_dir} holds no complete checkpoint yet (the run stopped before its first); "
                             "starting it from step 0 with its saved settings")
         elif self.d.main:
@@ -135,13 +133,13 @@ class Trainer:
             block = micro * d.world + d.rank  # global micro-batch index: the same noise for any world size
             gen = torch.Generator(device=d.device).manual_seed(noise_seed(cfg.train.seed, step, block))
             with no_sync(model, skip=micro < accum - 1), self.autocast:
-                out = model(inputs, passes=k, targets=targets, generator=gen, return_logits=False, z_loss=z_loss,
-                            plain_mask=plain[0] if plain else None)
+                out = objective(model, inputs, targets, k, plain_mask=plain[0] if plain else None, generator=gen,
+                                z_loss=z_loss)
                 (out.loss / accum).backward()
             with torch.no_grad():
                 sums[:k] += torch.stack(out.pass_losses).detach().float()
                 sums[k] += out.loss.detach().float()
-                sums[k + 1] += out.hidden.detach().float().pow(2).mean().sqrt()
+                sums[k + 1] += out.state.detach().float().pow(2).mean().sqrt()
         sums = all_reduce_mean(sums / accum, d)
         values = sums.tolist()
         bad = [j + 1 for j, v in enumerate(values[:k]) if not math.isfinite(v)]
@@ -275,130 +273,3 @@ def _autocast(dtype: str, device: torch.device):
     if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def claim_run_dir(run_dir: Path, *, resume: bool) -> tuple[FolderLock, bool]:
-    """Create (for a new run) and lock `run_dir` for this process; remove what a killed run left half-written
-    (.step_N.tmp folders). Returns the lock and whether the folder was created here. A fresh run is refused
-    in a folder that already holds anything."""
-    created = not run_dir.exists()
-    if resume and created:
-        raise ConfigError(f"--resume {str(run_dir)!r} does not exist")
-    make_folder(run_dir, "log.run_dir")
-    lock = lock_folder(run_dir, "run directory", hint=", or choose another log.run_dir (--set log.run_dir=...)")
-    try:
-        swept = sweep_temps(run_dir, r"\.step_\d+\.tmp")
-        if swept:
-            print(f"removed {len(swept)} half-written checkpoint folder(s) a stopped run left in {run_dir}: "
-                  f"{', '.join(swept)}", flush=True)
-        entries = sorted(p.name for p in run_dir.iterdir()) if not resume else []
-        if entries and not ((run_dir / RUN_FILE).is_file() or ckpt.list_checkpoints(run_dir)):
-            raise ConfigError(f"log.run_dir {str(run_dir)!r} is not empty and holds no fullband run (it holds "
-                              f"{describe_entries(entries)}); a run needs a new or empty folder: choose another "
-                              "log.run_dir (e.g. --set log.run_dir=runs/new)")
-        if entries:
-            raise ConfigError(
-                f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
-                f"{run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)"
-            )
-    except BaseException:
-        lock.release()
-        raise
-    return lock, created
-
-
-def _resume_run_dir(path: Path) -> Path:
-    """--resume accepts a run directory or one of its step_NNNNNN folders: the run directory."""
-    if not path.exists():
-        raise ConfigError(f"--resume {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise ConfigError(f"--resume {str(path)!r} is a file; accepted: a run directory or a step_NNNNNN folder")
-    return path.parent if ckpt.STEP_DIR.match(path.name) else path
-
-
-def _resume_checkpoint(path: Path, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from: the named step folder, else the run's latest (None: the run stopped
-    before its first checkpoint, and starts again from step 0 with its saved settings)."""
-    if ckpt.STEP_DIR.match(path.name):
-        ckpt.read_trainer_state(path)
-        return path
-    found = ckpt.list_checkpoints(run_dir)
-    if found:
-        return found[-1]
-    if not (run_dir / RUN_FILE).is_file():
-        raise ConfigError(f"--resume {str(run_dir)!r} is not a fullband run directory: it has no {RUN_FILE} and no "
-                          "step_NNNNNN/ checkpoint; start a new run there instead (without --resume)")
-    return None
-
-
-def _check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
-    saved_path = run_dir / RUN_FILE
-    if not saved_path.is_file():
-        raise ConfigError(f"{str(run_dir)!r} has no {RUN_FILE}; it is not a fullband run directory")
-    try:
-        saved = json.loads(saved_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{saved_path} is corrupted ({err}); it holds the run's settings: restore it from a "
-                          f"checkpoint's trainer.json ('config') or start a new run") from None
-    sections = [s.split(".")[0] for s in MUST_MATCH]
-    if not isinstance(saved, dict) or any(not isinstance(saved.get(s), dict) for s in sections):
-        missing = sorted({s for s in sections if not isinstance(saved, dict) or not isinstance(saved.get(s), dict)})
-        raise ConfigError(f"{saved_path} is damaged: it lacks the section(s) {', '.join(missing)}; restore it "
-                          "from a checkpoint's trainer.json ('config') or start a new run")
-    diffs = resume_differences(saved, cfg.to_dict())
-    if diffs:
-        raise ConfigError(
-            f"cannot resume {str(run_dir)!r} with this config; {len(diffs)} setting(s) differ: " + "; ".join(diffs)
-            + ". Use the run's own settings (its run.json) or start a new run"
-        )
-
-
-_UNSET = object()
-
-
-def resume_differences(saved: dict, now: dict) -> list[str]:
-    """'key: run has A, config has B' for every setting a resume needs equal (MUST_MATCH) that differs between two
-    resolved run configs (as dicts)."""
-    return [d for key in MUST_MATCH for d in _differences(_get(saved, key), _get(now, key), key)]
-
-
-def _differences(a, b, key: str, path: str = "") -> list[str]:
-    """'key: run has path=A, config has path=B' for every leaf setting under `key` that differs between a and b
-    (for a leaf key itself: 'key: run has A, config has B')."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b)):
-            out += _differences(a.get(k, _UNSET), b.get(k, _UNSET), key, f"{path}.{k}" if path else k)
-        return out
-    if a == b:
-        return []
-    name = f"{path}=" if path else ""
-    return [f"{key}: run has {name}{_short(a)}, config has {name}{_short(b)}"]
-
-
-def _get(data: dict, dotted: str):
-    for part in dotted.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
-    return data
-
-
-def _short(value) -> str:
-    if value is _UNSET:
-        return "(not set)"
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) < 120 else text[:117] + "..."
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop rows logged after the checkpoint we resume from (a killed run may have logged further)."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by the kill
-            continue
-        if row.get("step", 0) <= step:
-            keep.append(line)
-    replace_file(path, "".join(line + "\n" for line in keep))

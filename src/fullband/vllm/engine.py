@@ -10,7 +10,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
-from fullband.decode.mode import DecodeMode
+from fullband.model.mode import DecodeMode
 from fullband.errors import ConfigError
 from fullband.model.config import ModelConfig
 from fullband.vllm.requests import served_default
@@ -58,12 +58,12 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
             # the per-request state follows vLLM's persistent batch (model runner V1); set before the workers start
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         _no_full_cuda_graphs(vllm_config)
-        from fullband.vllm.check import FEEDBACK_CHECK, RequestTracker
+        from fullband.vllm.tracker import SERVED, TRACKER
 
-        RequestTracker.configure(has_feedback=cfg.has_feedback, default=default, max_passes=cfg.max_seq_len)
+        SERVED.configure(has_feedback=cfg.has_feedback, default=default, max_passes=cfg.max_seq_len)
         procs = list(vllm_config.model_config.logits_processors or [])
-        if FEEDBACK_CHECK not in procs:
-            vllm_config.model_config.logits_processors = [*procs, FEEDBACK_CHECK]
+        if TRACKER not in procs:
+            vllm_config.model_config.logits_processors = [*procs, TRACKER]
 
 
 

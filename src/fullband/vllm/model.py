@@ -6,7 +6,7 @@ How the fed-back state is kept (the paper's appendix D on vLLM's own extension p
 top state lives in one persistent buffer, `state`, a row per row of vLLM's persistent batch, allocated with the
 model (fixed address). vLLM tells a logits processor about every request that enters the batch (with its
 SamplingParams and prompt), leaves it, or moves between rows, before each forward; RequestTracker
-(fullband.vllm.check) is that processor: it keeps each row's mode, prompt length and FUSED prompt, and moves
+(fullband.vllm.tracker) is that processor: it keeps each row's mode, prompt length and FUSED prompt, and moves
 the state rows with their requests. The forward maps its packed rows to batch rows with the attention
 metadata's `query_start_loc`, gathers each fed row's previous state, runs the gated fusion inside forward, and
 writes each request's last row back. A finished request's row is taken by the next one, so nothing needs
@@ -71,11 +71,12 @@ from vllm.forward_context import get_forward_context
 from fullband.errors import ConfigError
 from fullband.model.attention import _attend, window_mask
 from fullband.model.config import ModelConfig
-from fullband.model.decoder import plain_positions, shift_right
-from fullband.model.fusion import build_fusion, fused_input
+from fullband.model.core import FeedbackModel, plain_positions, shift_right
+from fullband.model.fusion import build_fusion
 from fullband.model.layers import RMSNorm as NativeRMSNorm
-from fullband.vllm.check import FUSED, STANDARD, RequestTracker
+from fullband.model.weights import lookup, named, split
 from fullband.vllm.engine import default_mode_of, model_config_of
+from fullband.vllm.tracker import FUSED, SERVED, STANDARD, RequestTracker
 
 # ---------------------------------------------------------------------------------------------------- the layers
 class FeedbackAttention(nn.Module):
@@ -260,8 +261,10 @@ class StepPlan:
     chain_rows: torch.Tensor | None = None  # those rows (each reads row - 1)
 
 
-def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], device: torch.device) -> StepPlan:
-    """The plan of one step: packed rows qsl[i]:qsl[i+1] are the chunk of batch row i, from position starts[i]."""
+def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: np.ndarray | None,
+              bos_token_id: int | None, device: torch.device) -> StepPlan:
+    """The plan of one step: packed rows qsl[i]:qsl[i+1] are the chunk of batch row i, from position starts[i];
+    ids (N,) the packed rows' tokens (None: unknown, no BOS rule)."""
     R = len(starts)
     bounds = np.asarray(qsl, dtype=np.int64)
     plan = StepPlan(rows=R, last_rows=torch.from_numpy(bounds[1:] - 1).to(device))
@@ -270,8 +273,10 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], device
     row = np.repeat(np.arange(R), np.diff(bounds))  # each packed row's request
     offset = np.arange(bounds[-1]) - bounds[row]  # its place in the chunk
     pos = start[row] + offset
-    # generated positions of SOFT / FUSED requests read the previous position's state
-    fed = (tracker.mode[:R][row] != STANDARD) & (pos >= prompt_len[row]) & (pos > 0)
+    # SOFT / FUSED requests feed their generated positions: past the prompt, which is read as a plain prefix (a
+    # FUSED prompt's own passes are planned below), and not where the plain rule says otherwise (a BOS)
+    plain = plain_positions(ids, pos, bos_token_id if ids is not None else None, prefix=prompt_len[row])
+    fed = (tracker.mode[:R][row] != STANDARD) & ~plain
     chain = np.nonzero(fed & (offset > 0))[0]  # ... computed in this same step: iterated
     for i in np.nonzero((tracker.mode[:R] == FUSED) & (tracker.passes[:R] > 1) & (start < prompt_len)
                         & (prompt_len <= end))[0]:  # a FUSED prompt's last chunk
@@ -293,6 +298,35 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], device
 
 
 # ---------------------------------------------------------------------------------------------------- the model
+class DensePrompt(FeedbackModel):
+    """The served model's whole-prompt path as the method's core sees a runtime: its own layers over one sequence
+    from position 0 with plain causal attention (no paged cache), so a FUSED prompt's passes are the core's pass
+    loop. It holds no weights of its own: everything is the served model's."""
+
+    def __init__(self, served: "FullbandForCausalLM") -> None:
+        super().__init__()
+        object.__setattr__(self, "served", served)  # not a submodule: its weights are the served model's
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.served.cfg
+
+    @property
+    def fusion(self) -> nn.Module | None:
+        return self.served.fusion
+
+    @property
+    def norm_in(self) -> nn.Module:
+        return self.served.norm_in
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.served.embed(input_ids)
+
+    def stack(self, x: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        state, top, _ = self.served.model.dense(torch.arange(x.shape[1], device=x.device), x[0])
+        return state[None], top[None]
+
+
 class FullbandForCausalLM(nn.Module):
     """vLLM's model class for folders of architecture FullbandForCausalLM (`fullband convert --to hf`,
     `save_pretrained`)."""
@@ -302,8 +336,7 @@ class FullbandForCausalLM(nn.Module):
         hf_config = vllm_config.model_config.hf_config
         self.cfg = cfg = model_config_of(hf_config)
         # this (worker) process's request tracker reads the folder's rules (the engine hook told the frontend's)
-        RequestTracker.configure(has_feedback=cfg.has_feedback, default=default_mode_of(hf_config),
-                                 max_passes=cfg.max_seq_len)
+        SERVED.configure(has_feedback=cfg.has_feedback, default=default_mode_of(hf_config), max_passes=cfg.max_seq_len)
         if not get_pp_group().is_first_rank or not get_pp_group().is_last_rank:
             raise ConfigError("pipeline parallelism is not supported with latent feedback (use tensor parallelism)")
         # global layers must not inherit the model-level window vLLM reads from config.json's sliding_window
@@ -318,10 +351,11 @@ class FullbandForCausalLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.embed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
-        # each batch row's latest fed-back state; rows move with their requests (RequestTracker)
+        # each batch row's latest fed-back state; rows move with their requests (the request tracker)
         self.register_buffer("state", torch.zeros(vllm_config.scheduler_config.max_num_seqs, cfg.d_model,
                                                   dtype=vllm_config.model_config.dtype), persistent=False)
         self.cache_config = vllm_config.cache_config
+        object.__setattr__(self, "core", DensePrompt(self))  # the method's rules over this model's layers
         self._metadata: dict = {}
 
     # ------------------------------------------------------------ vLLM interface
@@ -334,56 +368,42 @@ class FullbandForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None, **_: object) -> torch.Tensor:
-        e = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        plain = self.plain_inputs(e)
-        plan = self._plan(positions)
+        core = self.core
+        plain = core.plain_input(self.embed(input_ids) if inputs_embeds is None else inputs_embeds)
+        plan = self._plan(positions, input_ids)
         x, prev, feed = plain, None, None
-        bos = self.cfg.bos_token_id if input_ids is not None else None
         if plan is not None and plan.any_feed and not (plan.dense or plan.iterate):
             # the common step (decoding, plain prompts): fuse the fed rows only, from their requests' states
             rows = plan.fed_rows
-            fused = self.fuse(plain[rows], self.state[plan.fed_reqs])
-            if bos is not None:  # a BOS token starts afresh
-                fused = torch.where((input_ids[rows] == bos)[:, None], plain[rows], fused)
-            x = plain.index_copy(0, rows, fused)
+            x = plain.index_copy(0, rows, core.fuse(plain[rows], self.state[plan.fed_reqs]))
         elif plan is not None and plan.any_feed:
-            n = e.shape[0]
-            prev = self.state[plan.token_req]
-            feed = plan.token_feed
-            if bos is not None:
-                feed = feed & (input_ids[:n] != bos)
+            prev, feed = self.state[plan.token_req], plan.token_feed.clone()
             for job in plan.dense:
                 self._dense_prefill(job, prev, feed)
-            x = self._fed(plain, prev, feed)
+            x = core.pass_inputs(plain, prev, ~feed)
         state, top = self._stack(positions, x)
         for _ in range(plan.iterate if plan is not None else 0):
             prev = prev.clone()
             prev[plan.chain_rows] = state[plan.chain_rows - 1].to(prev.dtype)
-            x = self._fed(plain, prev, feed)
-            state, top = self._stack(positions, x)
+            state, top = self._stack(positions, core.pass_inputs(plain, prev, ~feed))
         if plan is not None:  # a real step (profile and warm-up runs leave the states alone)
             self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
         return top
-
-    def _fed(self, plain: torch.Tensor, prev: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
-        """Stack inputs: rows in `feed` take fuse(e, prev), the others their plain inputs."""
-        rows = feed.nonzero().squeeze(1)
-        return plain.index_copy(0, rows, self.fuse(plain[rows], prev[rows]))
 
     def _stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fed-back state, final-norm output) of the compiled stack on inputs x."""
         out = self.model(None, positions, None, x)
         return (out, out) if self.cfg.feedback == "final" else out
 
-    def _plan(self, positions: torch.Tensor) -> StepPlan | None:
+    def _plan(self, positions: torch.Tensor, input_ids: torch.Tensor | None) -> StepPlan | None:
         """This step's plan from vLLM's attention metadata (query_start_loc) and the tracked requests; None when
         nothing is fed and no state needs keeping: a run with no requests (profiling, warm-up), or a batch of
         STANDARD requests only."""
-        tracker = RequestTracker.active
+        tracker = SERVED.tracker
         metadata = get_forward_context().attn_metadata
         if tracker is None or not isinstance(metadata, dict):
             return None
-        RequestTracker.state = self.state
+        SERVED.state = self.state
         md = metadata.get(self.model.blocks[0].attn.attn.layer_name)
         if md is None or tracker.batch_size == 0:
             return None
@@ -392,33 +412,23 @@ class FullbandForCausalLM(nn.Module):
             return None
         qsl = md.query_start_loc[:R + 1].tolist()
         starts = positions.index_select(0, md.query_start_loc[:R].to(positions.device, torch.long)).tolist()
+        ids = None if input_ids is None else input_ids[:qsl[-1]].cpu().numpy()
         self._metadata = metadata
-        return plan_step(tracker, qsl, starts, positions.device)
+        return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device)
 
-    # ------------------------------------------------------------ inputs
-    def plain_inputs(self, e: torch.Tensor) -> torch.Tensor:
-        return self.norm_in(e) if self.cfg.input_norm else e
-
-    def fuse(self, plain: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """The native model's fused input (fullband.model.fusion.fused_input) of plain inputs and states."""
-        return fused_input(self.fusion, self.norm_in, plain, prev, None, normalise_gate=not self.cfg.input_norm)
-
+    # ------------------------------------------------------------ a FUSED prompt
     def _dense_prefill(self, job: DenseJob, prev: torch.Tensor, feed: torch.Tensor) -> None:
-        """Passes 1..J-1 of a FUSED prompt over all its positions; the chunk's rows then take pass J's inputs
-        (prev, feed set in place). Positions before the chunk get pass J's keys/values written to their slots."""
-        device = prev.device
-        ids = torch.tensor(job.prompt, dtype=torch.long, device=device)
-        T = ids.shape[0]
-        pos = torch.arange(T, device=device)
-        plain = self.plain_inputs(self.embed(ids))
-        keep = plain_positions(ids[None], self.cfg.bos_token_id)[0]  # position 0 and BOS stay plain in every pass
-        state = None
-        for _ in range(job.passes - 1):
-            x = plain if state is None else self._fused_prompt(plain, state, keep)
-            state, _, _ = self.model.dense(pos, x)
+        """Passes 1..J-1 of a FUSED prompt over all its positions (the core's pass loop on DensePrompt); the
+        chunk's rows then take pass J's inputs (prev, feed set in place). Positions before the chunk get pass J's
+        keys/values written to their slots."""
+        core, device = self.core, prev.device
+        ids = torch.tensor([job.prompt], dtype=torch.long, device=device)  # (1, T)
+        e, plain = core.embed_inputs(ids), core.plain_of(ids)
+        state = core.iterate(e, plain, job.passes - 1)[0] if job.passes > 1 else None
         if job.start > 0:  # pass J over the positions before the chunk, for their keys and values
-            x = plain if state is None else self._fused_prompt(plain, state, keep)
-            _, _, kv = self.model.dense(pos[:job.start], x[:job.start], keep_kv=True)
+            x = core.pass_inputs(e, None if state is None else shift_right(state), plain)[0]
+            pos = torch.arange(job.start, device=device)
+            _, _, kv = self.model.dense(pos, x[:job.start], keep_kv=True)
             for block, (k, v) in zip(self.model.blocks, kv):
                 attn = block.attn.attn
                 slots = self._slots(attn.layer_name, job.batch_row, job.start, device)
@@ -427,8 +437,8 @@ class FullbandForCausalLM(nn.Module):
         if state is not None:
             rows = slice(job.first_row, job.first_row + job.rows)
             chunk = torch.arange(job.start, job.start + job.rows, device=device)
-            prev[rows] = state[(chunk - 1).clamp(min=0)].to(prev.dtype)
-            feed[rows] = ~keep[chunk]
+            prev[rows] = state[0, (chunk - 1).clamp(min=0)].to(prev.dtype)
+            feed[rows] = ~plain[0, chunk]
 
     def _slots(self, layer_name: str, row: int, length: int, device: torch.device) -> torch.Tensor:
         """Cache slots of positions [0, length) of batch row `row` in a layer's KV cache (-1 where a
@@ -439,36 +449,30 @@ class FullbandForCausalLM(nn.Module):
         blocks = block_table[row].to(device, torch.long)[pos // block_size]
         return torch.where(blocks > 0, blocks * block_size + pos % block_size, torch.full_like(pos, -1))
 
-    def _fused_prompt(self, plain: torch.Tensor, state: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """A Jacobi pass's inputs over a prompt from position 0: position t reads state[t - 1], except the
-        positions in `keep` (position 0, BOS), which stay plain."""
-        return torch.where(keep[:, None], plain, self.fuse(plain, shift_right(state[None])[0]))
-
     # ------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Names as the transformers folder holds them (`model.` + the native names)."""
+        """Names as the transformers folder holds them (`model.` + the native names), placed by the weight table
+        (fullband.model.weights: each native weight's served name and row blocks)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, w in weights:
+        for name, tensor in weights:
             native = name.removeprefix("model.")
-            target, shard = _target(native)
-            if target is None:
-                continue  # not a parameter (e.g. RoPE tables), nothing to load
+            try:
+                w, layer = lookup(native)
+            except KeyError:
+                raise ConfigError(f"checkpoint tensor {name!r} is not a fullband weight") from None
+            target = named(w, layer, w.serving_name)
             if self.cfg.tie_embeddings and target == "lm_head.weight":
                 continue
             if target not in params:
                 raise ConfigError(f"checkpoint tensor {name!r} has no place in the served model (mapped to {target!r})")
             param = params[target]
             loader = getattr(param, "weight_loader", default_weight_loader)
-            if shard == "qkv":
-                H, Hk, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
-                for part, rows in zip("qkv", w.split([H * Dh, Hk * Dh, Hk * Dh])):
-                    loader(param, rows, part)
-            elif shard == "gate_up":
-                for i, rows in enumerate(w.chunk(2, dim=0)):
-                    loader(param, rows, i)
+            if w.splits is None:
+                loader(param, tensor)
             else:
-                loader(param, w)
+                for shard, rows in zip(SHARD_IDS[w.splits], split(w, tensor, self.cfg)):
+                    loader(param, rows, shard)
             loaded.add(target)
         missing = {n for n in params if n not in loaded and not (self.cfg.tie_embeddings and n == "lm_head.weight")}
         if missing:
@@ -476,30 +480,5 @@ class FullbandForCausalLM(nn.Module):
         return set(params)
 
 
-_BLOCK_NAMES = {
-    "attn_norm.weight": ("attn_norm.weight", None),
-    "mlp_norm.weight": ("mlp_norm.weight", None),
-    "attn.wqkv.weight": ("attn.qkv_proj.weight", "qkv"),
-    "attn.wo.weight": ("attn.o_proj.weight", None),
-    "attn.qk_gain": ("attn.qk_gain", None),
-    "attn.w_gate.weight": ("attn.gate.weight", None),
-    "mlp.w_in.weight": ("mlp.gate_up.weight", "gate_up"),
-    "mlp.w_down.weight": ("mlp.down.weight", None),
-}
-
-
-def _target(native: str) -> tuple[str | None, str | None]:
-    """A native parameter name -> (the served parameter, how to shard it)."""
-    if native.startswith("rotary."):
-        return None, None
-    if native.startswith("blocks."):
-        _, i, rest = native.split(".", 2)
-        if rest in _BLOCK_NAMES:
-            name, shard = _BLOCK_NAMES[rest]
-            return f"model.blocks.{i}.{name}", shard
-        return native, None
-    if native == "norm_out.weight":
-        return "model.norm_out.weight", None
-    return native, None
-
-
+# how vLLM's merged linears name the row blocks of a fused matrix (fullband.model.weights.SPLITS) in their loaders
+SHARD_IDS = {"qkv": ("q", "k", "v"), "gate_up": (0, 1)}

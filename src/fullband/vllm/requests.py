@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fullband.decode.mode import DecodeMode
+from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
 
 KEYS = ("feedback_mode", "prefill_passes")

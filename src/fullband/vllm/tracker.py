@@ -7,45 +7,54 @@
     prompt, removed, moved between rows), keeping each row's mode, prompt length and (FUSED) prompt tokens, and
     moving the rows of the model's fed-back state buffer with them.
 
-The engine hook (fullband.vllm.model.FullbandEngineConfig) adds it to the served model's `logits_processors` and
-tells it the model's rules (`configure`).
+vLLM builds the processor itself from its name (TRACKER), so what it shares with the served model in a process
+lives in one object, SERVED: the folder's rules (set by the engine hook and the model), the worker's tracker and
+the model's state buffer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from fullband.decode.mode import DecodeMode
 from fullband.errors import InputError
+from fullband.model.mode import DecodeMode
 from fullband.vllm.requests import MAX_PASSES, request_mode
 
-FEEDBACK_CHECK = "fullband.vllm.check:RequestTracker"
+TRACKER = "fullband.vllm.tracker:RequestTracker"
 STANDARD, SOFT, FUSED = 0, 1, 2
 CODES = {"standard": STANDARD, "soft": SOFT, "fused": FUSED}
 
 
-class RequestTracker(LogitsProcessor):
-    has_feedback: bool = True
-    default: DecodeMode = DecodeMode("soft")
+@dataclass
+class Served:
+    """What the served model and the request tracker of one process share."""
+
+    has_feedback: bool = True  # the folder's rules: set by the engine hook (frontend) and the model (worker)
+    default: DecodeMode = field(default_factory=lambda: DecodeMode("soft"))
     max_passes: int = MAX_PASSES
-    active: "RequestTracker | None" = None  # the worker's instance, read by the model's forward
+    tracker: RequestTracker | None = None  # the worker's tracker, read by the model's forward
     state: torch.Tensor | None = None  # the model's fed-back states, one row per batch row (set by the model)
 
-    @classmethod
-    def configure(cls, *, has_feedback: bool, default: DecodeMode, max_passes: int) -> None:
-        cls.has_feedback, cls.default, cls.max_passes = has_feedback, default, max_passes
+    def configure(self, *, has_feedback: bool, default: DecodeMode, max_passes: int) -> None:
+        self.has_feedback, self.default, self.max_passes = has_feedback, default, max_passes
 
-    @classmethod
-    def mode_of(cls, sampling_params) -> DecodeMode:
+    def mode_of(self, sampling_params) -> DecodeMode:
         extra = getattr(sampling_params, "extra_args", None)
-        return request_mode(extra, cls.default, has_feedback=cls.has_feedback, max_passes=cls.max_passes)
+        return request_mode(extra, self.default, has_feedback=self.has_feedback, max_passes=self.max_passes)
 
+
+SERVED = Served()
+
+
+class RequestTracker(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         try:
-            cls.mode_of(sampling_params)
+            SERVED.mode_of(sampling_params)
         except InputError as err:
             raise ValueError(str(err)) from None
 
@@ -56,7 +65,7 @@ class RequestTracker(LogitsProcessor):
         self.prompt_len = np.zeros(n, dtype=np.int64)
         self.prompts: list[list[int] | None] = [None] * n
         self.batch_size = 0
-        RequestTracker.active = self
+        SERVED.tracker = self
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -66,7 +75,7 @@ class RequestTracker(LogitsProcessor):
             return
         self.batch_size = batch_update.batch_size
         for index, params, prompt, _ in batch_update.added:
-            mode = type(self).mode_of(params)  # admitted by validate_params, so this cannot fail
+            mode = SERVED.mode_of(params)  # admitted by validate_params, so this cannot fail
             self.mode[index] = CODES[mode.name]
             self.passes[index] = mode.passes
             self.prompt_len[index] = len(prompt or ())
@@ -79,8 +88,8 @@ class RequestTracker(LogitsProcessor):
             moved = [self.prompts[r] for r in rows]
             for r, p in zip(to, moved):
                 self.prompts[r] = p
-            if RequestTracker.state is not None:
-                RequestTracker.state[to] = RequestTracker.state[rows]
+            if SERVED.state is not None:
+                SERVED.state[to] = SERVED.state[rows]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

@@ -3,50 +3,71 @@ exact recurrence) and whether generated positions are fed the previous top state
 
   standard  one plain pass over the prompt; generated positions take plain embeddings (an ordinary LM)
   soft      one plain pass over the prompt; each generated position takes fuse(e_t, h_{t-1})
-  fused     1 + k Jacobi passes over the prompt (k = prefill_passes, or "auto": until the RMS state update
-            falls below tol, at most max_passes), then as soft
+  fused     1 + k Jacobi passes over the prompt (k = prefill_passes; with `tol`, fewer once every row's RMS state
+            update is below tol: adaptive prefill, at most k), then as soft
   exact     the exact recurrence over the prompt, then as soft (the ground truth)
+
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from fullband.errors import FullbandError, InputError
 from fullband.validate import choice, integer, number
 
 MODES = ("standard", "soft", "fused", "exact")
+AUTO = "auto"  # the spelling of adaptive prefill at the edges (CLI, lm-eval, generate's prefill_passes)
+AUTO_TOL, AUTO_MAX = 1e-3, 32  # adaptive prefill's defaults: tolerance and most fused passes
 
 
 @dataclass(frozen=True)
 class DecodeMode:
-    """A decoding mode with its prefill settings, validated on construction (InputError naming the field)."""
+    """A decoding mode with its prefill settings, validated on construction (InputError naming the field).
+
+    `prefill_passes` is k, the fused Jacobi passes over the prompt after the plain one; with `tol` they stop early
+    once every row's RMS state update is below tol (adaptive prefill: "until the update is below tol, at most k").
+    The older spelling DecodeMode("fused", "auto", tol=..., max_passes=...) is read as DecodeMode("fused",
+    max_passes, tol=tol)."""
 
     name: str = "soft"
-    prefill_passes: int | str = 1  # fused: Jacobi passes over the prompt after the plain one, or "auto"
-    tol: float = 1e-3  # "auto": stop once every row's RMS state update is below tol
-    max_passes: int = 32  # "auto": at most this many fused passes
+    prefill_passes: int = 1
+    tol: float | None = None
+    max_passes: InitVar[int | None] = None  # only with prefill_passes="auto" (the older spelling)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_passes: int | None) -> None:
         choice("mode", self.name, MODES, error=InputError)
-        if self.prefill_passes == "auto":
-            number("prefill_tol", self.tol, low=0, low_open=True, error=InputError)
-            integer("max_prefill_passes", self.max_passes, 1, error=InputError)
+        if self.prefill_passes == AUTO:
+            object.__setattr__(self, "prefill_passes", AUTO_MAX if max_passes is None else max_passes)
+            object.__setattr__(self, "tol", AUTO_TOL if self.tol is None else self.tol)
+            integer("max_prefill_passes", self.prefill_passes, 1, error=InputError)
         elif isinstance(self.prefill_passes, str):
             raise InputError(f"prefill_passes={self.prefill_passes!r} is invalid; accepted: an integer >= 0 or 'auto'")
-        else:
-            integer("prefill_passes", self.prefill_passes, 0, error=InputError)
+        elif max_passes is not None:
+            raise InputError("max_passes goes with prefill_passes='auto'; give the cap as prefill_passes and the "
+                             "tolerance as tol: DecodeMode('fused', K, tol=TOL)")
+        integer("prefill_passes", self.prefill_passes, 0, error=InputError)
+        object.__setattr__(self, "prefill_passes", int(self.prefill_passes))
+        if self.tol is not None:
+            number("prefill_tol", self.tol, low=0, low_open=True, error=InputError)
 
     @classmethod
-    def of(cls, mode: str | DecodeMode = "soft", prefill_passes: int | str = 1, *, tol: float = 1e-3,
-           max_passes: int = 32, error: type[FullbandError] = InputError, field: str = "mode") -> DecodeMode:
-        """A DecodeMode from its parts (a DecodeMode is returned as it is); `error` is the class raised, `field`
-        the name the caller gives the mode (e.g. feedback_mode)."""
+    def of(cls, mode: str | DecodeMode = "soft", prefill_passes: int | str | None = None, *, tol: float | None = None,
+           max_passes: int | None = None, error: type[FullbandError] = InputError, field: str = "mode") -> DecodeMode:
+        """A DecodeMode from its parts as users spell them: prefill_passes an integer or "auto" (adaptive, with
+        `tol` and `max_passes`, defaults 1e-3 and 32). A DecodeMode is returned as it is when no part is given.
+        `error` is the class raised, `field` the name the caller gives the mode (e.g. feedback_mode)."""
         if isinstance(mode, DecodeMode):
-            return mode
+            if prefill_passes is None and tol is None and max_passes is None:
+                return mode
+            mode = mode.name
         choice(field, mode, MODES, error=error)
+        passes = 1 if prefill_passes is None else prefill_passes
         try:
-            return cls(mode, prefill_passes, tol, max_passes)
+            if passes == AUTO:
+                return cls(mode, AUTO_MAX if max_passes is None else max_passes, AUTO_TOL if tol is None else tol)
+            return cls(mode, passes)
         except InputError as err:
             if error is InputError:
                 raise
@@ -64,11 +85,11 @@ class DecodeMode:
         name, _, k = text.partition(":")
         if not k:
             return cls(name, 1)
-        if k != "auto" and not k.isdigit():
+        if k != AUTO and not (k.isascii() and k.isdigit()):
             raise InputError(f"mode {text!r} is not MODE or fused:K (e.g. fused:2, fused:auto)")
         if name != "fused":
             raise InputError(f"mode {text!r}: only fused takes prefill passes (fused:K); accepted: {', '.join(MODES)}")
-        return cls(name, k if k == "auto" else int(k))
+        return cls.of(name, k if k == AUTO else int(k))
 
     # ---------------------------------------------------------------- what the mode means
     @property
@@ -83,10 +104,8 @@ class DecodeMode:
 
     @property
     def fused_passes(self) -> int:
-        """Fused Jacobi passes over the prompt after the plain one (under "auto": the most it may run)."""
-        if self.name != "fused":
-            return 0
-        return self.max_passes if self.prefill_passes == "auto" else self.prefill_passes
+        """Fused Jacobi passes over the prompt after the plain one (with `tol`: the most it may run)."""
+        return self.prefill_passes if self.name == "fused" else 0
 
     @property
     def passes(self) -> int:
@@ -95,20 +114,19 @@ class DecodeMode:
 
     @property
     def tolerance(self) -> float | None:
-        """The adaptive-prefill tolerance ("auto" in fused mode), else None."""
-        return self.tol if self.name == "fused" and self.prefill_passes == "auto" else None
+        """The adaptive-prefill tolerance (FUSED with `tol`), else None."""
+        return self.tol if self.name == "fused" else None
 
-    def prompt_passes(self, length: int) -> int:
-        """Passes to run over prompts of `length` positions: a T-token prompt is exact (the fixed point) after T
-        passes, so more would recompute it unchanged."""
-        return min(self.passes, length)
+    @property
+    def adaptive(self) -> bool:
+        return self.tolerance is not None
 
     @property
     def label(self) -> str:
         """'standard', 'soft', 'exact', 'fused k=2', 'fused auto tol=0.001'."""
         if self.name != "fused":
             return self.name
-        if self.prefill_passes == "auto":
+        if self.adaptive:
             return f"fused auto tol={self.tol:g}"
         return f"fused k={self.prefill_passes}"
 
@@ -117,7 +135,7 @@ class DecodeMode:
         after as many passes as it has tokens), and (weights=True) a feedback mode without fusion weights."""
         if weights and self.feeds_state and not config.has_feedback:
             raise error(f"mode={self.name!r} needs feedback weights; this model has fusion='none' (use mode='standard')")
-        name = "max_prefill_passes" if self.prefill_passes == "auto" else "prefill_passes"
+        name = "max_prefill_passes" if self.adaptive else "prefill_passes"
         if self.fused_passes > config.max_seq_len:
             raise error(f"{name}={self.fused_passes} is above the cap of max_seq_len={config.max_seq_len}: a prompt "
                         f"is exact after as many passes as it has tokens, so more cannot change anything; accepted: "

@@ -1,0 +1,87 @@
+"""The multi-pass training objective, outside the model: NTP(pass 1) + pass_loss_weight * mean(NTP(passes 2..k)),
+each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, and the training-time inputs of the later passes
+(uniform jitter on the fed state, a random plain prefix per sequence, detaching between passes). Called by the
+trainer and the transformers class's labels path; eval.loss scores with the same `ntp`.
+
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class Objective:
+    loss: Tensor  # the objective
+    pass_losses: list[Tensor]  # NTP of every pass (k entries; passes beyond a noise-free fixed point repeat it)
+    state: Tensor  # (B, T, D) the last pass's fed-back state
+    top: Tensor  # (B, T, D) the last pass's final-norm output
+
+
+def ntp(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Next-token cross-entropy of logits (B, T, V) against targets (B, T) (-100 = not scored), in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+
+
+def prefix_mixin(B: int, T: int, prob: float, device: torch.device, generator: torch.Generator | None) -> Tensor:
+    """(B, T) bool: with probability `prob` a sequence reverts positions t <= p, p ~ U[0, T), to plain inputs."""
+    use = torch.rand(B, device=device, generator=generator) < prob
+    p = torch.randint(0, T, (B,), device=device, generator=generator)
+    return use[:, None] & (torch.arange(T, device=device)[None, :] <= p[:, None])
+
+
+def training_feed(cfg, *, noise: bool, generator: torch.Generator | None):
+    """The `feed` hook of the model's pass loop (fullband.model.core): the state fed to pass j is detached
+    (cfg.detach_between_passes) and, with `noise`, jittered by U(-jitter, jitter), with a random plain prefix per
+    sequence (cfg.prefix_mixin_prob). None when nothing changes what a pass reads."""
+    jitter = cfg.jitter if noise else 0.0
+    mixin = cfg.prefix_mixin_prob if noise else 0.0
+    if not (cfg.detach_between_passes or jitter > 0 or mixin > 0):
+        return None
+
+    def feed(j: int, state: Tensor, plain: Tensor) -> tuple[Tensor, Tensor]:
+        prev = state.detach() if cfg.detach_between_passes else state
+        if jitter > 0:
+            noise_ = torch.empty(prev.shape, dtype=prev.dtype, device=prev.device)
+            prev = prev + noise_.uniform_(-jitter, jitter, generator=generator)
+        if mixin > 0:
+            B, T = plain.shape
+            plain = plain | prefix_mixin(B, T, mixin, plain.device, generator)
+        return prev, plain
+
+    return feed
+
+
+def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_mask: Tensor | None = None,
+              generator: torch.Generator | None = None, z_loss: float = 0.0, noise: bool | None = None,
+              cache=None) -> Objective:
+    """The objective of `passes` Jacobi passes over input_ids (B, T) against targets (B, T) (-100 = ignore).
+    `model` is a FeedbackModel or its data-parallel wrapper (the loss is computed inside its forward). `noise`
+    (default: the model's training mode) adds the jitter and prefix mixin; without it passes beyond T repeat the
+    fixed point, so they are not run again and their terms are the last one's. A `cache` receives the last
+    pass's keys and values."""
+    net = getattr(model, "module", model)  # DDP: the model inside
+    cfg = net.config
+    noise = net.training if noise is None else noise
+    run = passes if noise else min(passes, input_ids.shape[1])
+    ntps: list[Tensor] = []
+
+    def each_pass(j: int, state: Tensor, top: Tensor) -> Tensor:
+        logits = net.head(top)
+        ce = ntp(logits, targets)
+        ntps.append(ce)
+        return ce + z_loss * logits.float().logsumexp(-1).pow(2).mean() if z_loss > 0 else ce
+
+    out = model(input_ids, passes=run, plain_mask=plain_mask, cache=cache, return_logits=False,
+                feed=training_feed(cfg, noise=noise, generator=generator), each_pass=each_pass)
+    terms = out.per_pass + [out.per_pass[-1]] * (passes - run)
+    ntps += [ntps[-1]] * (passes - run)
+    loss = terms[0]
+    if len(terms) > 1:
+        loss = loss + cfg.pass_loss_weight * torch.stack(terms[1:]).mean()
+    return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top)
