@@ -336,9 +336,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from fullband.reproduce import EXPERIMENTS, reproduce
+    from fullband.reproduce import REGISTRY, reproduce
 
-    for exp in EXPERIMENTS if args.experiment == "all" else [args.experiment]:
+    for exp in REGISTRY if args.experiment == "all" else [args.experiment]:
         reproduce(exp, root=args.root, docs=args.docs)
     return 0
 
@@ -526,9 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     for what in e.choices.values():
         what.set_defaults(func=cmd_eval)
 
+    from fullband.reproduce import REGISTRY
+
     s = sub.add_parser("reproduce", help="the paper's claims at small scale: train, evaluate, write a report")
-    s.add_argument("experiment", choices=["stability", "probe", "data-efficiency", "fusion-ablation", "sft", "tracking",
-                                          "all"])
+    s.add_argument("experiment", choices=[*REGISTRY, "all"])
     s.add_argument("--root", default="runs/repro", help="where the runs go (finished ones are reused)")
     s.add_argument("--docs", default="docs/results", help="where the report and figures go")
     s.set_defaults(func=cmd_reproduce)

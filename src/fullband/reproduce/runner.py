@@ -1,0 +1,115 @@
+"""What every experiment of `fullband reproduce` shares: its runs (trained from configs/tiny.toml plus overrides,
+finished ones reused, interrupted ones resumed), its registry entry, the settings, and the reports' common lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fullband.eval.report import save_figure
+from fullband.files import replace_file
+
+BASE = "configs/tiny.toml"
+
+
+@dataclass
+class Run:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    config: str = ""  # the recipe when it is not the experiment's base (configs/tiny.toml)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One experiment of `fullband reproduce`: its name, its runs (a fresh list each call: a report may add a run's
+    warm start to its overrides) and its report, which trains and evaluates them and returns the report's lines
+    (called as report(runs, root, figs, settings, **options))."""
+
+    name: str
+    runs: Callable[[], list[Run]]
+    report: Callable[..., list[str]]
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every run of an experiment starts from: the base recipe and overrides applied after each run's own
+    (tests shrink the runs with them)."""
+
+    base: str = BASE
+    extra: tuple[str, ...] = ()
+
+
+def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None = None) -> tuple[Path, float]:
+    """Train (or reuse / resume) runs under root/<name>; returns the final checkpoint and the wall time spent."""
+    from fullband.train.checkpoint import list_checkpoints, read_trainer_state
+    from fullband.train.config import load_run_config
+    from fullband.train.rundir import RUN_FILE
+    from fullband.train.trainer import train
+
+    run_dir = root / run.name
+    overrides = [*run.overrides, *(extra or []), *settings.extra, f'log.run_dir="{run_dir}"', "log.eval_every=0"]
+    cfg = load_run_config(run.config or settings.base, overrides)
+    done = list_checkpoints(run_dir)
+    t0 = time.perf_counter()
+    if not (done and read_trainer_state(done[-1])["step"] >= cfg.train.steps):
+        print(f"== training {run.name}: {' '.join(run.overrides)}", flush=True)
+        started = bool(done) or (run_dir / RUN_FILE).is_file()  # an interrupted run, with or without a checkpoint
+        train(cfg, resume=run_dir if started else None)
+    wall = time.perf_counter() - t0
+    meta = run_dir / "wall.json"
+    if wall > 5 or not meta.exists():
+        replace_file(meta, json.dumps({"train_seconds": wall}))
+    return list_checkpoints(run_dir)[-1], json.loads(meta.read_text())["train_seconds"]
+
+
+COMMANDS = ("Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and "
+            "`--set log.eval_every=0`):")
+
+
+def figure_and_commands(exp: str, png: str, alt: str) -> list[str]:
+    """The report's figure line and the header of its command list."""
+    return [f"![{alt}]({exp}/{png})", "", COMMANDS, ""]
+
+
+def saved_figure(fig, figs: Path, png: str, alt: str) -> list[str]:
+    """Write the report's figure to figs/png (figs: the experiment's folder beside its report); returns
+    figure_and_commands' lines for it."""
+    save_figure(fig, figs / png)
+    return figure_and_commands(figs.name, png, alt)
+
+
+def config_line(run: Run, *extra: str) -> str:
+    sets = " ".join(f"--set {o}" for o in [*run.overrides, *extra])
+    return f"`fullband train {run.config or BASE}{' ' + sets if sets else ''}`"
+
+
+
+def val_batches(checkpoint: Path, windows: int = 128, seq_len: int = 256, batch: int = 16):
+    from fullband.folder import read_config
+    from fullband.data.tokenizer import load_tokenizer
+    from fullband.eval.commands import held_out_stream, window_batches
+
+    seq_len = min(seq_len, read_config(checkpoint).max_seq_len)
+    stream = held_out_stream(checkpoint, load_tokenizer(checkpoint), corpus=None, val_percent=None)
+    return list(window_batches(stream, seq_len, windows, batch))
+
