@@ -3,7 +3,9 @@
 Each measurement runs in a fresh process: a model is built and warmed up, then one generation whose prompt is read
 with 1 + K Jacobi passes; the figure is how far the process's peak resident memory rose during that call. The pass
 loop keeps the current and the previous pass's states alive, so the figure should not grow with K; a loop that
-kept every pass's state would grow by about one state per pass (the "state" column).
+kept every pass's state would grow by about one state per pass. Two columns: glibc's allocator as it comes (it may
+keep freed blocks of this size in its heap, so the peak also shows fragmentation), and with its mmap threshold
+fixed (MALLOC_MMAP_THRESHOLD_: every large tensor is mapped and unmapped, so the peak is the live memory).
 
     python benchmarks/prefill_memory.py                     # the installed fullband
     PYTHONPATH=OTHER/src python benchmarks/prefill_memory.py # another checkout, for a side-by-side
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -49,9 +52,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure(batch: int, length: int, width: int, fused: int, threads: int) -> dict:
+def measure(batch: int, length: int, width: int, fused: int, threads: int, *, live: bool) -> dict:
+    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if live else {})}
     out = subprocess.run([sys.executable, "-c", CHILD, str(batch), str(length), str(width), str(fused), str(threads)],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -69,12 +73,13 @@ def main() -> None:
     state = args.batch * args.length * args.width * 4 / 2**20
     print(f"fullband {fullband.__version__} from {fullband.__file__}; {cpu_model()}, {args.threads} threads")
     print(f"prompts {args.batch} x {args.length}, d_model {args.width}: one pass's state is {state:.1f} MiB")
-    print(f"{'fused passes':>12} {'passes run':>10} {'peak rise MiB':>14}")
+    print(f"{'fused passes':>12} {'passes run':>10} {'peak rise MiB':>14} {'live (fixed mmap) MiB':>22}")
     rows = []
     for k in args.passes:
-        r = measure(args.batch, args.length, args.width, k, args.threads)
-        rows.append({"fused_passes": k, **r, "state_mib": state})
-        print(f"{k:>12} {r['passes']:>10} {r['peak_rise_mib']:>14.1f}")
+        r = measure(args.batch, args.length, args.width, k, args.threads, live=False)
+        live = measure(args.batch, args.length, args.width, k, args.threads, live=True)["peak_rise_mib"]
+        rows.append({"fused_passes": k, **r, "live_peak_rise_mib": live, "state_mib": state})
+        print(f"{k:>12} {r['passes']:>10} {r['peak_rise_mib']:>14.1f} {live:>22.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_model(), "rows": rows}, f, indent=2)
