@@ -304,11 +304,9 @@ def test_sft_warm_starts_grows_the_vocabulary_and_learns_on_assistant_tokens(tmp
 def test_chat_training_resumes_bitwise_after_sigkill(tmp_path, base_checkpoint):
     from test_train import cli
 
-    whole = chat_recipe(tmp_path, "whole", steps=60, init_from=base_checkpoint, ckpt_every=2)
+    whole = chat_recipe(tmp_path, "whole", steps=60, init_from=base_checkpoint, ckpt_every=0)  # saves at the end
     part = chat_recipe(tmp_path, "part", steps=60, init_from=base_checkpoint, ckpt_every=2)
-    ref = cli("train", str(whole))
-    _, err = ref.communicate(timeout=600)
-    assert ref.returncode == 0, err
+    ref = cli("train", str(whole))  # the uninterrupted run, beside the victim (one thread each)
     victim = cli("train", str(part))
     deadline = time.time() + 300
     while not (tmp_path / "part" / "step_000006").exists():
@@ -321,6 +319,8 @@ def test_chat_training_resumes_bitwise_after_sigkill(tmp_path, base_checkpoint):
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
     assert "resumed from" in out
+    _, err = ref.communicate(timeout=600)
+    assert ref.returncode == 0, err
     assert losses(tmp_path / "part") == losses(tmp_path / "whole")
     from safetensors.torch import load_file
 

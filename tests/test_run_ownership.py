@@ -5,6 +5,7 @@ a config that differs from the run's are one-line errors that say what to do."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -25,12 +26,18 @@ from fullband.train.trainer import train
 CLI = [sys.executable, "-m", "fullband.cli"]
 
 
+def child_env() -> dict[str, str]:
+    """One thread per CLI child: micro-model matmuls gain nothing from more, and two spinning OpenMP threads in each
+    of two children (or beside other work) on a 2-core machine slow every step by orders of magnitude."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=child_env())
 
 
 def wait_for(condition, proc: subprocess.Popen | None = None, timeout: float = 120.0, every: float = 0.005) -> bool:
@@ -237,7 +244,8 @@ ls -a {disk / 'run'}
 {sys.executable} -m fullband.cli doctor {disk / 'run'} --quick > {tmp_path / 'doctor.txt'}
 echo "doctor_rc=$?"
 """
-    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=600).stdout
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=600,
+                         env=child_env()).stdout
     err = (tmp_path / "err.txt").read_text()
     assert "train_rc=2" in out, (out, err)
     assert "the disk is full" in err and str(disk / "run") in err and "Traceback" not in err
