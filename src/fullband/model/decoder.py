@@ -56,7 +56,7 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None = None,
                 window_mask: Tensor | None = None) -> Tensor:
         """All positions from 0 (see Attention.forward)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv, window_mask)
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, window_mask=window_mask)
         return x + self.mlp(self.mlp_norm(x))
 
     def step(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], slots: Tensor, kv_len: int,
