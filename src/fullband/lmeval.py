@@ -13,8 +13,7 @@ what decoding in that mode sees. `loglikelihood_rolling` scores a text in max_se
 With the harness's `--apply_chat_template` (a checkpoint with a chat vocabulary, or a pretrained model's own
 template) each request is the conversation rendered by the vocabulary's template, read back with its special
 tokens' text (<bos>, <|user|>, ...) as their ids: exactly `fullband.apply_chat_template`'s prompt ids; a
-generation then also ends at the vocabulary's stop ids (EOS, <|end|>), where the turn ends.
-"""
+generation then also ends at the vocabulary's stop ids (EOS, <|end|>), where the turn ends."""
 
 from __future__ import annotations
 
@@ -205,10 +204,7 @@ class FullbandHarnessLM(LM):
         pairs = [self._split(*req.args) for req in requests]
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))  # similar lengths batch together
         scored = self._score([pairs[i] for i in order])
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
-        for i, result in zip(order, scored):
-            out[i] = result
-        return out
+        return [result for _, result in sorted(zip(order, scored), key=lambda pair: pair[0])]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window

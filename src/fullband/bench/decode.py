@@ -3,8 +3,7 @@
 Every variant of one (dtype, batch) cell runs in the same process, interleaved (A B C A B C ...), and the
 median is reported, so ratios hold on a noisy shared machine. The matmul bound is the time of the decode
 step's weight matrix-vector products alone (one token's worth, same shapes and dtype, timed in the same
-loop): the ceiling for batch-1 decoding on this hardware.
-"""
+loop): the ceiling for batch-1 decoding on this hardware."""
 
 from __future__ import annotations
 
@@ -123,11 +122,9 @@ def hf_llama_generate(model: FullbandLM, prompt_len: int, new_tokens: int) -> Ca
         return None
     cfg = model.config
     hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=True, rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.norm_eps,
-    )).eval()
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=True, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len))
 
     def run() -> None:
@@ -144,20 +141,10 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def run_decode_bench(
-    cfg: ModelConfig,
-    *,
-    batches: list[int] = (1, 8),
-    dtypes: list[str] = ("float32", "bfloat16"),
-    prompt_len: int = 32,
-    new_tokens: int = 64,
-    prefill_passes: int = 1,
-    repeats: int = 5,
-    hf: bool = True,
-    compile: bool = False,
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-) -> dict:
+def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: list[str] = ("float32", "bfloat16"),
+                     prompt_len: int = 32, new_tokens: int = 64, prefill_passes: int = 1, repeats: int = 5,
+                     hf: bool = True, compile: bool = False, seed: int = 0,
+                     log: Callable[[str], None] = print) -> dict:
     torch.manual_seed(seed)
     base = FullbandLM(cfg).eval()
     fused = f"fused(k={prefill_passes})"
@@ -167,11 +154,9 @@ def run_decode_bench(
         model = copy.deepcopy(base).to(getattr(torch, dtype_name))
         for batch in batches:
             prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len))
-            decoders = {
-                "standard": _decode_timer(model, prompts, new_tokens, "standard", 0),
-                "soft": _decode_timer(model, prompts, new_tokens, "soft", 0),
-                fused: _decode_timer(model, prompts, new_tokens, "fused", prefill_passes),
-            }
+            decoders = {"standard": _decode_timer(model, prompts, new_tokens, "standard", 0),
+                        "soft": _decode_timer(model, prompts, new_tokens, "soft", 0),
+                        fused: _decode_timer(model, prompts, new_tokens, "fused", prefill_passes)}
             if compile:
                 decoders["standard compiled"] = _decode_timer(model, prompts, new_tokens, "standard", 0, True)
                 decoders["soft compiled"] = _decode_timer(model, prompts, new_tokens, "soft", 0, True)
@@ -209,17 +194,10 @@ def run_decode_bench(
                 if times[name]:
                     t = statistics.median(times[name])
                     rows.append(Row(dtype_name, batch, variant, new_tokens / t, 1000 * t / new_tokens, note=note))
-    return {
-        "rows": [asdict(r) for r in rows],
-        "params": base.num_params(),
-        "params_fusion": base.num_params() - base.num_params(fusion=False),
-        "threads": torch.get_num_threads(),
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "theory_soft_overhead": theory_overhead(cfg),
-        **_summary(rows, fused),
-        **{f"soft_overhead_paired_steps/{k}": v for k, v in paired.items()},
-    }
+    return {"rows": [asdict(r) for r in rows], "params": base.num_params(),
+            "params_fusion": base.num_params() - base.num_params(fusion=False), "threads": torch.get_num_threads(),
+            "prompt_len": prompt_len, "new_tokens": new_tokens, "theory_soft_overhead": theory_overhead(cfg),
+            **_summary(rows, fused), **{f"soft_overhead_paired_steps/{k}": v for k, v in paired.items()}}
 
 
 def _summary(rows: list[Row], fused: str) -> dict:
@@ -241,9 +219,8 @@ def _summary(rows: list[Row], fused: str) -> dict:
             out[f"e2e_vs_hf/{key}"] = get[(dtype, batch, "standard end-to-end")] / get[(dtype, batch, "HF Llama generate")]
         if dtype == "bfloat16" and ("float32", batch, "standard") in get:
             out[f"bf16_vs_fp32/b{batch}"] = std / get[("float32", batch, "standard")]
-            out[f"bf16_vs_fp32_bound/b{batch}"] = (
-                get[(dtype, batch, "matmul bound")] / get[("float32", batch, "matmul bound")]
-            )
+            bound = get[(dtype, batch, "matmul bound")]
+            out[f"bf16_vs_fp32_bound/b{batch}"] = bound / get[("float32", batch, "matmul bound")]
     return out
 
 
