@@ -7,8 +7,7 @@ over the prompt); earlier turns are never read again. FUSED reads the whole conv
 Jacobi passes at every turn: its prefill is a parallel pass over the prompt, and the prompt is the whole
 conversation. The answer is decoded as the mode decodes (STANDARD plain, the others fed). When the rendered
 conversation does not continue the tokens already read (a tokenizer that splits a generated text differently
-when it is read back), the turn starts over from the whole conversation.
-"""
+when it is read back), the turn starts over from the whole conversation."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 then report held-out loss for STANDARD and FUSED prefill and sample a code continuation in every mode.
 
 Everything lands in the run directory: metrics, checkpoints, loss.png, val_loss.png, samples.md, demo.json.
-A finished run is reused; an interrupted one is resumed.
-"""
+A finished run is reused; an interrupted one is resumed."""
 
 from __future__ import annotations
 

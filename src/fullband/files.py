@@ -1,8 +1,7 @@
 """Safe writes into users' folders. An output folder is written as a locked temporary sibling and renamed into
 place; an existing folder is replaced only when it is recognisably an earlier output of the same kind and the
 caller asked for it; a run directory belongs to one process at a time; a full disk or a read-only folder is
-reported as such, with the path.
-"""
+reported as such, with the path."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The one loader: the model any folder fullband writes holds, whichever it is: a native model folder or training
 checkpoint (a FullbandLM, or the Hugging Face model a model.hf_path run wrapped with latent feedback), or a
 transformers folder of ours (`fullband convert --to hf`, `save_pretrained`: its native FullbandLM). The folder formats
-are fullband.folder's; FullbandLM.save / load reach these functions through the hook installed here.
-"""
+are fullband.folder's; FullbandLM.save / load reach these functions through the hook installed here."""
 
 from __future__ import annotations
 

@@ -225,11 +225,9 @@ def _summary(rows: list[Row], fused: str) -> dict:
 
 
 def format_report(result: dict) -> str:
-    lines = [
-        f"parameters {result['params'] / 1e6:.1f}M (fusion {result['params_fusion'] / 1e6:.2f}M), "
-        f"{result['threads']} threads, prompt {result['prompt_len']} tokens, {result['new_tokens']} new tokens",
-        f"{'dtype':<9} {'batch':>5}  {'variant':<22} {'tok/s':>9} {'ms/step':>8} {'prefill ms':>10}  note",
-    ]
+    lines = [f"parameters {result['params'] / 1e6:.1f}M (fusion {result['params_fusion'] / 1e6:.2f}M), "
+             f"{result['threads']} threads, prompt {result['prompt_len']} tokens, {result['new_tokens']} new tokens",
+             f"{'dtype':<9} {'batch':>5}  {'variant':<22} {'tok/s':>9} {'ms/step':>8} {'prefill ms':>10}  note"]
     for r in result["rows"]:
         pre = f"{r['prefill_ms']:.1f}" if r["prefill_ms"] is not None else ""
         lines.append(f"{r['dtype']:<9} {r['batch']:>5}  {r['variant']:<22} {r['tokens_per_s']:>9.1f} "

@@ -2,8 +2,7 @@
 without activation checkpointing, against the target that a k-pass step costs at most 1.05 k one-pass steps.
 
 Each variant runs in its own process (so its peak memory is its own), the variants take turns over several
-rounds, and each reports the median of its timed steps; the table gives the median over rounds.
-"""
+rounds, and each reports the median of its timed steps; the table gives the median over rounds."""
 
 from __future__ import annotations
 

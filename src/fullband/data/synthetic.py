@@ -2,8 +2,7 @@
 final colon and never appears in the input; scratch updates that do not change it vary the length.
 
 Each generator is deterministic from its seed and returns balanced examples with a group id for grouped
-cross-validation (a group never straddles train and test folds).
-"""
+cross-validation (a group never straddles train and test folds)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The context is prefilled exactly as `generate` prefills a prompt (STANDARD / SOFT: one plain pass; FUSED:
 1 + k passes; EXACT: the recurrence), then the continuation's tokens are fed one by one through the same
 cached decode step, with the fed-back state in every mode but STANDARD. This is what lm-evaluation-harness's
-`loglikelihood` asks for.
-"""
+`loglikelihood` asks for."""
 
 from __future__ import annotations
 

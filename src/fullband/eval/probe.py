@@ -4,8 +4,7 @@ fit L2-regularised logistic regression with 4-fold grouped cross-validation.
 
 Prefill modes: `standard` (one plain pass), `one-step` (only the final position is fused, with the plain
 state of the position before it), `suffix` (the last k positions run the exact recurrence after a plain
-prefix), `full` (the exact recurrence over the whole example).
-"""
+prefix), `full` (the exact recurrence over the whole example)."""
 
 from __future__ import annotations
 

@@ -181,9 +181,5 @@ def generate_length_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-RENDER = {
-    "loss": (loss_table, loss_figure),
-    "stability": (stability_table, stability_figure),
-    "probe": (probe_table, probe_figure),
-    "generate_length": (generate_length_table, None),
-}
+RENDER = {"loss": (loss_table, loss_figure), "stability": (stability_table, stability_figure),
+          "probe": (probe_table, probe_figure), "generate_length": (generate_length_table, None)}

@@ -12,8 +12,7 @@ left-padded (transformers' convention, `attention_mask`); each row is run from i
 own positions, exactly as `fullband.generate` runs a ragged batch.
 
 Importing fullband.hf registers these classes with the Auto classes. Shipped as source with every transformers
-folder, as modeling_fullband.py (fullband.hf.remote): it imports only other shipped modules.
-"""
+folder, as modeling_fullband.py (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 

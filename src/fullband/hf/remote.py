@@ -9,8 +9,7 @@ fullband.model.layers's names come from `.fullband_layers`). A shipped module th
 module is refused when the files are written (and by the tests), so nothing is silently left out. A model loaded
 from such a folder re-saves by copying the files beside this one.
 
-Shipped as source with every transformers folder (it is in SHIPPED): it imports only the standard library.
-"""
+Shipped as source with every transformers folder (it is in SHIPPED): it imports only the standard library."""
 
 from __future__ import annotations
 

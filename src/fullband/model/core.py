@@ -17,8 +17,7 @@ model (vllm.model) supply their stacks; the transformers class, the decode engin
 training objective (train.objective) call these rules. Shipped as source with every transformers folder
 (fullband.hf.remote): it imports only other shipped modules.
 
-Shapes: B batch, T positions, D model width, V vocabulary.
-"""
+Shapes: B batch, T positions, D model width, V vocabulary."""
 
 from __future__ import annotations
 
@@ -237,10 +236,8 @@ def check_ids(input_ids: Tensor, vocab_size: int, max_seq_len: int) -> None:
     if not isinstance(input_ids, Tensor):
         raise InputError(f"input_ids must be a torch.Tensor of shape (B, T), got {type(input_ids).__name__}")
     if input_ids.ndim != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise InputError(
-            f"input_ids must be an integer tensor of shape (B, T); got dtype {input_ids.dtype}, "
-            f"shape {tuple(input_ids.shape)}"
-        )
+        raise InputError(f"input_ids must be an integer tensor of shape (B, T); got dtype {input_ids.dtype}, "
+                         f"shape {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
         raise InputError(f"input_ids is empty (shape {tuple(input_ids.shape)}); need B >= 1 and T >= 1")
     if input_ids.shape[1] > max_seq_len:

@@ -8,8 +8,7 @@ whose input can fuse the previous position's top state. It supplies its transfor
 
 Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
 
-Shapes: B batch, T positions, D model width, V vocabulary.
-"""
+Shapes: B batch, T positions, D model width, V vocabulary."""
 
 from __future__ import annotations
 

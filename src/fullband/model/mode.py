@@ -7,8 +7,7 @@ exact recurrence) and whether generated positions are fed the previous top state
             update is below tol: adaptive prefill, at most k), then as soft
   exact     the exact recurrence over the prompt, then as soft (the ground truth)
 
-Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
-"""
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 

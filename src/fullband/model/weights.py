@@ -3,8 +3,7 @@ optimizer takes it), how a fused matrix splits into the logical matrices it stac
 Llama checkpoint and goes in vLLM's model. Read by initialisation, optimizer routing (fullband.train.optim),
 from_llama, the vLLM loader and the decode benchmark.
 
-Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
-"""
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 

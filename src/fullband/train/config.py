@@ -128,15 +128,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len and not self.model.hf_path:  # hf: checked against the model
-            raise ConfigError(
-                f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
-                f"lower train.seq_len or raise model.max_seq_len"
-            )
+            raise ConfigError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                              f"lower train.seq_len or raise model.max_seq_len")
         if self.train.micro_batch > self.train.global_windows:
-            raise ConfigError(
-                f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
-                f"{self.train.global_windows} windows (global_batch_tokens / seq_len)"
-            )
+            raise ConfigError(f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
+                              f"{self.train.global_windows} windows (global_batch_tokens / seq_len)")
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -260,8 +260,7 @@ class NorMuon(torch.optim.Optimizer):
     A group's `splits` (row sizes) cuts a fused matrix into blocks, each orthogonalised and rescaled on its
     own. State (`momentum_buffer`, `second_moment` (rows, 1)) is kept in the parameter's dtype, as torch's
     Adam does, so a state_dict round trip is exact. DTensor (FSDP2) parameters: the momentum is gathered,
-    the update computed on the full matrix on every rank, and each rank applies its own shard.
-    """
+    the update computed on the full matrix on every rank, and each rank applies its own shard."""
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], lr: float = 1e-2, weight_decay: float = 0.0,
                  momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95, ns_steps: int = 5,

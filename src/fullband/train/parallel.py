@@ -1,8 +1,7 @@
 """Process groups and model wrapping, in one place: activation checkpointing, compile, then DDP or FSDP2.
 
 The model code knows nothing about parallelism. Launch several processes with `torchrun`; a single process
-runs without a process group. Order follows torchtitan: checkpointing, compile, data parallelism.
-"""
+runs without a process group. Order follows torchtitan: checkpointing, compile, data parallelism."""
 
 from __future__ import annotations
 

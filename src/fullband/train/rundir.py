@@ -38,10 +38,8 @@ def claim_run_dir(run_dir: Path, *, resume: bool) -> tuple[FolderLock, bool]:
                               f"{describe_entries(entries)}); a run needs a new or empty folder: choose another "
                               "log.run_dir (e.g. --set log.run_dir=runs/new)")
         if entries:
-            raise ConfigError(
-                f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
-                f"{run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)"
-            )
+            raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
+                              f"{run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)")
     except BaseException:
         lock.release()
         raise

@@ -35,8 +35,7 @@ Where vLLM's machinery meets the state (each case is tested):
   CUDA graphs  the step plan is built on the host, so full graphs are off; piecewise graphs of the compiled
                transformer stack (FeedbackStack) stay.
   not served   speculative decoding, pipeline parallelism (the state must reach the first stage from the last
-               every step), latent-feedback wrappers of other HF models (hf_path), adaptive prefill ("auto").
-"""
+               every step), latent-feedback wrappers of other HF models (hf_path), adaptive prefill ("auto")."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 A request picks its mode with vLLM's per-request extra arguments: `SamplingParams(extra_args={"feedback_mode":
 "fused", "prefill_passes": 2})` offline, `vllm_xargs` / `extra_body={"vllm_xargs": {...}}` through the OpenAI API.
 Unset keys take the served folder's defaults (its config.json `feedback_mode` and `prefill_passes`). Pure Python:
-no vLLM import, so the rules are tested without vLLM.
-"""
+no vLLM import, so the rules are tested without vLLM."""
 
 from __future__ import annotations
 

@@ -62,10 +62,8 @@ def arithmetic_chats(n: int, *, seed: int = 0, max_ops: int = 3, follow_up: floa
         ]
         if rng.random() < follow_up:
             wording, steps, value = _steps(rng, value, rng.randint(1, max_ops))
-            messages += [
-                {"role": "user", "content": f"Then {name} {wording}. How many now?"},
-                {"role": "assistant", "content": " ".join([*steps, f"{ANSWER}{value}"])},
-            ]
+            messages += [{"role": "user", "content": f"Then {name} {wording}. How many now?"},
+                         {"role": "assistant", "content": " ".join([*steps, f"{ANSWER}{value}"])}]
         out.append({"messages": messages})
     return out
 

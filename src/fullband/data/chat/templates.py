@@ -9,8 +9,7 @@ the marker that ends its turn), `assemble` gives the training sequence:
            tokens only (the turn's end marker included, so the model learns to stop);
   fed      positions whose input takes the previous position's state at inference. SOFT / FUSED decoding
            feeds every generated token (the response's tokens); the end marker ends the turn and is read with
-           the next turn's prompt, plainly, as every prompt position is.
-"""
+           the next turn's prompt, plainly, as every prompt position is."""
 
 from __future__ import annotations
 
