@@ -54,9 +54,8 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
 
     path = Path(path)
     if not path.is_dir():
-        report = Report(path, "unknown")
+        report = Report(path, "unknown", verdict="nothing to check")
         report.add(FAIL, ".", "does not exist" if not path.exists() else "is a file, not a folder")
-        report.verdict = "nothing to check"
         return report
     config = read_json(path / CONFIG_FILE) or {}
     if (path / RUN_FILE).is_file() or any(STEP_DIR.match(p.name) for p in path.iterdir() if p.is_dir()):
@@ -68,10 +67,9 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
         report = Report(path, "transformers folder")
         ok = _hf_folder(report, path, hashes)
     else:
-        report = Report(path, "unknown")
+        report = Report(path, "unknown", verdict="nothing to check")
         report.add(FAIL, ".", "not a fullband folder: no run.json, no step_NNNNNN/ checkpoints and no config.json "
                               "written by fullband")
-        report.verdict = "nothing to check"
         return report
     report.verdict = "healthy" if ok else "damaged: see the FAIL lines"
     return report

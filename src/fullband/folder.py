@@ -225,9 +225,7 @@ def load_native_model(directory: str | Path, config: ModelConfig, header: dict, 
     model = model.to_empty(device=device)
     model.rotary.reset_tables()  # non-persistent buffers: to_empty left them uninitialised
     model.load_state_dict(state, strict=True)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()
+    return (model if dtype is None else model.to(dtype)).eval()
 
 
 HF_MODEL_TYPE = "fullband"  # config.json's model_type in a transformers folder of ours

@@ -18,6 +18,7 @@ generation then also ends at the vocabulary's stop ids (EOS, <|end|>), where the
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,6 @@ class FullbandHarnessLM(LM):
         decode_mode = DecodeMode.of(mode, prefill_passes, error=ConfigError)
         torch_dtype = validate.dtype("dtype", dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():  # the harness CLI's default device
-            import warnings
-
             warnings.warn(f"device={device!r} asked for but CUDA is not available; using the CPU", stacklevel=2)
             device = "cpu"
         self.model = load_model(checkpoint, device=device, dtype=torch_dtype).eval()
@@ -102,9 +101,7 @@ class FullbandHarnessLM(LM):
         template name is not looked up."""
         from fullband.data.chat.templates import hf_chat_template
 
-        if chat_template is False or chat_template is None:
-            return None
-        return hf_chat_template(self.tokenizer)
+        return None if chat_template is False or chat_template is None else hf_chat_template(self.tokenizer)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation rendered as text by the vocabulary's template: BOS, each message, then the assistant's

@@ -10,10 +10,8 @@ from pathlib import Path
 import torch
 
 from fullband.errors import CheckpointError
-from fullband.folder import (
-    HF_CONFIG_KEY, _model_config, check_layer_count, is_transformers_folder, load_native_model,
-    load_transformers_folder, read_config_file, read_header, save_model,
-)
+from fullband.folder import (HF_CONFIG_KEY, _model_config, check_layer_count, is_transformers_folder, load_native_model,
+                             load_transformers_folder, read_config_file, read_header, save_model)
 from fullband.model.core import FeedbackModel
 from fullband.model.decoder import FolderIO, FullbandLM
 

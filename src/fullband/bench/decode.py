@@ -69,13 +69,8 @@ def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Calla
             linear(x, w)
 
     def run() -> float:
-        times = []
         with torch.inference_mode():
-            for _ in range(5):
-                t0 = time.perf_counter()
-                once()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            return statistics.median([_timed(once) for _ in range(5)])
 
     return run
 
@@ -99,8 +94,7 @@ def paired_soft_overhead(model: FullbandLM, prompts: torch.Tensor, pairs: int = 
                 cache, state, _ = runs[feed]
                 t0 = time.perf_counter()
                 state, top = model.step(tokens, positions, cache, prev=state if feed else None, kv_len=P + i + 1)
-                logits = model.head(top)
-                tokens = logits.argmax(-1)
+                tokens = model.head(top).argmax(-1)
                 times[feed].append(time.perf_counter() - t0)
                 runs[feed][1] = state
     # drop the first pair (warm-up)

@@ -74,11 +74,10 @@ def run_train_bench(config: str, *, overrides: list[str] | None = None, steps: i
         step_s = statistics.median(x["mean_step_s"] if name == "75/22/3" else x["step_s"] for x in runs)
         k = statistics.fmean(x["mean_k"] for x in runs)
         tokens = runs[0]["tokens_per_step"]
-        rows.append({
-            "variant": name, "activation_checkpointing": ac, "mean_passes": k, "ms_per_step": 1000 * step_s,
-            "tokens_per_s": tokens / step_s, "cost_vs_k1": step_s / base[ac], "cost_per_pass": step_s / base[ac] / k,
-            "peak_mb": max(x["peak_bytes"] for x in runs) / 2**20, "device": runs[0]["device"],
-        })
+        rows.append({"variant": name, "activation_checkpointing": ac, "mean_passes": k, "ms_per_step": 1000 * step_s,
+                     "tokens_per_s": tokens / step_s, "cost_vs_k1": step_s / base[ac],
+                     "cost_per_pass": step_s / base[ac] / k, "peak_mb": max(x["peak_bytes"] for x in runs) / 2**20,
+                     "device": runs[0]["device"]})
     return {"config": config, "overrides": overrides or [], "rows": rows}
 
 

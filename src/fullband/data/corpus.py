@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from fullband.data.tokenizer import _short_hash
 from fullband.errors import DataError, FullbandWarning, closest
 
 SPLITS = ("train", "val")
@@ -36,6 +35,12 @@ def in_val(key: str, val_percent: float) -> bool:
     """True iff the document named `key` is held out: sha1(key) mod 10000 < val_percent * 100."""
     bucket = int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:8], "big") % 10000
     return bucket < val_percent * 100
+
+
+def _short_hash(payload: Any) -> str:
+    """16 hex digits of sha256 over canonical JSON, so key order and whitespace never change it."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _stat(path: Path) -> list:

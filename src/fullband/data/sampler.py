@@ -68,10 +68,9 @@ class WindowSampler:
         per_step = self.micro_batch * self.world_size
         if self.global_batch % per_step:
             nearest = max(per_step, global_batch // per_step * per_step)
-            raise ConfigError(
-                f"global_batch={global_batch} is not divisible by micro_batch * world_size = {micro_batch} * "
-                f"{world_size} = {per_step}; accepted: a multiple of {per_step}, e.g. {nearest}"
-            )
+            raise ConfigError(f"global_batch={global_batch} is not divisible by micro_batch * world_size = "
+                              f"{micro_batch} * {world_size} = {per_step}; accepted: a multiple of {per_step}, e.g. "
+                              f"{nearest}")
         self.accum_steps = self.global_batch // per_step
         self.n_windows = count_windows(stream, self.seq_len)
         self._perms: dict[int, np.ndarray] = {}
@@ -111,17 +110,15 @@ class WindowSampler:
     def check_state(self, state: dict) -> None:
         """Raise DataError unless `state` (from a checkpoint) describes the same data order as this sampler."""
         if not isinstance(state, dict):
-            raise DataError(
-                f"sampler state is a {type(state).__name__}; accepted: a dict from WindowSampler.state_dict()"
-            )
+            raise DataError(f"sampler state is a {type(state).__name__}; accepted: a dict from "
+                            "WindowSampler.state_dict()")
         now = self.state_dict()
         diffs = [f"{k}: checkpoint {state.get(k, '<missing>')!r}, now {now[k]!r}"
                  for k in STATE_FIELDS if state.get(k) != now[k]]
         if diffs:
-            raise DataError(
-                "the data does not match the checkpoint's sampler, so resuming would not continue the same batches ("
-                + "; ".join(diffs) + "); accepted: the same corpus, tokenizer, seed, seq_len and global_batch"
-            )
+            raise DataError("the data does not match the checkpoint's sampler, so resuming would not continue the same "
+                            "batches (" + "; ".join(diffs) + "); accepted: the same corpus, tokenizer, seed, seq_len "
+                            "and global_batch")
 
 
 def validation_batches(stream: StreamLike, seq_len: int, n_windows: int, batch_size: int) -> list[Batch]:

@@ -250,6 +250,4 @@ def _read_manifest(directory: Path, key: str | None = None) -> dict | None:
     manifest = read_json(directory / MANIFEST)
     if manifest is None or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         return None
-    if key is not None and manifest.get("key") != key:
-        return None
-    return manifest
+    return None if key is not None and manifest.get("key") != key else manifest

@@ -5,12 +5,12 @@ A checkpoint's `tokenizer.json` is our small JSON (`"fullband_tokenizer": "byte"
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from fullband.data.corpus import _short_hash, resolve_corpus
 from fullband.errors import CheckpointError, InputError
 from fullband.files import Kind, atomic_folder, check_destination
 
@@ -24,12 +24,6 @@ SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 # of a chat vocabulary: <|system|> / <|user|> / <|assistant|> open a turn, <|end|> closes it.
 CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 INSTALL_HINT = "pip install 'fullband[data]'"
-
-
-def _short_hash(payload: Any) -> str:
-    """16 hex digits of sha256 over canonical JSON, so key order and whitespace never change it."""
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _check_text(text: Any) -> None:
@@ -54,18 +48,15 @@ class ByteTokenizer:
     @property
     def chat_ids(self) -> dict[str, int] | None:
         """Marker -> id of the chat markers (None: a vocabulary without them)."""
-        if not self.chat:
-            return None
-        return {t: ByteTokenizer.vocab_size + i for i, t in enumerate(CHAT_TOKENS)}
+        return {t: ByteTokenizer.vocab_size + i for i, t in enumerate(CHAT_TOKENS)} if self.chat else None
 
     def with_chat_tokens(self) -> "ByteTokenizer":
         """This vocabulary with the chat markers added (itself when it has them)."""
         return self if self.chat else ByteTokenizer(chat=True)
 
     def _names(self) -> dict[int, str]:
-        names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>"}
-        names.update({i: t for t, i in (self.chat_ids or {}).items()})
-        return names
+        chat = {i: t for t, i in (self.chat_ids or {}).items()}
+        return {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>", **chat}
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -396,8 +387,6 @@ def train_tokenizer_cli(corpus: str | list[str], vocab_size: int, out: str | Pat
     `out` must be new or empty, or (with `overwrite`) a tokenizer folder written earlier; that is checked before
     the training starts. `max_chars` stops reading documents once that many characters were taken (BPE training
     time grows with the text); the held-out split is never seen, so validation loss stays honest."""
-    from fullband.data.corpus import resolve_corpus
-
     if max_chars is not None and (isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1):
         raise InputError(f"max_chars={max_chars!r}; accepted: a positive integer or None")
     check_destination(out, TOKENIZER_KIND, overwrite=overwrite)

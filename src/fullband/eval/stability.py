@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm.auto import tqdm
 
 KS = (1, 2, 3, 5, 10, 30, 100, 300, 1000)
 _EXACTLY_ZERO = 2.0**-149  # the smallest float32 above zero: only an update of exactly zero is below it
@@ -59,9 +60,8 @@ def jacobi_sweep(model, batches, ks=KS, *, exact: bool = True, progress: bool = 
     upd_sq = torch.zeros(kmax, dtype=torch.float64)
     exact_sq = {k: 0.0 for k in ks}
     exact_losses: list[Tensor] = []
-    count = 0
-    converged = []
-    bar = _bar(progress, len(batches))
+    count, converged = 0, []
+    bar = tqdm(total=len(batches), desc="stability sweep", unit="batch", disable=not progress)
     for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
         h_exact = None
@@ -95,10 +95,8 @@ def jacobi_sweep(model, batches, ks=KS, *, exact: bool = True, progress: bool = 
                 record(k, h, top)
         converged.append(last.get("done"))
         count += h.numel()
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     losses = {k: torch.cat(v).double() for k, v in per_window.items()}
     n = next(iter(losses.values())).numel()
     return SweepResult(ks=ks, loss=[float(losses[k].mean()) for k in ks],
@@ -168,14 +166,6 @@ def contraction(model, inputs: Tensor, *, horizons=(1, 2, 4, 8, 16, 32), vectors
         sigma = float(jtju.norm().sqrt())
         u = jtju / jtju.norm().clamp_min(1e-30)
     return Contraction(horizons=list(horizons), growth=growth, lipschitz=sigma)
-
-
-def _bar(progress: bool, total: int):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="stability sweep", unit="batch")
 
 
 @torch.no_grad()

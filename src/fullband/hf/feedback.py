@@ -172,12 +172,8 @@ class LatentFeedback(FeedbackModel):
         rows = generate_ids(self, input_ids, max_new_tokens, **options)
         if not isinstance(input_ids, Tensor):
             return rows
-        device = input_ids.device
-        out = torch.empty(len(rows), max_new_tokens, dtype=torch.long, device=device)
-        for b, row in enumerate(rows):
-            out[b, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
-            out[b, len(row):] = row[-1]
-        return out
+        padded = [row + row[-1:] * (max_new_tokens - len(row)) for row in rows]
+        return torch.tensor(padded, dtype=torch.long, device=input_ids.device)
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_metadata(self) -> dict:

@@ -18,12 +18,8 @@ from fullband.model.decoder import FullbandLM
 from fullband.model.fusion import embedding_rms
 from fullband.model.weights import lookup, named
 
-_REQUIRED = {  # LlamaConfig field -> the value the native block computes
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "rope_scaling": None,
-}
+# LlamaConfig field -> the value the native block computes
+_REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
 
 
 def _transformers():
@@ -63,12 +59,11 @@ def config_from_llama(hf_config: Any, *, fusion: str = "gated", max_seq_len: int
     if rope_theta is None:  # newer transformers keep it in rope_parameters
         rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     values = dict(vocab_size=hf_config.vocab_size, d_model=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
-                  n_heads=hf_config.num_attention_heads,
+                  n_heads=hf_config.num_attention_heads, d_ff=hf_config.intermediate_size,
                   n_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
-                  d_ff=hf_config.intermediate_size,
                   max_seq_len=min(max_seq_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings),
-                  rope_theta=float(rope_theta), norm_eps=float(hf_config.rms_norm_eps), qk_norm=False, input_norm=False,
-                  tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                  rope_theta=float(rope_theta), norm_eps=float(hf_config.rms_norm_eps), qk_norm=False,
+                  input_norm=False, tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
                   bos_token_id=getattr(hf_config, "bos_token_id", None), fusion=fusion)
     values.update(overrides)
     return ModelConfig(**values)

@@ -123,8 +123,7 @@ class FeedbackCache(DecodeState):
         """Beam search: row i continues the sequence of row beam_idx[i], with its keys, values and state."""
         self._select(beam_idx)
 
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._select(indices)
+    batch_select_indices = _select
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._select(torch.arange(self.kv.batch, device=self.state.device).repeat_interleave(repeats))

@@ -19,24 +19,10 @@ import inspect
 from pathlib import Path
 
 ENTRY = "fullband.hf.modeling"
-SHIPPED = (
-    "fullband.errors",
-    "fullband.validate",
-    "fullband.model.config",
-    "fullband.model.layers",
-    "fullband.model.attention",
-    "fullband.model.fusion",
-    "fullband.model.cache",
-    "fullband.model.mode",
-    "fullband.model.weights",
-    "fullband.model.core",
-    "fullband.model.decoder",
-    "fullband.decode.sampling",
-    "fullband.decode.generate",
-    "fullband.train.objective",
-    "fullband.hf.remote",
-    ENTRY,
-)
+SHIPPED = ("fullband.errors", "fullband.validate", "fullband.model.config", "fullband.model.layers",
+           "fullband.model.attention", "fullband.model.fusion", "fullband.model.cache", "fullband.model.mode",
+           "fullband.model.weights", "fullband.model.core", "fullband.model.decoder", "fullband.decode.sampling",
+           "fullband.decode.generate", "fullband.train.objective", "fullband.hf.remote", ENTRY)
 
 
 def file_name(module: str) -> str:

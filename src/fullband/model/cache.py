@@ -18,8 +18,7 @@ class KVCache:
         shape = (batch, max_len, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.batch = batch
-        self.max_len = max_len
+        self.batch, self.max_len = batch, max_len
 
     @classmethod
     def wrap(cls, k: list[Tensor], v: list[Tensor]) -> "KVCache":

@@ -112,9 +112,7 @@ class ModelConfig:
 
     def is_local(self, layer: int) -> bool:
         """Whether block `layer` (0-based) uses sliding-window attention."""
-        if self.sliding_window is None:
-            return False
-        return not (self.global_every and (layer + 1) % self.global_every == 0)
+        return self.sliding_window is not None and not (self.global_every and (layer + 1) % self.global_every == 0)
 
     @property
     def has_feedback(self) -> bool:
@@ -131,9 +129,8 @@ class ModelConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in data:
             if key not in names:
-                raise ConfigError(
-                    f"{source}: unknown model field {key!r}{closest(key, names)}; accepted: {', '.join(names)}"
-                )
+                raise ConfigError(f"{source}: unknown model field {key!r}{closest(key, names)}; accepted: "
+                                  f"{', '.join(names)}")
         return cls(**data)
 
     def replace(self, **changes: Any) -> "ModelConfig":

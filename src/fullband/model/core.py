@@ -148,8 +148,7 @@ class FeedbackModel(nn.Module):
         training objective's jitter and prefix mixin). Stops after `passes`, or once every row's RMS update is below
         `tol`. Two passes' states are alive at a time. A `cache` receives the last pass's keys and values (every
         pass's under `tol`: any may be the last). -> (state, top, passes run, what each_pass returned per pass)."""
-        state = top = None
-        seen = []
+        state, seen = None, []
         for j in range(passes):
             prev, mask = (None, plain) if j == 0 else (feed(j, state, plain) if feed else (state, plain))
             last = j == passes - 1

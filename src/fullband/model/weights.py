@@ -105,9 +105,8 @@ def split(w: Weight, tensor: Tensor, cfg: ModelConfig) -> list[Tensor]:
 
 @torch.no_grad()
 def init_parameter_(name: str, p: Tensor, cfg: ModelConfig) -> Tensor:
-    """The initialisation of FullbandLM parameter `name`: gains at 1; fusion matrices at 1/sqrt(fan_in) (DECISION:
-    the fused input starts at unit scale, gates spread over sigmoid's range); residual outputs at
-    init_std / sqrt(2 L); everything else Normal(0, init_std)."""
+    """The initialisation of FullbandLM parameter `name`: gains at 1; fusion matrices as init_fusion_weight_;
+    residual outputs at init_std / sqrt(2 L); everything else Normal(0, init_std)."""
     w, _ = lookup(name)
     if w.kind == "gain":
         return nn.init.ones_(p)
@@ -119,5 +118,6 @@ def init_parameter_(name: str, p: Tensor, cfg: ModelConfig) -> Tensor:
 
 @torch.no_grad()
 def init_fusion_weight_(p: Tensor) -> Tensor:
-    """Fusion matrices at 1/sqrt(fan_in): the fused input starts at unit scale, gates spread over sigmoid's range."""
+    """Fusion matrices at 1/sqrt(fan_in) (DECISION: the fused input starts at unit scale, gates spread over sigmoid's
+    range)."""
     return nn.init.normal_(p, std=p.shape[1] ** -0.5)

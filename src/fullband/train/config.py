@@ -75,10 +75,9 @@ class TrainConfig:
         number("train.cooldown_fraction", self.cooldown_fraction, low=0, high=1)
         number("train.z_loss", self.z_loss, low=0)
         if self.global_batch_tokens % self.seq_len:
-            raise ConfigError(
-                f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of train.seq_len="
-                f"{self.seq_len}; accepted: a whole number of windows (e.g. {self.seq_len * max(1, self.global_batch_tokens // self.seq_len)})"
-            )
+            raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
+                              f"train.seq_len={self.seq_len}; accepted: a whole number of windows (e.g. "
+                              f"{self.seq_len * max(1, self.global_batch_tokens // self.seq_len)})")
         choice("train.dtype", self.dtype, DTYPES)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"train.device={self.device!r} is invalid; accepted: auto, cpu, cuda, cuda:N")

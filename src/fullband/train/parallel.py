@@ -36,9 +36,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"train.device={name!r} but CUDA is not available here; accepted: auto or cpu")
-    if name == "cuda":
-        return torch.device(f"cuda:{local_rank}")
-    return torch.device(name)
+    return torch.device(f"cuda:{local_rank}") if name == "cuda" else torch.device(name)
 
 
 def init_distributed(device: str) -> Dist:

@@ -21,9 +21,7 @@ def cooldown_steps(total_steps: int, cooldown_fraction: float) -> int:
     """Steps in the cooldown: cooldown_fraction * total_steps, rounded, and at least 1 when the fraction is > 0."""
     integer("total_steps", total_steps, 1)
     number("cooldown_fraction", cooldown_fraction, low=0, high=1)
-    if cooldown_fraction == 0:
-        return 0
-    return min(total_steps, max(1, round(cooldown_fraction * total_steps)))
+    return 0 if cooldown_fraction == 0 else min(total_steps, max(1, round(cooldown_fraction * total_steps)))
 
 
 def in_cooldown(step: int, total_steps: int, cooldown_fraction: float) -> bool:

@@ -253,7 +253,6 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
         trainer.close()
 
 
-# ---------------------------------------------------------------------- helpers
 def _autocast(dtype: str, device: torch.device):
     import contextlib
 

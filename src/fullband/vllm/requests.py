@@ -13,7 +13,6 @@ from typing import Any
 from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
 
-KEYS = ("feedback_mode", "prefill_passes")
 # modes a served model decodes in; "exact" (the token-by-token reference) is for tests, not a server
 SERVED_MODES = ("standard", "soft", "fused")
 # a prompt is exact after as many passes as it has tokens: more passes than this are refused, not run

@@ -17,9 +17,7 @@ ANSWER = "Answer: "
 def final_answer(text: str) -> str | None:
     """The final answer of a response: what follows its last 'Answer: ' up to the end of that line (None: none)."""
     at = text.rfind(ANSWER)
-    if at < 0:
-        return None
-    return text[at + len(ANSWER):].split("\n", 1)[0].strip() or None
+    return None if at < 0 else (text[at + len(ANSWER):].split("\n", 1)[0].strip() or None)
 
 
 def _steps(rng, start: int, ops: int) -> tuple[str, list[str], int]:
