@@ -9,8 +9,6 @@ from fullband.decode import MODES, DecodeMode, KVCache, Sampling, Step, generate
 from fullband.errors import CheckpointError, ConfigError, FullbandError, InputError  # noqa: E402
 from fullband.model import FeedbackModel, FullbandLM, ModelConfig, ModelOutput  # noqa: E402
 
-__all__ = [
-    "ByteTokenizer", "CheckpointError", "ConfigError", "DecodeMode", "FeedbackModel", "FullbandError", "FullbandLM",
-    "InputError", "KVCache", "MODES", "ModelConfig", "ModelOutput", "Sampling", "Step", "__version__",
-    "apply_chat_template", "generate", "load_model", "load_tokenizer", "stream",
-]
+__all__ = ["ByteTokenizer", "CheckpointError", "ConfigError", "DecodeMode", "FeedbackModel", "FullbandError",
+           "FullbandLM", "InputError", "KVCache", "MODES", "ModelConfig", "ModelOutput", "Sampling", "Step",
+           "__version__", "apply_chat_template", "generate", "load_model", "load_tokenizer", "stream"]

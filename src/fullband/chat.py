@@ -7,8 +7,7 @@ over the prompt); earlier turns are never read again. FUSED reads the whole conv
 Jacobi passes at every turn: its prefill is a parallel pass over the prompt, and the prompt is the whole
 conversation. The answer is decoded as the mode decodes (STANDARD plain, the others fed). When the rendered
 conversation does not continue the tokens already read (a tokenizer that splits a generated text differently
-when it is read back), the turn starts over from the whole conversation.
-"""
+when it is read back), the turn starts over from the whole conversation."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import torch
 
 from fullband.data.tokenizer import TextStream
 from fullband.data.chat.messages import Message, check_messages
-from fullband.data.chat.templates import chat_template
+from fullband.data.chat.templates import chat_prompt, chat_template
 from fullband.decode.generate import DecodeState, advance, prefill
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
@@ -115,15 +114,9 @@ class ChatSession:
             self.messages.append(Message("assistant", self.tokenizer.decode([i for i in ids if i not in self.stops])))
 
     # ------------------------------------------------------------------ reading
-    def _render(self) -> list[int]:
-        ids = [self.template.bos_id]
-        for _, seg in self.template.segments(self.messages, generation_prompt=True):
-            ids += seg
-        return ids
-
     def _read_prompt(self) -> torch.Tensor:
         """Read the new turn's prompt; -> the logits of the answer's first token."""
-        full = self._render()
+        full = chat_prompt(self.tokenizer, self.messages, template=self.template)
         if len(full) >= self.context:
             raise InputError(f"the conversation ({len(full)} tokens) no longer fits the model's context of "
                              f"{self.context}; /reset to start a new one")

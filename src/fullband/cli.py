@@ -10,9 +10,10 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from fullband.errors import FullbandError, InputError
+from fullband.errors import FullbandError, FullbandWarning, InputError
 from fullband.validate import DTYPES, dtype as _dtype_of
 
 
@@ -123,9 +124,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = load_model(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype))
     tokenizer = load_tokenizer(args.checkpoint)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise FullbandError(
-            f"the checkpoint's tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}"
-        )
+        raise FullbandError(f"the checkpoint's tokenizer has {tokenizer.vocab_size} ids but the model only "
+                            f"{model.config.vocab_size}")
     prompt = tokenizer.encode(prompt_text, bos=True)
     stops = [] if args.ignore_eos else [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
     t0 = time.perf_counter()
@@ -308,8 +308,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from fullband.eval import commands
 
     commands.report.check_out(args.out or Path(args.checkpoint) / "eval", args.what.replace("-", "_"))  # before the work
-    if args.what == "probe":
-        commands.require_sklearn()
     if args.what == "loss":
         commands.eval_loss(args.checkpoint, max_prefill=args.max_prefill, exact=not args.no_exact, seq_len=args.seq_len,
                            windows=args.windows, batch_size=args.batch_size, corpus=args.corpus, out=args.out,
@@ -563,10 +561,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _show_warnings(command: str) -> None:
     """fullband's own warnings as one line each on stderr ('fullband generate: warning: ...'), others as usual."""
-    import warnings
-
-    from fullband.errors import FullbandWarning
-
     default = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):

@@ -85,9 +85,8 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     kwargs = {}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(
-                f"unknown key {_join(where, key)!r}{closest(key, names)}; accepted in [{label}]: {', '.join(names)}"
-            )
+            raise ConfigError(f"unknown key {_join(where, key)!r}{closest(key, names)}; accepted in [{label}]: "
+                              f"{', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], _join(where, key))
     try:
         return cls(**kwargs)

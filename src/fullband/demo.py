@@ -2,8 +2,7 @@
 then report held-out loss for STANDARD and FUSED prefill and sample a code continuation in every mode.
 
 Everything lands in the run directory: metrics, checkpoints, loss.png, val_loss.png, samples.md, demo.json.
-A finished run is reused; an interrupted one is resumed.
-"""
+A finished run is reused; an interrupted one is resumed."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def _demo(cfg, config, run_dir: Path, *, new_tokens: int, eval_windows: int) -> 
     print(f"\nheld-out loss on {len(data.val_batches)} batches of the validation split "
           f"({cfg.data.corpus!r}, files never trained on):")
     print(f"  {'mode':<26} {'nats/token':>10} {'± s.e.':>8} {'bits/token':>10}  {'vs STANDARD (paired)':>22}")
-    losses = {}
-    standard = None
+    losses, standard = {}, None
     for label, passes in EVAL:
         r = validation_loss(model, data.val_batches, passes)
         standard = standard or r
@@ -93,11 +91,9 @@ def _demo(cfg, config, run_dir: Path, *, new_tokens: int, eval_windows: int) -> 
 
 
 def _plot_losses(losses: dict, out: Path) -> None:
-    import matplotlib
+    from fullband.eval.report import plt as pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = list(losses)
     values = [losses[k]["nats"] for k in labels]
     errors = [losses[k]["stderr"] for k in labels]
@@ -106,8 +102,7 @@ def _plot_losses(losses: dict, out: Path) -> None:
     lo = min(values) - 3 * max(errors)
     ax.set_ylim(max(0.0, lo - 0.05 * abs(lo)), max(values) + 3 * max(errors))
     ax.set_xticks(range(len(labels)), [label.replace(", ", ",\n") for label in labels], fontsize=8)
-    ax.set_ylabel("held-out loss (nats / token)")
-    ax.set_title("Latent feedback at prefill: same weights, three modes")
+    ax.set(ylabel="held-out loss (nats / token)", title="Latent feedback at prefill: same weights, three modes")
     for bar, v in zip(bars, values):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
     fig.tight_layout()

@@ -1,6 +1,5 @@
 """`fullband doctor PATH`: check a model folder, a training checkpoint or a run directory without changing it:
-files complete and as recorded at save time, weights finite and matching the config, the run resumable.
-"""
+files complete and as recorded at save time, weights finite and matching the config, the run resumable."""
 
 from __future__ import annotations
 
@@ -55,9 +54,8 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
 
     path = Path(path)
     if not path.is_dir():
-        report = Report(path, "unknown")
+        report = Report(path, "unknown", verdict="nothing to check")
         report.add(FAIL, ".", "does not exist" if not path.exists() else "is a file, not a folder")
-        report.verdict = "nothing to check"
         return report
     config = read_json(path / CONFIG_FILE) or {}
     if (path / RUN_FILE).is_file() or any(STEP_DIR.match(p.name) for p in path.iterdir() if p.is_dir()):
@@ -65,17 +63,15 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
     if config.get("format") == "fullband" or (path / "trainer.json").is_file():
         report = Report(path, "training checkpoint" if (path / "trainer.json").is_file() else "model folder")
         ok = _checkpoint(report, path, ".", hashes)
-        report.verdict = "healthy" if ok else "damaged: see the FAIL lines"
-        return report
-    if config.get("model_type") == "fullband":
+    elif config.get("model_type") == "fullband":
         report = Report(path, "transformers folder")
         ok = _hf_folder(report, path, hashes)
-        report.verdict = "healthy" if ok else "damaged: see the FAIL lines"
+    else:
+        report = Report(path, "unknown", verdict="nothing to check")
+        report.add(FAIL, ".", "not a fullband folder: no run.json, no step_NNNNNN/ checkpoints and no config.json "
+                              "written by fullband")
         return report
-    report = Report(path, "unknown")
-    report.add(FAIL, ".", "not a fullband folder: no run.json, no step_NNNNNN/ checkpoints and no config.json written "
-                          "by fullband")
-    report.verdict = "nothing to check"
+    report.verdict = "healthy" if ok else "damaged: see the FAIL lines"
     return report
 
 
@@ -251,8 +247,7 @@ def _run_dir(path: Path, hashes: bool) -> Report:
     elif good and good[-1] == steps[-1]:
         report.verdict = f"resumable from {good[-1].name} (fullband train RECIPE --resume {path})"
     elif good:
-        report.verdict = (f"the latest checkpoint is damaged; resumable from {good[-1].name} "
-                          f"(--resume {good[-1]})")
+        report.verdict = f"the latest checkpoint is damaged; resumable from {good[-1].name} (--resume {good[-1]})"
     elif cfg is not None:
         report.verdict = (f"no usable checkpoint: `--resume {path}` starts the run again from step 0 with its saved "
                           "settings" + (" (the damaged checkpoints must be moved away first)" if steps else ""))

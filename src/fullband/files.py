@@ -1,8 +1,7 @@
 """Safe writes into users' folders. An output folder is written as a locked temporary sibling and renamed into
 place; an existing folder is replaced only when it is recognisably an earlier output of the same kind and the
 caller asked for it; a run directory belongs to one process at a time; a full disk or a read-only folder is
-reported as such, with the path.
-"""
+reported as such, with the path."""
 
 from __future__ import annotations
 
@@ -75,11 +74,7 @@ def describe_entries(names: list[str], n: int = 5) -> str:
 
 def _inside(path: Path, folder: Path) -> bool:
     """Whether `path` is `folder` or lies inside it (both resolved)."""
-    try:
-        path.resolve().relative_to(folder.resolve())
-        return True
-    except ValueError:
-        return False
+    return path.resolve().is_relative_to(folder.resolve())
 
 
 def check_destination(dst: str | Path, kind: Kind, *, overwrite: bool, sources: Iterable[str | Path] = (),
@@ -279,10 +274,6 @@ def lock_folder(folder: str | Path, what: str, hint: str = "") -> FolderLock:
 
 
 # ---------------------------------------------------------------------- temporary folders
-def _temp_name(name: str) -> tuple[str, str]:
-    return f".{name}.", TEMP_SUFFIX
-
-
 def sweep_temps(parent: Path, pattern: str) -> list[str]:
     """Delete the temporary folders in `parent` whose names fully match the regular expression `pattern` and that
     no live process holds (left by a kill). Returns their names."""
@@ -341,7 +332,7 @@ def atomic_folder(dst: str | Path, kind: Kind, *, overwrite: bool = False, sourc
         _restore_interrupted_swap(dst.parent, dst)
     check_destination(dst, kind, overwrite=overwrite, sources=sources, flag=flag, error=error)
     parent = make_folder(dst.parent, "parent folder")
-    prefix, suffix = _temp_name(dst.name)
+    prefix, suffix = f".{dst.name}.", TEMP_SUFFIX
     sweep_temps(parent, temp_pattern(prefix, suffix))
     with writing(parent, action):
         tmp, lock = make_temp(parent, prefix, suffix)
@@ -421,12 +412,9 @@ def file_record(folder: Path, skip: Iterable[str] = ()) -> dict[str, dict]:
     return out
 
 
-def sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def sha256(path: Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_record(folder: Path, record: dict, *, hashes: bool) -> list[str]:

@@ -3,8 +3,7 @@ files) and `model.safetensors` (+ tokenizer). Written atomically (a temporary si
 so a crash never leaves half a folder; read with every size checked against the weights file's own header before
 anything is allocated. A transformers folder of ours (`fullband convert --to hf`, save_pretrained: config.json of
 model_type "fullband", the weights under `model.`) is read here too, into its native model, by the same checks.
-Which model a folder holds is decided above, in fullband.loader.
-"""
+Which model a folder holds is decided above, in fullband.loader."""
 
 from __future__ import annotations
 
@@ -18,22 +17,15 @@ from typing import Any
 import torch
 
 from fullband.errors import CheckpointError, ConfigError, FullbandWarning
-from fullband.files import Kind, atomic_folder, check_record, file_record, read_json
+from fullband.files import Kind, atomic_folder, check_record, describe_entries, file_record, read_json
 from fullband.model.config import ModelConfig
+from fullband.version import __version__
 
 CONFIG_FILE = "config.json"
 HF_CONFIG_KEY = "hf_config"  # in config.json of a wrapped Hugging Face model: its transformers config
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "fullband"
 FORMAT_VERSION = 1
-
-
-def _version() -> str:
-    from fullband.version import __version__
-
-    return __version__
-
-
 MODEL_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, "tokenizer.json", "special_ids.json"})
 FILES_KEY = "files"  # in config.json: {name: {"bytes", "sha256"}} of every other file, recorded at save time
 
@@ -70,14 +62,8 @@ def write_model_files(directory: Path, config: Any, state: dict[str, torch.Tenso
 
 def write_config_file(directory: Path, config: Any, metadata: dict | None = None) -> None:
     """config.json: the format, the ModelConfig, `metadata`, and the record of the folder's other files."""
-    data = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "fullband_version": _version(),
-        "model": config.to_dict(),
-        **(metadata or {}),
-        FILES_KEY: file_record(directory, skip=[CONFIG_FILE]),
-    }
+    data = {"format": FORMAT, "format_version": FORMAT_VERSION, "fullband_version": __version__,
+            "model": config.to_dict(), **(metadata or {}), FILES_KEY: file_record(directory, skip=[CONFIG_FILE])}
     (directory / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -111,10 +97,8 @@ def read_config_file(directory: str | Path) -> dict:
         raise CheckpointError(f"checkpoint folder {str(directory)!r} does not exist (or is not a folder)")
     path = directory / CONFIG_FILE
     if not path.is_file():
-        raise CheckpointError(
-            f"{str(directory)!r} is not a fullband checkpoint: {CONFIG_FILE} is missing "
-            f"(a checkpoint holds {CONFIG_FILE} and {WEIGHTS_FILE})"
-        )
+        raise CheckpointError(f"{str(directory)!r} is not a fullband checkpoint: {CONFIG_FILE} is missing "
+                              f"(a checkpoint holds {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -126,9 +110,8 @@ def read_config_file(directory: str | Path) -> dict:
         raise CheckpointError(f"{path}: format_version={version!r} is invalid; accepted: an integer from 0 to "
                               f"{FORMAT_VERSION}")
     if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has format_version={version}, newer than this fullband reads ({FORMAT_VERSION}); upgrade fullband"
-        )
+        raise CheckpointError(f"{path} has format_version={version}, newer than this fullband reads "
+                              f"({FORMAT_VERSION}); upgrade fullband")
     files = data.get(FILES_KEY, {})
     if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
         raise CheckpointError(f"{path}: '{FILES_KEY}' is not a record of files ({{name: {{bytes, sha256}}}})")
@@ -215,10 +198,9 @@ def check_shapes(directory: str | Path, config: ModelConfig, expected: dict[str,
                  header: dict[str, tuple[str, tuple]]) -> None:
     problems = _compare(expected, {k: shape for k, (_, shape) in header.items()})
     if problems:
-        raise CheckpointError(
-            f"{Path(directory) / WEIGHTS_FILE} does not match {CONFIG_FILE} "
-            f"(d_model={config.d_model}, n_layers={config.n_layers}, fusion={config.fusion!r}): " + "; ".join(problems)
-        )
+        raise CheckpointError(f"{Path(directory) / WEIGHTS_FILE} does not match {CONFIG_FILE} "
+                              f"(d_model={config.d_model}, n_layers={config.n_layers}, fusion={config.fusion!r}): "
+                              + "; ".join(problems))
 
 
 def check_layer_count(directory: str | Path, n_layers: int, names) -> None:
@@ -243,9 +225,7 @@ def load_native_model(directory: str | Path, config: ModelConfig, header: dict, 
     model = model.to_empty(device=device)
     model.rotary.reset_tables()  # non-persistent buffers: to_empty left them uninitialised
     model.load_state_dict(state, strict=True)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()
+    return (model if dtype is None else model.to(dtype)).eval()
 
 
 HF_MODEL_TYPE = "fullband"  # config.json's model_type in a transformers folder of ours
@@ -281,16 +261,9 @@ def _compare(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     shapes = [f"{k}: {found[k]} in file, {expected[k]} expected" for k in expected if k in found and found[k] != expected[k]]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors {_few(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors {_few(unexpected)}")
-    if shapes:
-        problems.append(f"shape mismatch {_few(shapes)}")
-    return problems
+    kinds = (("missing tensors", missing), ("unexpected tensors", unexpected), ("shape mismatch", shapes))
+    return [f"{what} {_few(items)}" for what, items in kinds if items]
 
 
-def _few(items: list[str], n: int = 4) -> str:
-    more = f" and {len(items) - n} more" if len(items) > n else ""
-    return ", ".join(items[:n]) + more
+def _few(items: list[str]) -> str:
+    return describe_entries(items, 4)

@@ -13,12 +13,12 @@ what decoding in that mode sees. `loglikelihood_rolling` scores a text in max_se
 With the harness's `--apply_chat_template` (a checkpoint with a chat vocabulary, or a pretrained model's own
 template) each request is the conversation rendered by the vocabulary's template, read back with its special
 tokens' text (<bos>, <|user|>, ...) as their ids: exactly `fullband.apply_chat_template`'s prompt ids; a
-generation then also ends at the vocabulary's stop ids (EOS, <|end|>), where the turn ends.
-"""
+generation then also ends at the vocabulary's stop ids (EOS, <|end|>), where the turn ends."""
 
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,6 @@ class FullbandHarnessLM(LM):
         decode_mode = DecodeMode.of(mode, prefill_passes, error=ConfigError)
         torch_dtype = validate.dtype("dtype", dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():  # the harness CLI's default device
-            import warnings
-
             warnings.warn(f"device={device!r} asked for but CUDA is not available; using the CPU", stacklevel=2)
             device = "cpu"
         self.model = load_model(checkpoint, device=device, dtype=torch_dtype).eval()
@@ -103,9 +101,7 @@ class FullbandHarnessLM(LM):
         template name is not looked up."""
         from fullband.data.chat.templates import hf_chat_template
 
-        if chat_template is False or chat_template is None:
-            return None
-        return hf_chat_template(self.tokenizer)
+        return None if chat_template is False or chat_template is None else hf_chat_template(self.tokenizer)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation rendered as text by the vocabulary's template: BOS, each message, then the assistant's
@@ -205,10 +201,7 @@ class FullbandHarnessLM(LM):
         pairs = [self._split(*req.args) for req in requests]
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))  # similar lengths batch together
         scored = self._score([pairs[i] for i in order])
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
-        for i, result in zip(order, scored):
-            out[i] = result
-        return out
+        return [result for _, result in sorted(zip(order, scored), key=lambda pair: pair[0])]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window

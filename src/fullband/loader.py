@@ -1,8 +1,7 @@
 """The one loader: the model any folder fullband writes holds, whichever it is: a native model folder or training
 checkpoint (a FullbandLM, or the Hugging Face model a model.hf_path run wrapped with latent feedback), or a
 transformers folder of ours (`fullband convert --to hf`, `save_pretrained`: its native FullbandLM). The folder formats
-are fullband.folder's; FullbandLM.save / load reach these functions through the hook installed here.
-"""
+are fullband.folder's; FullbandLM.save / load reach these functions through the hook installed here."""
 
 from __future__ import annotations
 
@@ -11,10 +10,8 @@ from pathlib import Path
 import torch
 
 from fullband.errors import CheckpointError
-from fullband.folder import (
-    HF_CONFIG_KEY, _model_config, check_layer_count, is_transformers_folder, load_native_model,
-    load_transformers_folder, read_config_file, read_header, save_model,
-)
+from fullband.folder import (HF_CONFIG_KEY, _model_config, check_layer_count, is_transformers_folder, load_native_model,
+                             load_transformers_folder, read_config_file, read_header, save_model)
 from fullband.model.core import FeedbackModel
 from fullband.model.decoder import FolderIO, FullbandLM
 

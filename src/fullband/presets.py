@@ -31,9 +31,7 @@ def load_model_config(spec: str, overrides: list[str] | None = None) -> ModelCon
             raise ConfigError(f"{spec}: [model] is not a table of settings")
         data = dict(data)
     else:
-        raise ConfigError(
-            f"config {spec!r} is neither a preset{closest(spec, PRESETS)} nor a .toml/.json file; "
-            f"presets: {', '.join(PRESETS)}"
-        )
+        raise ConfigError(f"config {spec!r} is neither a preset{closest(spec, PRESETS)} nor a .toml/.json file; "
+                          f"presets: {', '.join(PRESETS)}")
     data = apply_overrides(data, overrides)
     return ModelConfig.from_dict(data, source=source)

@@ -26,9 +26,7 @@ _NUMPY_INTS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "
 def _int_range(name: str, minimum: int | None, below: int | None) -> str:
     if below is None:
         return f"an integer >= {minimum}"
-    if minimum is None:
-        return f"an integer < {below}"
-    return f"an integer {minimum} <= {name} < {_power_of_two(below)}"
+    return f"an integer < {below}" if minimum is None else f"an integer {minimum} <= {name} < {_power_of_two(below)}"
 
 
 def _power_of_two(n: int) -> str:

@@ -3,8 +3,7 @@
 Every variant of one (dtype, batch) cell runs in the same process, interleaved (A B C A B C ...), and the
 median is reported, so ratios hold on a noisy shared machine. The matmul bound is the time of the decode
 step's weight matrix-vector products alone (one token's worth, same shapes and dtype, timed in the same
-loop): the ceiling for batch-1 decoding on this hardware.
-"""
+loop): the ceiling for batch-1 decoding on this hardware."""
 
 from __future__ import annotations
 
@@ -70,13 +69,8 @@ def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Calla
             linear(x, w)
 
     def run() -> float:
-        times = []
         with torch.inference_mode():
-            for _ in range(5):
-                t0 = time.perf_counter()
-                once()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            return statistics.median([_timed(once) for _ in range(5)])
 
     return run
 
@@ -100,8 +94,7 @@ def paired_soft_overhead(model: FullbandLM, prompts: torch.Tensor, pairs: int = 
                 cache, state, _ = runs[feed]
                 t0 = time.perf_counter()
                 state, top = model.step(tokens, positions, cache, prev=state if feed else None, kv_len=P + i + 1)
-                logits = model.head(top)
-                tokens = logits.argmax(-1)
+                tokens = model.head(top).argmax(-1)
                 times[feed].append(time.perf_counter() - t0)
                 runs[feed][1] = state
     # drop the first pair (warm-up)
@@ -123,11 +116,9 @@ def hf_llama_generate(model: FullbandLM, prompt_len: int, new_tokens: int) -> Ca
         return None
     cfg = model.config
     hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=True, rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.norm_eps,
-    )).eval()
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=True, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len))
 
     def run() -> None:
@@ -144,20 +135,10 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def run_decode_bench(
-    cfg: ModelConfig,
-    *,
-    batches: list[int] = (1, 8),
-    dtypes: list[str] = ("float32", "bfloat16"),
-    prompt_len: int = 32,
-    new_tokens: int = 64,
-    prefill_passes: int = 1,
-    repeats: int = 5,
-    hf: bool = True,
-    compile: bool = False,
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-) -> dict:
+def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: list[str] = ("float32", "bfloat16"),
+                     prompt_len: int = 32, new_tokens: int = 64, prefill_passes: int = 1, repeats: int = 5,
+                     hf: bool = True, compile: bool = False, seed: int = 0,
+                     log: Callable[[str], None] = print) -> dict:
     torch.manual_seed(seed)
     base = FullbandLM(cfg).eval()
     fused = f"fused(k={prefill_passes})"
@@ -167,11 +148,9 @@ def run_decode_bench(
         model = copy.deepcopy(base).to(getattr(torch, dtype_name))
         for batch in batches:
             prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len))
-            decoders = {
-                "standard": _decode_timer(model, prompts, new_tokens, "standard", 0),
-                "soft": _decode_timer(model, prompts, new_tokens, "soft", 0),
-                fused: _decode_timer(model, prompts, new_tokens, "fused", prefill_passes),
-            }
+            decoders = {"standard": _decode_timer(model, prompts, new_tokens, "standard", 0),
+                        "soft": _decode_timer(model, prompts, new_tokens, "soft", 0),
+                        fused: _decode_timer(model, prompts, new_tokens, "fused", prefill_passes)}
             if compile:
                 decoders["standard compiled"] = _decode_timer(model, prompts, new_tokens, "standard", 0, True)
                 decoders["soft compiled"] = _decode_timer(model, prompts, new_tokens, "soft", 0, True)
@@ -209,17 +188,10 @@ def run_decode_bench(
                 if times[name]:
                     t = statistics.median(times[name])
                     rows.append(Row(dtype_name, batch, variant, new_tokens / t, 1000 * t / new_tokens, note=note))
-    return {
-        "rows": [asdict(r) for r in rows],
-        "params": base.num_params(),
-        "params_fusion": base.num_params() - base.num_params(fusion=False),
-        "threads": torch.get_num_threads(),
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "theory_soft_overhead": theory_overhead(cfg),
-        **_summary(rows, fused),
-        **{f"soft_overhead_paired_steps/{k}": v for k, v in paired.items()},
-    }
+    return {"rows": [asdict(r) for r in rows], "params": base.num_params(),
+            "params_fusion": base.num_params() - base.num_params(fusion=False), "threads": torch.get_num_threads(),
+            "prompt_len": prompt_len, "new_tokens": new_tokens, "theory_soft_overhead": theory_overhead(cfg),
+            **_summary(rows, fused), **{f"soft_overhead_paired_steps/{k}": v for k, v in paired.items()}}
 
 
 def _summary(rows: list[Row], fused: str) -> dict:
@@ -241,18 +213,15 @@ def _summary(rows: list[Row], fused: str) -> dict:
             out[f"e2e_vs_hf/{key}"] = get[(dtype, batch, "standard end-to-end")] / get[(dtype, batch, "HF Llama generate")]
         if dtype == "bfloat16" and ("float32", batch, "standard") in get:
             out[f"bf16_vs_fp32/b{batch}"] = std / get[("float32", batch, "standard")]
-            out[f"bf16_vs_fp32_bound/b{batch}"] = (
-                get[(dtype, batch, "matmul bound")] / get[("float32", batch, "matmul bound")]
-            )
+            bound = get[(dtype, batch, "matmul bound")]
+            out[f"bf16_vs_fp32_bound/b{batch}"] = bound / get[("float32", batch, "matmul bound")]
     return out
 
 
 def format_report(result: dict) -> str:
-    lines = [
-        f"parameters {result['params'] / 1e6:.1f}M (fusion {result['params_fusion'] / 1e6:.2f}M), "
-        f"{result['threads']} threads, prompt {result['prompt_len']} tokens, {result['new_tokens']} new tokens",
-        f"{'dtype':<9} {'batch':>5}  {'variant':<22} {'tok/s':>9} {'ms/step':>8} {'prefill ms':>10}  note",
-    ]
+    lines = [f"parameters {result['params'] / 1e6:.1f}M (fusion {result['params_fusion'] / 1e6:.2f}M), "
+             f"{result['threads']} threads, prompt {result['prompt_len']} tokens, {result['new_tokens']} new tokens",
+             f"{'dtype':<9} {'batch':>5}  {'variant':<22} {'tok/s':>9} {'ms/step':>8} {'prefill ms':>10}  note"]
     for r in result["rows"]:
         pre = f"{r['prefill_ms']:.1f}" if r["prefill_ms"] is not None else ""
         lines.append(f"{r['dtype']:<9} {r['batch']:>5}  {r['variant']:<22} {r['tokens_per_s']:>9.1f} "

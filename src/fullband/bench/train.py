@@ -2,8 +2,7 @@
 without activation checkpointing, against the target that a k-pass step costs at most 1.05 k one-pass steps.
 
 Each variant runs in its own process (so its peak memory is its own), the variants take turns over several
-rounds, and each reports the median of its timed steps; the table gives the median over rounds.
-"""
+rounds, and each reports the median of its timed steps; the table gives the median over rounds."""
 
 from __future__ import annotations
 
@@ -75,11 +74,10 @@ def run_train_bench(config: str, *, overrides: list[str] | None = None, steps: i
         step_s = statistics.median(x["mean_step_s"] if name == "75/22/3" else x["step_s"] for x in runs)
         k = statistics.fmean(x["mean_k"] for x in runs)
         tokens = runs[0]["tokens_per_step"]
-        rows.append({
-            "variant": name, "activation_checkpointing": ac, "mean_passes": k, "ms_per_step": 1000 * step_s,
-            "tokens_per_s": tokens / step_s, "cost_vs_k1": step_s / base[ac], "cost_per_pass": step_s / base[ac] / k,
-            "peak_mb": max(x["peak_bytes"] for x in runs) / 2**20, "device": runs[0]["device"],
-        })
+        rows.append({"variant": name, "activation_checkpointing": ac, "mean_passes": k, "ms_per_step": 1000 * step_s,
+                     "tokens_per_s": tokens / step_s, "cost_vs_k1": step_s / base[ac],
+                     "cost_per_pass": step_s / base[ac] / k, "peak_mb": max(x["peak_bytes"] for x in runs) / 2**20,
+                     "device": runs[0]["device"]})
     return {"config": config, "overrides": overrides or [], "rows": rows}
 
 

@@ -5,7 +5,6 @@ from fullband.data.sampler import WindowSampler, validation_batches
 from fullband.data.shards import TokenStream, tokenize_corpus
 from fullband.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe, train_tokenizer_cli
 
-__all__ = [
-    "BPETokenizer", "ByteTokenizer", "Corpus", "DEFAULT_EXTENSIONS", "TokenStream", "WindowSampler", "load_tokenizer",
-    "resolve_corpus", "tokenize_corpus", "train_bpe", "train_tokenizer_cli", "validation_batches",
-]
+__all__ = ["BPETokenizer", "ByteTokenizer", "Corpus", "DEFAULT_EXTENSIONS", "TokenStream", "WindowSampler",
+           "load_tokenizer", "resolve_corpus", "tokenize_corpus", "train_bpe", "train_tokenizer_cli",
+           "validation_batches"]

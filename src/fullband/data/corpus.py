@@ -1,12 +1,12 @@
 """Corpora: turn a spec ("stdlib", a file, a directory, a glob, *.jsonl, "hf:...") into documents with a fixed split.
-The train/val split hashes each document's identity (relative path, file + line, row index), never order or seed.
-"""
+The train/val split hashes each document's identity (relative path, file + line, row index), never order or seed."""
 
 from __future__ import annotations
 
 import errno
 import glob
 import hashlib
+import itertools
 import json
 import os
 import stat
@@ -38,6 +38,7 @@ def in_val(key: str, val_percent: float) -> bool:
 
 
 def _short_hash(payload: Any) -> str:
+    """16 hex digits of sha256 over canonical JSON, so key order and whitespace never change it."""
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
@@ -60,8 +61,7 @@ class TextFiles:
     """Plain text files, one document each, split by relative path.
 
     When the by-file split leaves one side empty (a corpus of one or a few files), every file is split inside
-    its text instead: the last `val_percent` of its characters (from a line start when there is one) is val.
-    """
+    its text instead: the last `val_percent` of its characters (from a line start when there is one) is val."""
 
     label: str  # stdlib | file | directory | glob
     source: str
@@ -129,21 +129,16 @@ class JsonlFiles:
         try:
             obj = json.loads(raw.decode("utf-8", errors="replace"))
         except json.JSONDecodeError as err:
-            raise DataError(
-                f"{path}, line {lineno}: not valid JSON ({err.msg}); accepted: one JSON object per line"
-            ) from None
+            raise DataError(f"{path}, line {lineno}: not valid JSON ({err.msg}); accepted: one JSON object per "
+                            "line") from None
         if not isinstance(obj, dict) or self.text_field not in obj:
             keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
-            raise DataError(
-                f"{path}, line {lineno}: no field {self.text_field!r} (found {keys}); "
-                f"accepted: objects with a string {self.text_field!r} field, or set text_field"
-            )
+            raise DataError(f"{path}, line {lineno}: no field {self.text_field!r} (found {keys}); "
+                            f"accepted: objects with a string {self.text_field!r} field, or set text_field")
         text = obj[self.text_field]
         if not isinstance(text, str):
-            raise DataError(
-                f"{path}, line {lineno}: field {self.text_field!r} is {type(text).__name__} {str(text)[:40]!r}; "
-                "accepted: a string"
-            )
+            raise DataError(f"{path}, line {lineno}: field {self.text_field!r} is {type(text).__name__} "
+                            f"{str(text)[:40]!r}; accepted: a string")
         return text
 
     def identity(self) -> dict:
@@ -174,9 +169,8 @@ class HFRows:
                 if in_val(str(i), val_percent) != want_val:
                     continue
                 if not isinstance(text, str):
-                    raise DataError(
-                        f"{self.source}: row {i} field {self.text_field!r} is {type(text).__name__}; accepted: a string"
-                    )
+                    raise DataError(f"{self.source}: row {i} field {self.text_field!r} is {type(text).__name__}; "
+                                    "accepted: a string")
                 yield text
 
     def identity(self) -> dict:
@@ -199,10 +193,8 @@ class Corpus:
         if split not in SPLITS:
             raise DataError(f"split={split!r}{closest(str(split), SPLITS)}; accepted: {', '.join(SPLITS)}")
         if (split == "val" and self.val_percent == 0) or (split == "train" and self.val_percent == 100):
-            raise DataError(
-                f"corpus {self.spec!r} has no {split!r} split with val_percent={self.val_percent:g}; "
-                "accepted: 0 < val_percent < 100"
-            )
+            raise DataError(f"corpus {self.spec!r} has no {split!r} split with val_percent={self.val_percent:g}; "
+                            "accepted: 0 < val_percent < 100")
         return self._documents(split)
 
     def _documents(self, split: str) -> Iterator[str]:
@@ -215,9 +207,8 @@ class Corpus:
         if count == 0:
             hint = (f"use a larger val_percent (now {self.val_percent:g}) or more files/rows" if split == "val"
                     else "the corpus is empty or all of it is held out")
-            raise DataError(
-                f"corpus {self.spec!r} has no non-empty documents in its {split!r} split ({self.describe()}); {hint}"
-            )
+            raise DataError(f"corpus {self.spec!r} has no non-empty documents in its {split!r} split "
+                            f"({self.describe()}); {hint}")
 
     @property
     def fingerprint(self) -> str:
@@ -228,21 +219,13 @@ class Corpus:
         return " + ".join(p.summary(self.val_percent) for p in self.parts) + f"; val_percent={self.val_percent:g}"
 
 
-def resolve_corpus(
-    spec: str | Sequence[str],
-    *,
-    text_field: str = "text",
-    val_percent: float = 1.0,
-    extensions: Sequence[str] | None = None,
-    data_files: Any = None,
-    hf_split: str = "train",
-    hf_cache_dir: str | Path | None = None,
-) -> Corpus:
+def resolve_corpus(spec: str | Sequence[str], *, text_field: str = "text", val_percent: float = 1.0,
+                   extensions: Sequence[str] | None = None, data_files: Any = None, hf_split: str = "train",
+                   hf_cache_dir: str | Path | None = None) -> Corpus:
     """The corpus named by `spec` (a string or a list of strings, see ACCEPTED).
 
     `extensions` picks text files inside directories (default DEFAULT_EXTENSIONS); files named explicitly or by a
-    glob are taken whatever their extension. `data_files`, `hf_split` and `hf_cache_dir` go to `datasets`.
-    """
+    glob are taken whatever their extension. `data_files`, `hf_split` and `hf_cache_dir` go to `datasets`."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not specs or not all(isinstance(s, (str, os.PathLike)) for s in specs):
         raise DataError(f"corpus spec {spec!r} is not a string or a non-empty list of strings; accepted: {ACCEPTED}")
@@ -354,11 +337,8 @@ def _regular_files(paths: list[Path], spec: str) -> list[Path]:
 
 def _glob_root(pattern: str) -> Path:
     """The folder a glob's relative keys start from: its leading components without wildcards."""
-    lead = []
-    for part in Path(os.path.expanduser(pattern)).parts:
-        if any(c in part for c in "*?["):
-            break
-        lead.append(part)
+    parts = Path(os.path.expanduser(pattern)).parts
+    lead = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
     return Path(*lead) if lead else Path(".")
 
 
@@ -366,14 +346,12 @@ def _hf_part(spec: str, text_field: str, data_files: Any, hf_split: str, cache_d
     try:
         import datasets
     except ModuleNotFoundError:
-        raise ModuleNotFoundError(
-            f"corpus {spec!r} needs the Hugging Face 'datasets' package; install it with {INSTALL_HINT}"
-        ) from None
+        raise ModuleNotFoundError(f"corpus {spec!r} needs the Hugging Face 'datasets' package; install it with "
+                                  f"{INSTALL_HINT}") from None
     path, _, config = spec[len(HF_PREFIX):].partition(":")
     if not path:
-        raise DataError(
-            f"corpus spec {spec!r} names no dataset; accepted: 'hf:<path>[:<config>]', e.g. 'hf:json' with data_files"
-        )
+        raise DataError(f"corpus spec {spec!r} names no dataset; accepted: 'hf:<path>[:<config>]', e.g. 'hf:json' "
+                        "with data_files")
     local = Path(path).expanduser()
     try:
         if local.is_dir() and ((local / "state.json").exists() or (local / "dataset_dict.json").exists()):
@@ -383,17 +361,14 @@ def _hf_part(spec: str, text_field: str, data_files: Any, hf_split: str, cache_d
             ds = datasets.load_dataset(path, config or None, data_files=data_files, split=hf_split,
                                        cache_dir=None if cache_dir is None else str(cache_dir))
     except (FileNotFoundError, ValueError, KeyError, ConnectionError) as err:
-        raise DataError(
-            f"corpus {spec!r} (split {hf_split!r}, data_files={data_files!r}) could not be loaded: {err}"
-        ) from None
+        raise DataError(f"corpus {spec!r} (split {hf_split!r}, data_files={data_files!r}) could not be loaded: "
+                        f"{err}") from None
     if text_field not in ds.column_names:
         raise DataError(f"corpus {spec!r} has no column {text_field!r}; its columns: {ds.column_names}; set text_field")
     if len(ds) == 0:
         raise DataError(f"corpus {spec!r} is empty: split {hf_split!r} has 0 rows")
-    ident = {
-        "kind": "hf", "path": path, "config": config, "split": hf_split, "text_field": text_field, "rows": len(ds),
-        "data_files": _data_file_identity(data_files), "dataset_fingerprint": getattr(ds, "_fingerprint", None),
-    }
+    ident = {"kind": "hf", "path": path, "config": config, "split": hf_split, "text_field": text_field, "rows": len(ds),
+             "data_files": _data_file_identity(data_files), "dataset_fingerprint": getattr(ds, "_fingerprint", None)}
     return HFRows(source=spec[len(HF_PREFIX):], dataset=ds, text_field=text_field, ident=ident)
 
 

@@ -1,6 +1,5 @@
 """Training batches: windows of a token stream in a seeded per-epoch order, split over ranks and micro-batches.
-Each batch is a pure function of (seed, step, micro, rank, world_size), so a resumed run sees the same batches.
-"""
+Each batch is a pure function of (seed, step, micro, rank, world_size), so a resumed run sees the same batches."""
 
 from __future__ import annotations
 
@@ -35,11 +34,9 @@ def count_windows(stream: StreamLike, seq_len: int) -> int:
     """Windows of seq_len + 1 tokens starting every seq_len tokens (consecutive windows share one token)."""
     n = (len(stream) - 1) // seq_len
     if n < 1:
-        raise DataError(
-            f"the token stream has {len(stream)} tokens, fewer than one window needs "
-            f"({seq_len + 1} for seq_len={seq_len}); "
-            "use a larger corpus (or a larger val_percent for validation) or a smaller seq_len"
-        )
+        raise DataError(f"the token stream has {len(stream)} tokens, fewer than one window needs "
+                        f"({seq_len + 1} for seq_len={seq_len}); "
+                        "use a larger corpus (or a larger val_percent for validation) or a smaller seq_len")
     return n
 
 
@@ -54,19 +51,10 @@ def read_windows(stream: StreamLike, windows: np.ndarray, seq_len: int) -> Batch
 class WindowSampler:
     """Global sample j of step s is window perm_e[(s * global_batch + j) % n_windows], e = its epoch.
 
-    Rank r's micro-batch a takes j in [(a * world_size + r) * micro_batch, ... + micro_batch).
-    """
+    Rank r's micro-batch a takes j in [(a * world_size + r) * micro_batch, ... + micro_batch)."""
 
-    def __init__(
-        self,
-        stream: StreamLike,
-        seq_len: int,
-        global_batch: int,
-        micro_batch: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
+    def __init__(self, stream: StreamLike, seq_len: int, global_batch: int, micro_batch: int, seed: int, rank: int = 0,
+                 world_size: int = 1) -> None:
         self.stream = stream
         self.seq_len = _positive("seq_len", seq_len)
         self.global_batch = _positive("global_batch", global_batch)
@@ -80,10 +68,9 @@ class WindowSampler:
         per_step = self.micro_batch * self.world_size
         if self.global_batch % per_step:
             nearest = max(per_step, global_batch // per_step * per_step)
-            raise ConfigError(
-                f"global_batch={global_batch} is not divisible by micro_batch * world_size = {micro_batch} * "
-                f"{world_size} = {per_step}; accepted: a multiple of {per_step}, e.g. {nearest}"
-            )
+            raise ConfigError(f"global_batch={global_batch} is not divisible by micro_batch * world_size = "
+                              f"{micro_batch} * {world_size} = {per_step}; accepted: a multiple of {per_step}, e.g. "
+                              f"{nearest}")
         self.accum_steps = self.global_batch // per_step
         self.n_windows = count_windows(stream, self.seq_len)
         self._perms: dict[int, np.ndarray] = {}
@@ -116,26 +103,22 @@ class WindowSampler:
         return read_windows(self.stream, self.windows(step, micro), self.seq_len)
 
     def state_dict(self) -> dict:
-        return {
-            "format": FORMAT, "version": VERSION, "seed": self.seed, "seq_len": self.seq_len,
-            "global_batch": self.global_batch, "n_windows": self.n_windows,
-            "stream_fingerprint": getattr(self.stream, "fingerprint", None), "n_tokens": len(self.stream),
-        }
+        return {"format": FORMAT, "version": VERSION, "seed": self.seed, "seq_len": self.seq_len,
+                "global_batch": self.global_batch, "n_windows": self.n_windows,
+                "stream_fingerprint": getattr(self.stream, "fingerprint", None), "n_tokens": len(self.stream)}
 
     def check_state(self, state: dict) -> None:
         """Raise DataError unless `state` (from a checkpoint) describes the same data order as this sampler."""
         if not isinstance(state, dict):
-            raise DataError(
-                f"sampler state is a {type(state).__name__}; accepted: a dict from WindowSampler.state_dict()"
-            )
+            raise DataError(f"sampler state is a {type(state).__name__}; accepted: a dict from "
+                            "WindowSampler.state_dict()")
         now = self.state_dict()
         diffs = [f"{k}: checkpoint {state.get(k, '<missing>')!r}, now {now[k]!r}"
                  for k in STATE_FIELDS if state.get(k) != now[k]]
         if diffs:
-            raise DataError(
-                "the data does not match the checkpoint's sampler, so resuming would not continue the same batches ("
-                + "; ".join(diffs) + "); accepted: the same corpus, tokenizer, seed, seq_len and global_batch"
-            )
+            raise DataError("the data does not match the checkpoint's sampler, so resuming would not continue the same "
+                            "batches (" + "; ".join(diffs) + "); accepted: the same corpus, tokenizer, seed, seq_len "
+                            "and global_batch")
 
 
 def validation_batches(stream: StreamLike, seq_len: int, n_windows: int, batch_size: int) -> list[Batch]:

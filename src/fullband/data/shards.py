@@ -1,6 +1,5 @@
 """Token shards: tokenise a corpus split once, as `[bos] + ids` per document, into uint16/uint32 files + a manifest.
-The cache folder is keyed by corpus, tokenizer and split, written atomically, reused when it matches, read by memmap.
-"""
+The cache folder is keyed by corpus, tokenizer and split, written atomically, reused when it matches, read by memmap."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from tqdm.auto import tqdm
 
 from fullband.data.corpus import Corpus
 from fullband.errors import DataError
-from fullband.files import Kind, make_folder, make_temp, publish_folder, sweep_temps, writing
+from fullband.files import Kind, make_folder, make_temp, publish_folder, read_json, sweep_temps, writing
 
 FORMAT = "fullband-tokens"
 VERSION = 1
@@ -63,9 +62,8 @@ class TokenStream:
         path = Path(directory)
         manifest = _read_manifest(path)
         if manifest is None:
-            raise DataError(
-                f"{path / MANIFEST} is missing or not a {FORMAT} v{VERSION} manifest; delete {path} to rebuild it"
-            )
+            raise DataError(f"{path / MANIFEST} is missing or not a {FORMAT} v{VERSION} manifest; delete {path} to "
+                            "rebuild it")
         dtype = _dtype(manifest["dtype"])
         shards = []
         for entry in manifest["shards"]:
@@ -73,9 +71,8 @@ class TokenStream:
             expected = entry["n_tokens"] * dtype.itemsize
             size = file.stat().st_size if file.exists() else None
             if size != expected:
-                raise DataError(
-                    f"token shard {file} has {size} bytes, its manifest says {expected}; delete {path} to rebuild it"
-                )
+                raise DataError(f"token shard {file} has {size} bytes, its manifest says {expected}; delete {path} "
+                                "to rebuild it")
             shards.append(np.memmap(file, dtype=dtype, mode="r", shape=(entry["n_tokens"],)))
         return cls(path, manifest, shards, cached=cached)
 
@@ -126,15 +123,8 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(name).newbyteorder("<")
 
 
-def tokenize_corpus(
-    corpus: Corpus,
-    tokenizer: TokenizerLike,
-    split: str,
-    cache_dir: str | Path,
-    *,
-    progress: bool = True,
-    shard_tokens: int = SHARD_TOKENS,
-) -> TokenStream:
+def tokenize_corpus(corpus: Corpus, tokenizer: TokenizerLike, split: str, cache_dir: str | Path, *,
+                    progress: bool = True, shard_tokens: int = SHARD_TOKENS) -> TokenStream:
     """The token stream of `split`, from `cache_dir` when a matching cache exists, else tokenised now."""
     if shard_tokens < 1:
         raise DataError(f"shard_tokens={shard_tokens}; accepted: an integer >= 1")
@@ -163,9 +153,8 @@ def tokenize_corpus(
     return TokenStream.open(out, cached=False)
 
 
-def _write_shards(
-    tmp: Path, corpus: Corpus, tokenizer: TokenizerLike, split: str, key: str, *, progress: bool, shard_tokens: int
-) -> dict:
+def _write_shards(tmp: Path, corpus: Corpus, tokenizer: TokenizerLike, split: str, key: str, *, progress: bool,
+                  shard_tokens: int) -> dict:
     dtype = _dtype(token_dtype(tokenizer.vocab_size).name)
     writer = _ShardWriter(tmp, dtype, shard_tokens)
     n_docs = 0
@@ -177,13 +166,11 @@ def _write_shards(
     writer.close()
     if writer.n_tokens == 0:
         raise DataError(f"split {split!r} of corpus {corpus.describe()} gave 0 tokens; accepted: a corpus with text")
-    manifest = {
-        "format": FORMAT, "version": VERSION, "key": key, "split": split,
-        "corpus": {"fingerprint": corpus.fingerprint, "description": corpus.describe()},
-        "tokenizer": {"fingerprint": tokenizer.fingerprint, "kind": tokenizer.kind,
-                      "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id},
-        "dtype": dtype.name, "n_documents": n_docs, "n_tokens": writer.n_tokens, "shards": writer.shards,
-    }
+    manifest = {"format": FORMAT, "version": VERSION, "key": key, "split": split,
+                "corpus": {"fingerprint": corpus.fingerprint, "description": corpus.describe()},
+                "tokenizer": {"fingerprint": tokenizer.fingerprint, "kind": tokenizer.kind,
+                              "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id},
+                "dtype": dtype.name, "n_documents": n_docs, "n_tokens": writer.n_tokens, "shards": writer.shards}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -260,12 +247,7 @@ def _publish(tmp: Path, out: Path, key: str) -> None:
 
 def _read_manifest(directory: Path, key: str | None = None) -> dict | None:
     """The folder's manifest if it is a complete one of this format (and `key`), else None."""
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-    except (OSError, ValueError):
+    manifest = read_json(directory / MANIFEST)
+    if manifest is None or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        return None
-    if key is not None and manifest.get("key") != key:
-        return None
-    return manifest
+    return None if key is not None and manifest.get("key") != key else manifest

@@ -2,8 +2,7 @@
 final colon and never appears in the input; scratch updates that do not change it vary the length.
 
 Each generator is deterministic from its seed and returns balanced examples with a group id for grouped
-cross-validation (a group never straddles train and test folds).
-"""
+cross-validation (a group never straddles train and test folds)."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ def register_last_write(groups: int = 64, registers: tuple[int, ...] = (1, 2, 4,
         query = rng.randrange(m)
         last = [v for r, v in zip(order, values) if r == query][-1]
         for flip in (0, 1):
-            lines = [f"r{r} = {v ^ flip}\n" for r, v in zip(order, values)]
-            text = "".join(lines)
+            text = "".join(f"r{r} = {v ^ flip}\n" for r, v in zip(order, values))
             tail = f"query = r{query}\nValue:"
             pad = max(0, (pad_to - len(text) - len(tail)) // len("scratch += 0\n"))
             text += "scratch += 0\n" * pad + tail
@@ -104,8 +102,8 @@ def training_documents(n: int, seed: int = 1, tasks: tuple[str, ...] = TASKS,
     round_ = 0
     while len(docs) < n:
         for task in tasks:
-            for ex in make_task(task, seed=1000 * seed + round_ + 1, scratch=scratch):
-                docs.append(f"{ex.text}{sep}{ex.label}\n")
+            docs += [f"{ex.text}{sep}{ex.label}\n"
+                     for ex in make_task(task, seed=1000 * seed + round_ + 1, scratch=scratch)]
         round_ += 1
     rng.shuffle(docs)
     return docs[:n]

@@ -1,17 +1,16 @@
 """Tokenizers: bytes (256 ids + BOS/EOS/PAD, no training), a trained byte-level BPE (Hugging Face `tokenizers`),
 and a pretrained model's own tokenizer (for runs warm-started from a Hugging Face model).
 A checkpoint's `tokenizer.json` is our small JSON (`"fullband_tokenizer": "byte"`) or a standard HF tokenizer.json
-(with `special_ids.json` beside it for a pretrained model's tokenizer).
-"""
+(with `special_ids.json` beside it for a pretrained model's tokenizer)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from fullband.data.corpus import _short_hash, resolve_corpus
 from fullband.errors import CheckpointError, InputError
 from fullband.files import Kind, atomic_folder, check_destination
 
@@ -25,12 +24,6 @@ SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 # of a chat vocabulary: <|system|> / <|user|> / <|assistant|> open a turn, <|end|> closes it.
 CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 INSTALL_HINT = "pip install 'fullband[data]'"
-
-
-def _short_hash(payload: Any) -> str:
-    """16 hex digits of sha256 over canonical JSON, so key order and whitespace never change it."""
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _check_text(text: Any) -> None:
@@ -55,18 +48,15 @@ class ByteTokenizer:
     @property
     def chat_ids(self) -> dict[str, int] | None:
         """Marker -> id of the chat markers (None: a vocabulary without them)."""
-        if not self.chat:
-            return None
-        return {t: ByteTokenizer.vocab_size + i for i, t in enumerate(CHAT_TOKENS)}
+        return {t: ByteTokenizer.vocab_size + i for i, t in enumerate(CHAT_TOKENS)} if self.chat else None
 
     def with_chat_tokens(self) -> "ByteTokenizer":
         """This vocabulary with the chat markers added (itself when it has them)."""
         return self if self.chat else ByteTokenizer(chat=True)
 
     def _names(self) -> dict[int, str]:
-        names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>"}
-        names.update({i: t for t, i in (self.chat_ids or {}).items()})
-        return names
+        chat = {i: t for t, i in (self.chat_ids or {}).items()}
+        return {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>", **chat}
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -134,14 +124,8 @@ def _byte_chars() -> dict[int, str]:
     """Byte -> the printable character byte-level BPE uses for it (printable Latin-1 bytes stand for
     themselves; the others take code points from 256 up, in byte order)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+    others = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(others)) for b in range(256)}
 
 
 def _hf_tokenizers():
@@ -149,9 +133,8 @@ def _hf_tokenizers():
     try:
         import tokenizers
     except ModuleNotFoundError:
-        raise ModuleNotFoundError(
-            f"BPE tokenizers need the Hugging Face 'tokenizers' package; install it with {INSTALL_HINT}"
-        ) from None
+        raise ModuleNotFoundError(f"BPE tokenizers need the Hugging Face 'tokenizers' package; install it with "
+                                  f"{INSTALL_HINT}") from None
     return tokenizers
 
 
@@ -159,8 +142,7 @@ class BPETokenizer:
     """Byte-level BPE (Hugging Face `tokenizers`) with the same interface as ByteTokenizer.
 
     Special tokens are only ever added by `encode(bos=..., eos=...)`: text that happens to contain
-    "<bos>" is encoded as plain text, because the model reads every BOS id as a document start.
-    """
+    "<bos>" is encoded as plain text, because the model reads every BOS id as a document start."""
 
     kind = "bpe"
 
@@ -170,9 +152,8 @@ class BPETokenizer:
             ids = [hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
             if None in ids:
                 missing = [t for t, i in zip(SPECIAL_TOKENS, ids) if i is None]
-                raise InputError(
-                    f"{source} lacks the special tokens {missing}; accepted: a BPE with {list(SPECIAL_TOKENS)}"
-                )
+                raise InputError(f"{source} lacks the special tokens {missing}; accepted: a BPE with "
+                                 f"{list(SPECIAL_TOKENS)}")
         else:
             ids = list(special_ids)
         self._tok = hf_tokenizer
@@ -217,12 +198,7 @@ class BPETokenizer:
     def hf_tokenizer(self) -> Any:
         return self._tok
 
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        """The ids that end a generation by default (fullband generate stops at them unless --ignore-eos): EOS,
-        and the end-of-turn marker of a chat vocabulary."""
-        chat = self.chat_ids
-        return (self.eos_id,) + ((chat["<|end|>"],) if chat else ())
+    stop_ids = ByteTokenizer.stop_ids
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
         _check_text(text)
@@ -305,16 +281,14 @@ class PretrainedTokenizer(BPETokenizer):
             (Path(directory) / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
 
 
-def train_bpe(
-    texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, show_progress: bool = True
-) -> BPETokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2,
+              show_progress: bool = True) -> BPETokenizer:
     """A byte-level BPE trained on `texts` by the `tokenizers` library; ids 0..2 are <bos>, <eos>, <pad>."""
     # 256 byte symbols + 3 specials are always in the vocabulary, so anything smaller cannot be honoured.
     floor = 256 + len(SPECIAL_TOKENS)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < floor:
-        raise InputError(
-            f"vocab_size={vocab_size!r} is too small; accepted: an integer >= {floor} (256 bytes + 3 specials)"
-        )
+        raise InputError(f"vocab_size={vocab_size!r} is too small; accepted: an integer >= {floor} "
+                         "(256 bytes + 3 specials)")
     if not isinstance(min_frequency, int) or min_frequency < 1:
         raise InputError(f"min_frequency={min_frequency!r}; accepted: an integer >= 1")
     tk = _hf_tokenizers()
@@ -322,13 +296,9 @@ def train_bpe(
     # add_prefix_space=False keeps decode(encode(x)) == x exactly.
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
-    )
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                     special_tokens=list(SPECIAL_TOKENS), show_progress=show_progress,
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     return BPETokenizer(tok, source="the trained tokenizer")
 
@@ -378,9 +348,8 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
             if chat not in (None, list(CHAT_TOKENS)):
                 raise CheckpointError(f"{path}: chat_tokens={chat!r}; accepted: {list(CHAT_TOKENS)} or none")
             return ByteTokenizer(chat=chat is not None)
-        raise CheckpointError(
-            f"{path}: unknown tokenizer kind {kind!r}; accepted: 'byte' (or a Hugging Face BPE tokenizer.json)"
-        )
+        raise CheckpointError(f"{path}: unknown tokenizer kind {kind!r}; accepted: 'byte' (or a Hugging Face BPE "
+                              "tokenizer.json)")
     ids_path = Path(directory) / SPECIAL_IDS_FILE
     if ids_path.is_file():
         try:
@@ -397,10 +366,8 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
             raise CheckpointError(f"{path} is not a valid Hugging Face tokenizer.json: {err}") from None
     model_type = data.get("model", {}).get("type") if isinstance(data.get("model"), dict) else None
     if model_type != "BPE":
-        raise CheckpointError(
-            f"{path}: unrecognised tokenizer file (model type {model_type!r}); "
-            "accepted: a fullband byte tokenizer or a Hugging Face BPE tokenizer.json"
-        )
+        raise CheckpointError(f"{path}: unrecognised tokenizer file (model type {model_type!r}); "
+                              "accepted: a fullband byte tokenizer or a Hugging Face BPE tokenizer.json")
     tk = _hf_tokenizers()
     try:
         hf = tk.Tokenizer.from_str(text)
@@ -412,26 +379,14 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
         raise CheckpointError(str(err)) from None
 
 
-def train_tokenizer_cli(
-    corpus: str | list[str],
-    vocab_size: int,
-    out: str | Path,
-    *,
-    text_field: str = "text",
-    val_percent: float = 1.0,
-    min_frequency: int = 2,
-    max_chars: int | None = None,
-    progress: bool = True,
-    overwrite: bool = False,
-) -> BPETokenizer:
+def train_tokenizer_cli(corpus: str | list[str], vocab_size: int, out: str | Path, *, text_field: str = "text",
+                        val_percent: float = 1.0, min_frequency: int = 2, max_chars: int | None = None,
+                        progress: bool = True, overwrite: bool = False) -> BPETokenizer:
     """`fullband tokenizer train`: train a BPE on the train split of `corpus` and save it to `out`/tokenizer.json.
 
     `out` must be new or empty, or (with `overwrite`) a tokenizer folder written earlier; that is checked before
     the training starts. `max_chars` stops reading documents once that many characters were taken (BPE training
-    time grows with the text); the held-out split is never seen, so validation loss stays honest.
-    """
-    from fullband.data.corpus import resolve_corpus
-
+    time grows with the text); the held-out split is never seen, so validation loss stays honest."""
     if max_chars is not None and (isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1):
         raise InputError(f"max_chars={max_chars!r}; accepted: a positive integer or None")
     check_destination(out, TOKENIZER_KIND, overwrite=overwrite)

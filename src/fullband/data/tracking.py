@@ -16,8 +16,7 @@ appears in the input (the input's alphabet and the label's are disjoint), so not
              (appendix F's multi-register last-write task, with many registers and long scratch).
 
 `length` counts the input's steps (bits, increments, generators, writes); test lengths are multiples of the
-training length L: L, 2L, 4L, 8L.
-"""
+training length L: L, 2L, 4L, 8L."""
 
 from __future__ import annotations
 

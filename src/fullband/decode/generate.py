@@ -6,8 +6,7 @@ Prompts of different lengths are right-padded; each row advances at its own posi
 from one position to the next (and could carry from one call to the next: a conversation's turns) is a
 DecodeState: the cache, each row's next position and its fed-back state.
 
-Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
-"""
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 
@@ -156,11 +155,9 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
     integer("max_new_tokens", max_new_tokens, 1, error=InputError)
     longest = int(lengths.max())
     if longest + max_new_tokens > cfg.max_seq_len:
-        raise InputError(
-            f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} exceeds "
-            f"max_seq_len={cfg.max_seq_len}; shorten the prompt or ask for at most "
-            f"{max(cfg.max_seq_len - longest, 0)} new tokens"
-        )
+        raise InputError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
+                         f"exceeds max_seq_len={cfg.max_seq_len}; shorten the prompt or ask for at most "
+                         f"{max(cfg.max_seq_len - longest, 0)} new tokens")
     stops = _check_stop_tokens(stop_tokens, cfg.vocab_size)
     forced = None
     if forced_tokens is not None:
@@ -249,20 +246,14 @@ def _pack_prompts(prompts, vocab_size: int) -> tuple[Tensor, Tensor]:
         if t.numel() == 0:
             raise InputError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
         if t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise InputError(
-                f"prompt {i} must be a 1-D sequence of integer token ids; got dtype {t.dtype}, shape {tuple(t.shape)}"
-            )
+            raise InputError(f"prompt {i} must be a 1-D sequence of integer token ids; got dtype {t.dtype}, shape "
+                             f"{tuple(t.shape)}")
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= vocab_size:
-            raise InputError(
-                f"prompt {i} has token id {lo if lo < 0 else hi}; accepted: 0 <= id < vocab_size={vocab_size}"
-            )
+            raise InputError(f"prompt {i} has token id {lo if lo < 0 else hi}; accepted: 0 <= id < "
+                             f"vocab_size={vocab_size}")
         seqs.append(t.long().cpu())
-    lengths = torch.tensor([len(t) for t in seqs])
-    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
-    for i, t in enumerate(seqs):
-        ids[i, : len(t)] = t
-    return ids, lengths
+    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True), torch.tensor([len(t) for t in seqs])
 
 
 def _check_stop_tokens(stop_tokens, vocab_size: int) -> Tensor | None:

@@ -1,8 +1,7 @@
 """Next-token selection from logits: greedy, temperature, top-k and top-p (nucleus) sampling, with its settings in
 one small checked object (Sampling) that travels from the caller to the decode loop.
 
-Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
-"""
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 
@@ -52,14 +51,8 @@ class Sampling:
         return sample(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, generator=generator)
 
 
-def sample(
-    logits: Tensor,
-    *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
+def sample(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None) -> Tensor:
     """logits (B, V) -> token ids (B,). temperature 0 is greedy (argmax); top_k / top_p filter first."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)

@@ -3,8 +3,7 @@
 The context is prefilled exactly as `generate` prefills a prompt (STANDARD / SOFT: one plain pass; FUSED:
 1 + k passes; EXACT: the recurrence), then the continuation's tokens are fed one by one through the same
 cached decode step, with the fed-back state in every mode but STANDARD. This is what lm-evaluation-harness's
-`loglikelihood` asks for.
-"""
+`loglikelihood` asks for."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ def score(model, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequ
     if not lengths or min(lengths) < 1:
         raise InputError("score: every continuation needs at least one token")
     n = max(lengths)
-    forced = torch.zeros(len(lengths), n, dtype=torch.long)
-    for row, cont in enumerate(continuations):
-        forced[row, : len(cont)] = torch.as_tensor(list(cont), dtype=torch.long)
+    forced = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(list(c), dtype=torch.long) for c in continuations],
+                                             batch_first=True)
     logprob = torch.zeros(len(lengths), dtype=torch.float64)
     greedy = torch.ones(len(lengths), dtype=torch.bool)
     live = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # (B, n)

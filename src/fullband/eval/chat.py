@@ -107,8 +107,7 @@ def chat_figure(result: dict):
     fig, axes = plt().subplots(1, 2, figsize=(10, 3.6))
     x = np.arange(len(rows))
     axes[0].bar(x, [r["accuracy"] for r in rows], yerr=[r["accuracy_se"] for r in rows], capsize=4, color="#3a7")
-    axes[0].set_ylabel("exact match of the final answer")
-    axes[0].set_ylim(0, 1)
+    axes[0].set(ylabel="exact match of the final answer", ylim=(0, 1))
     axes[1].bar(x, [r["tokens"] for r in rows], yerr=[r["tokens_se"] for r in rows], capsize=4, color="#27a")
     axes[1].set_ylabel("response length (tokens)")
     for ax in axes:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from fullband.data.sampler import count_windows, read_windows
 from fullband.data.tokenizer import load_tokenizer
@@ -99,7 +100,6 @@ def _check_counts(**values: tuple[int, int]) -> None:
         integer(name, value, minimum)
 
 
-# ---------------------------------------------------------------------- eval loss
 @torch.no_grad()
 def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = True, seq_len: int = 256,
               windows: int = 256, batch_size: int = 16, corpus: str | None = None, out: str | Path | None = None,
@@ -125,8 +125,6 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
     modes += [(f"auto tol={t:g}", DecodeMode("fused", max_auto, tol=t)) for t in auto_tols]
     if exact:
         modes.append(("exact", DecodeMode("exact")))
-    from tqdm.auto import tqdm
-
     n = min(windows, count_windows(stream, seq_len)) if windows > 0 else count_windows(stream, seq_len)
     batches = tqdm(window_batches(stream, seq_len, windows, batch_size), total=math.ceil(n / batch_size),
                    desc="eval loss", unit="batch", disable=not progress)
@@ -136,7 +134,6 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
     return result
 
 
-# ---------------------------------------------------------------------- eval stability
 def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windows: int = 32, batch_size: int = 8,
                    corpus: str | None = None, out: str | Path | None = None, contraction_windows: int = 2,
                    progress: bool = True) -> dict:
@@ -161,7 +158,6 @@ def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windo
     return result
 
 
-# ---------------------------------------------------------------------- eval probe
 def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=("standard", "one-step", "suffix", "full"),
                suffix: int = 8, scratch=None, out: str | Path | None = None, progress: bool = True) -> dict:
     from fullband.data.synthetic import SCRATCH
@@ -179,7 +175,6 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
     return result
 
 
-# ---------------------------------------------------------------------- eval generate-length
 def eval_generate_length(checkpoint: str | Path, prompts: str | Path, *,
                          modes=(DecodeMode("standard"), DecodeMode("soft"), DecodeMode("fused", 1)),
                          max_new_tokens: int = 256, stop_text: str = "\n", out: str | Path | None = None) -> dict:
@@ -196,7 +191,6 @@ def eval_generate_length(checkpoint: str | Path, prompts: str | Path, *,
     return result
 
 
-# ---------------------------------------------------------------------- eval chat
 CHAT_MODES = ("standard", "soft", "fused:1", "fused:2")
 
 
@@ -224,7 +218,6 @@ def eval_chat(checkpoint: str | Path, data: str | Path, *, modes=CHAT_MODES, max
     return result
 
 
-# ---------------------------------------------------------------------- eval tracking
 def eval_tracking(checkpoint: str | Path, task: str | None = None, *, train_length: int | None = None,
                   n: int = 200, modes=None, batch_size: int = 32, out: str | Path | None = None,
                   progress: bool = True) -> dict:

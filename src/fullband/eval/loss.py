@@ -84,11 +84,9 @@ def loss_by_mode(model, batches, modes: list[tuple[str, DecodeMode]], bytes_per_
     for name, mode in modes:
         nll = torch.cat(sums[name])  # (N, T)
         per_window = nll.mean(dim=1)
-        rows.append({
-            "mode": name, "passes": None if mode.exact or mode.adaptive else mode.passes,
-            "fused_passes_used": float(np.mean(used[name])) if name in used else None,
-            "nats_per_token": float(per_window.mean()),
-            "stderr": float(per_window.std() / math.sqrt(len(per_window))),
-            "bits_per_byte": float(nll.sum()) / math.log(2) / max(nbytes, 1.0),
-        })
+        rows.append({"mode": name, "passes": None if mode.exact or mode.adaptive else mode.passes,
+                     "fused_passes_used": float(np.mean(used[name])) if name in used else None,
+                     "nats_per_token": float(per_window.mean()),
+                     "stderr": float(per_window.std() / math.sqrt(len(per_window))),
+                     "bits_per_byte": float(nll.sum()) / math.log(2) / max(nbytes, 1.0)})
     return rows

@@ -4,8 +4,7 @@ fit L2-regularised logistic regression with 4-fold grouped cross-validation.
 
 Prefill modes: `standard` (one plain pass), `one-step` (only the final position is fused, with the plain
 state of the position before it), `suffix` (the last k positions run the exact recurrence after a plain
-prefix), `full` (the exact recurrence over the whole example).
-"""
+prefix), `full` (the exact recurrence over the whole example)."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from collections import defaultdict
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from fullband.data.synthetic import Example
 from fullband.errors import ConfigError, InputError
@@ -38,11 +38,7 @@ def final_streams(model, tokenizer, examples: list[Example], mode: str, *, suffi
     # depth d < L is the input of block d (its first norm reads it), depth L the final norm's input: both in a
     # whole-sequence pass and in a decode step
     hooks = [m.register_forward_pre_hook(grab) for m in [*(b.attn_norm for b in model.blocks), model.norm_out]]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(examples), desc=f"probe prefill {mode}", unit="ex")
+    bar = tqdm(total=len(examples), desc=f"probe prefill {mode}", unit="ex", disable=not progress)
     try:
         for chunk in _same_length_batches(encoded, 16):
             ids = torch.tensor([encoded[i] for i in chunk], device=device)
@@ -51,13 +47,11 @@ def final_streams(model, tokenizer, examples: list[Example], mode: str, *, suffi
             depth = len(model.blocks) + 1
             last = torch.stack(captured[-depth:], dim=1)  # the final call of each: (B, L + 1, D)
             out[chunk] = last.numpy()
-            if bar is not None:
-                bar.update(len(chunk))
+            bar.update(len(chunk))
     finally:
         for h in hooks:
             h.remove()
-        if bar is not None:
-            bar.close()
+        bar.close()
     return out
 
 
@@ -80,8 +74,7 @@ def grouped_folds(groups: list[str] | np.ndarray, folds: int = 4) -> list[tuple[
     from sklearn.model_selection import GroupKFold
 
     groups = np.asarray(groups)
-    idx = np.arange(len(groups))
-    return list(GroupKFold(n_splits=folds).split(idx, groups=groups))
+    return list(GroupKFold(n_splits=folds).split(np.arange(len(groups)), groups=groups))
 
 
 def probe_accuracy(features: np.ndarray, labels: np.ndarray, groups, *, folds: int = 4, C: float = 1.0) -> float:
@@ -128,7 +121,6 @@ def answer_accuracy(model, tokenizer, examples: list[Example], passes: int = 1) 
     for ex, ok in zip(examples, correct):
         lengths[ex.length].append(ok)
     return {"accuracy": float(correct.mean()), "by_length": {n: float(np.mean(v)) for n, v in sorted(lengths.items())}}
-
 
 
 def _same_length_batches(encoded: list[list[int]], size: int):

@@ -89,12 +89,10 @@ def loss_figure(result: dict):
     exact = [r for r in rows if r["mode"] == "exact"]
     if exact:
         ax.axhline(exact[0]["nats_per_token"], color="k", ls="--", lw=1, label="exact recurrence")
-    ax.set_xlabel("fused prefill passes k")
-    ax.set_ylabel("held-out loss (nats / token)")
-    ax.set_xticks(ks)
+    ax.set(xlabel="fused prefill passes k", ylabel="held-out loss (nats / token)", xticks=ks,
+           title=Path(result["checkpoint"]).name)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(Path(result["checkpoint"]).name)
     return fig
 
 
@@ -123,9 +121,7 @@ def stability_figure(result: dict):
                      label="Jacobi iterate")
     if sweep["exact_loss"] is not None:
         axes[0].axhline(sweep["exact_loss"], color="k", ls="--", lw=1, label="exact recurrence")
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("passes k")
-    axes[0].set_ylabel("held-out loss (nats / token)")
+    axes[0].set(xscale="log", xlabel="passes k", ylabel="held-out loss (nats / token)")
     axes[0].legend(fontsize=8)
     curve = np.array(sweep["update_curve"])
     kk = np.arange(1, len(curve) + 1)
@@ -161,11 +157,8 @@ def probe_figure(result: dict):
         for mode, acc in result["tasks"][task]["modes"].items():
             ax.plot(range(len(acc)), acc, marker="o", label=mode if mode != "suffix" else f"suffix k={result['suffix']}")
         ax.axhline(0.5, color="k", lw=0.8, ls=":")
-        ax.set_ylim(0.3, 1.02)
-        ax.set_xticks(range(len(acc)))
-        ax.set_xlabel("depth (0 = stack input)")
-        ax.set_ylabel("probe accuracy (4-fold grouped CV)")
-        ax.set_title(task)
+        ax.set(ylim=(0.3, 1.02), xticks=range(len(acc)), xlabel="depth (0 = stack input)",
+               ylabel="probe accuracy (4-fold grouped CV)", title=task)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return fig
@@ -181,9 +174,5 @@ def generate_length_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-RENDER = {
-    "loss": (loss_table, loss_figure),
-    "stability": (stability_table, stability_figure),
-    "probe": (probe_table, probe_figure),
-    "generate_length": (generate_length_table, None),
-}
+RENDER = {"loss": (loss_table, loss_figure), "stability": (stability_table, stability_figure),
+          "probe": (probe_table, probe_figure), "generate_length": (generate_length_table, None)}

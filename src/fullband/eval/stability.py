@@ -3,8 +3,7 @@ windows and track loss, update size ||h^(k) - h^(k-1)|| and distance to the exac
 contraction diagnostic: how much the linearised pass map amplifies a perturbation per pass.
 
 For windows of T positions the iterate is exact after T passes (position t is final after t + 1), so
-k > T repeats the fixed point bit for bit; the sweep stops computing there and reports it as converged.
-"""
+k > T repeats the fixed point bit for bit; the sweep stops computing there and reports it as converged."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm.auto import tqdm
 
 KS = (1, 2, 3, 5, 10, 30, 100, 300, 1000)
 _EXACTLY_ZERO = 2.0**-149  # the smallest float32 above zero: only an update of exactly zero is below it
@@ -60,9 +60,8 @@ def jacobi_sweep(model, batches, ks=KS, *, exact: bool = True, progress: bool = 
     upd_sq = torch.zeros(kmax, dtype=torch.float64)
     exact_sq = {k: 0.0 for k in ks}
     exact_losses: list[Tensor] = []
-    count = 0
-    converged = []
-    bar = _bar(progress, len(batches))
+    count, converged = 0, []
+    bar = tqdm(total=len(batches), desc="stability sweep", unit="batch", disable=not progress)
     for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
         h_exact = None
@@ -96,22 +95,17 @@ def jacobi_sweep(model, batches, ks=KS, *, exact: bool = True, progress: bool = 
                 record(k, h, top)
         converged.append(last.get("done"))
         count += h.numel()
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     losses = {k: torch.cat(v).double() for k, v in per_window.items()}
     n = next(iter(losses.values())).numel()
-    return SweepResult(
-        ks=ks,
-        loss=[float(losses[k].mean()) for k in ks],
-        loss_stderr=[float(losses[k].std() / math.sqrt(n)) if n > 1 else float("nan") for k in ks],
-        update_rms=[math.sqrt(float(upd_sq[k - 1]) / count) for k in ks],
-        exact_rms=[math.sqrt(exact_sq[k] / count) if exact else None for k in ks],
-        update_curve=[math.sqrt(float(v) / count) for v in upd_sq],
-        converged_at=max(converged) if all(c is not None for c in converged) else None,
-        exact_loss=float(torch.cat(exact_losses).double().mean()) if exact_losses else None,
-    )
+    return SweepResult(ks=ks, loss=[float(losses[k].mean()) for k in ks],
+                       loss_stderr=[float(losses[k].std() / math.sqrt(n)) if n > 1 else float("nan") for k in ks],
+                       update_rms=[math.sqrt(float(upd_sq[k - 1]) / count) for k in ks],
+                       exact_rms=[math.sqrt(exact_sq[k] / count) if exact else None for k in ks],
+                       update_curve=[math.sqrt(float(v) / count) for v in upd_sq],
+                       converged_at=max(converged) if all(c is not None for c in converged) else None,
+                       exact_loss=float(torch.cat(exact_losses).double().mean()) if exact_losses else None)
 
 
 def _window_nll(logits: Tensor, targets: Tensor) -> Tensor:
@@ -133,8 +127,7 @@ def contraction(model, inputs: Tensor, *, horizons=(1, 2, 4, 8, 16, 32), vectors
     J is nilpotent (position t reads only earlier states), so its spectral radius is 0 and J^T = 0 for T
     positions; what decides whether long feedback horizons are stable is the finite-horizon growth
     (||J^k v|| / ||v||)^(1/k) for k well below T, and the one-pass gain ||J||_2. Forward-mode JVPs give J v,
-    reverse mode J^T u.
-    """
+    reverse mode J^T u."""
     from torch.func import jvp, vjp
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -173,14 +166,6 @@ def contraction(model, inputs: Tensor, *, horizons=(1, 2, 4, 8, 16, 32), vectors
         sigma = float(jtju.norm().sqrt())
         u = jtju / jtju.norm().clamp_min(1e-30)
     return Contraction(horizons=list(horizons), growth=growth, lipschitz=sigma)
-
-
-def _bar(progress: bool, total: int):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="stability sweep", unit="batch")
 
 
 @torch.no_grad()

@@ -34,9 +34,7 @@ def predictions(model, tokenizer, examples: list[Example], mode: DecodeMode, tas
         for start in range(0, len(examples), batch_size):
             rows = [tokenizer.encode(e.text, bos=True) for e in examples[start : start + batch_size]]
             lengths = torch.tensor([len(r) for r in rows], device=device)
-            ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=device)
-            for i, r in enumerate(rows):
-                ids[i, : len(r)] = torch.tensor(r)
+            ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True).to(device)
             if int(lengths.max()) > model.config.max_seq_len:
                 raise InputError(f"an example of {int(lengths.max())} tokens exceeds max_seq_len="
                                  f"{model.config.max_seq_len}; lower the train length or the number of multiples")
@@ -95,9 +93,7 @@ def tracking_figure(result: dict):
     ax.axvline(result["train_length"], color="grey", ls="--", lw=1, label="longest training input")
     ax.set_xscale("log", base=2)
     ax.set_xticks(result["lengths"], [str(n) for n in result["lengths"]])
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("input length (steps)")
-    ax.set_ylabel("accuracy")
+    ax.set(ylim=(0, 1.02), xlabel="input length (steps)", ylabel="accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: lines meet at chance
     ckpt = Path(result.get("checkpoint", ""))  # run/step_N: the run's name says which model it is

@@ -3,8 +3,7 @@
 full-bandwidth models, and latent feedback wrapped around any HF decoder-only LM.
 
 With transformers installed, importing this package registers "fullband" with AutoConfig and
-AutoModelForCausalLM; without it the transformers classes raise a FullbandError that says how to install it.
-"""
+AutoModelForCausalLM; without it the transformers classes raise a FullbandError that says how to install it."""
 
 import importlib.util
 

@@ -5,8 +5,7 @@
   llama    a LlamaForCausalLM folder (read only; converted through fullband.hf.from_llama)
 
 Weights are copied unchanged (HF names are the native ones under `model.`), so native -> hf -> native is
-bitwise. The destination is written to a temporary sibling folder and renamed into place when complete.
-"""
+bitwise. The destination is written to a temporary sibling folder and renamed into place when complete."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ the HF model, so the Jacobi passes, the recurrence, every decoding mode and the 
 (fullband.train.objective, `fullband train` with `model.hf_path`) are the native model's own; its `config` is a
 ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks` are the HF model's layers (activation
 checkpointing, FSDP), and a saved folder (config.json with the HF config inside + model.safetensors) loads back
-with `fullband.load_model`.
-"""
+with `fullband.load_model`."""
 
 from __future__ import annotations
 
@@ -39,15 +38,11 @@ def config_for(hf_config: Any, base: ModelConfig | None = None, **changes: Any) 
     get = lambda *names, default=None: next((getattr(hf_config, n) for n in names  # noqa: E731
                                             if getattr(hf_config, n, None) is not None), default)
     d_model = get("hidden_size", "n_embd", "d_model")
-    sizes = dict(
-        vocab_size=get("vocab_size"),
-        d_model=d_model,
-        n_layers=get("num_hidden_layers", "n_layer", "num_layers"),
-        max_seq_len=get("max_position_embeddings", "n_positions", "max_seq_len", default=2048),
-        d_ff=get("intermediate_size", "n_inner"),
-        tie_embeddings=bool(get("tie_word_embeddings", default=False)),
-        input_norm=False,
-    )
+    sizes = dict(vocab_size=get("vocab_size"), d_model=d_model,
+                 n_layers=get("num_hidden_layers", "n_layer", "num_layers"),
+                 max_seq_len=get("max_position_embeddings", "n_positions", "max_seq_len", default=2048),
+                 d_ff=get("intermediate_size", "n_inner"),
+                 tie_embeddings=bool(get("tie_word_embeddings", default=False)), input_norm=False)
     heads = get("num_attention_heads", "n_head")
     kv = get("num_key_value_heads", default=heads)
     head_ok = heads and d_model % heads == 0 and (d_model // heads) % 2 == 0 and heads % (kv or heads) == 0
@@ -177,12 +172,8 @@ class LatentFeedback(FeedbackModel):
         rows = generate_ids(self, input_ids, max_new_tokens, **options)
         if not isinstance(input_ids, Tensor):
             return rows
-        device = input_ids.device
-        out = torch.empty(len(rows), max_new_tokens, dtype=torch.long, device=device)
-        for b, row in enumerate(rows):
-            out[b, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
-            out[b, len(row):] = row[-1]
-        return out
+        padded = [row + row[-1:] * (max_new_tokens - len(row)) for row in rows]
+        return torch.tensor(padded, dtype=torch.long, device=input_ids.device)
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_metadata(self) -> dict:

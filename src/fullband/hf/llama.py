@@ -4,8 +4,7 @@ The native model with `qk_norm=False`, `input_norm=False` and the Llama's own si
 Llama in STANDARD mode (passes=1): q/k/v and gate/up are stored fused (`wqkv`, `w_in`), RoPE uses the same
 rotate-half pairing, RMSNorm is the same function. The fusion weights are new; they are initialised as for a
 fresh model, and `norm_in`'s gain is set to the embedding rows' RMS so a fused input starts at the scale of a
-plain one (DECISION: the warm-start then perturbs the Llama's input distribution as little as possible).
-"""
+plain one (DECISION: the warm-start then perturbs the Llama's input distribution as little as possible)."""
 
 from __future__ import annotations
 
@@ -19,12 +18,8 @@ from fullband.model.decoder import FullbandLM
 from fullband.model.fusion import embedding_rms
 from fullband.model.weights import lookup, named
 
-_REQUIRED = {  # LlamaConfig field -> the value the native block computes
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "rope_scaling": None,
-}
+# LlamaConfig field -> the value the native block computes
+_REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
 
 
 def _transformers():
@@ -63,22 +58,13 @@ def config_from_llama(hf_config: Any, *, fusion: str = "gated", max_seq_len: int
     rope_theta = getattr(hf_config, "rope_theta", None)
     if rope_theta is None:  # newer transformers keep it in rope_parameters
         rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    values = dict(
-        vocab_size=hf_config.vocab_size,
-        d_model=hf_config.hidden_size,
-        n_layers=hf_config.num_hidden_layers,
-        n_heads=hf_config.num_attention_heads,
-        n_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
-        d_ff=hf_config.intermediate_size,
-        max_seq_len=min(max_seq_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings),
-        rope_theta=float(rope_theta),
-        norm_eps=float(hf_config.rms_norm_eps),
-        qk_norm=False,
-        input_norm=False,
-        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        bos_token_id=getattr(hf_config, "bos_token_id", None),
-        fusion=fusion,
-    )
+    values = dict(vocab_size=hf_config.vocab_size, d_model=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
+                  n_heads=hf_config.num_attention_heads, d_ff=hf_config.intermediate_size,
+                  n_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+                  max_seq_len=min(max_seq_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings),
+                  rope_theta=float(rope_theta), norm_eps=float(hf_config.rms_norm_eps), qk_norm=False,
+                  input_norm=False, tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                  bos_token_id=getattr(hf_config, "bos_token_id", None), fusion=fusion)
     values.update(overrides)
     return ModelConfig(**values)
 

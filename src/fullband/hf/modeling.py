@@ -12,8 +12,7 @@ left-padded (transformers' convention, `attention_mask`); each row is run from i
 own positions, exactly as `fullband.generate` runs a ragged batch.
 
 Importing fullband.hf registers these classes with the Auto classes. Shipped as source with every transformers
-folder, as modeling_fullband.py (fullband.hf.remote): it imports only other shipped modules.
-"""
+folder, as modeling_fullband.py (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 
@@ -41,10 +40,8 @@ MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 # transformers 5 names the output's cache field `cache`, 4.x `past_key_values`
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 # save_pretrained writes the shipped modules (fullband.hf.remote) and points the Auto classes at them
-AUTO_MAP = {
-    "AutoConfig": "modeling_fullband.FullbandConfig",
-    "AutoModelForCausalLM": "modeling_fullband.FullbandForCausalLM",
-}
+AUTO_MAP = {"AutoConfig": "modeling_fullband.FullbandConfig",
+            "AutoModelForCausalLM": "modeling_fullband.FullbandForCausalLM"}
 
 
 class FullbandConfig(PretrainedConfig):
@@ -53,19 +50,12 @@ class FullbandConfig(PretrainedConfig):
     Every ModelConfig field is an attribute of the same name (standard aliases such as `hidden_size` map to
     them); `feedback_mode` ("standard" | "soft" | "fused" | "exact", default "soft", as `fullband.generate`) and
     `prefill_passes` (fused passes over the prompt, default 1, or "auto") are what `generate` and `forward` use
-    unless given per call.
-    """
+    unless given per call."""
 
     model_type = "fullband"
-    attribute_map = {
-        "hidden_size": "d_model",
-        "num_hidden_layers": "n_layers",
-        "num_attention_heads": "n_heads",
-        "num_key_value_heads": "n_kv_heads",
-        "intermediate_size": "d_ff",
-        "max_position_embeddings": "max_seq_len",
-        "initializer_range": "init_std",
-    }
+    attribute_map = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                     "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff",
+                     "max_position_embeddings": "max_seq_len", "initializer_range": "init_std"}
 
     def __init__(self, feedback_mode: str = "soft", prefill_passes: int = 1, use_cache: bool = True,
                  **kwargs: Any) -> None:
@@ -110,9 +100,7 @@ class FeedbackCache(DecodeState):
     def is_linear(self) -> list[bool]:
         return [False] * len(self.kv.k)
 
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * len(self.kv.k)
+    is_sliding = is_linear
 
     def __len__(self) -> int:
         return len(self.kv.k)
@@ -135,8 +123,7 @@ class FeedbackCache(DecodeState):
         """Beam search: row i continues the sequence of row beam_idx[i], with its keys, values and state."""
         self._select(beam_idx)
 
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._select(indices)
+    batch_select_indices = _select
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._select(torch.arange(self.kv.batch, device=self.state.device).repeat_interleave(repeats))
@@ -219,23 +206,12 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         return native.to(self.dtype)
 
     # ---------------------------------------------------------------- forward
-    def forward(
-        self,
-        input_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
-        cache: FeedbackCache | None = None,
-        past_key_values: FeedbackCache | None = None,
-        inputs_embeds: Tensor | None = None,
-        labels: Tensor | None = None,
-        use_cache: bool | None = None,
-        return_dict: bool | None = None,
-        logits_to_keep: int = 0,
-        feedback_mode: str | None = None,
-        prefill_passes: int | None = None,
-        passes: int | None = None,
-        **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, cache: FeedbackCache | None = None,
+                past_key_values: FeedbackCache | None = None, inputs_embeds: Tensor | None = None,
+                labels: Tensor | None = None, use_cache: bool | None = None, return_dict: bool | None = None,
+                logits_to_keep: int = 0, feedback_mode: str | None = None, prefill_passes: int | None = None,
+                passes: int | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
         """Logits of `input_ids` (B, T) as `feedback_mode` reads them.
 
         Without a cache: "standard" / "soft" run one pass, "fused" 1 + prefill_passes Jacobi passes, "exact" the
@@ -244,8 +220,7 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         pass_loss_weight * mean(NTP(2..k)). `attention_mask` marks each row's real tokens (one contiguous run;
         left or right padding); padded positions get zero logits. With use_cache, the returned FeedbackCache
         continues the rows; given one, every new token is one decode step (the state of the previous position
-        is fed back unless the mode is "standard"). `position_ids` are ignored: positions count real tokens.
-        """
+        is fed back unless the mode is "standard"). `position_ids` are ignored: positions count real tokens."""
         if inputs_embeds is not None:
             raise InputError("FullbandForCausalLM needs input_ids: latent feedback fuses each token's embedding "
                              "with the previous state, so inputs_embeds cannot be used")

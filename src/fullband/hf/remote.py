@@ -9,8 +9,7 @@ fullband.model.layers's names come from `.fullband_layers`). A shipped module th
 module is refused when the files are written (and by the tests), so nothing is silently left out. A model loaded
 from such a folder re-saves by copying the files beside this one.
 
-Shipped as source with every transformers folder (it is in SHIPPED): it imports only the standard library.
-"""
+Shipped as source with every transformers folder (it is in SHIPPED): it imports only the standard library."""
 
 from __future__ import annotations
 
@@ -20,24 +19,10 @@ import inspect
 from pathlib import Path
 
 ENTRY = "fullband.hf.modeling"
-SHIPPED = (
-    "fullband.errors",
-    "fullband.validate",
-    "fullband.model.config",
-    "fullband.model.layers",
-    "fullband.model.attention",
-    "fullband.model.fusion",
-    "fullband.model.cache",
-    "fullband.model.mode",
-    "fullband.model.weights",
-    "fullband.model.core",
-    "fullband.model.decoder",
-    "fullband.decode.sampling",
-    "fullband.decode.generate",
-    "fullband.train.objective",
-    "fullband.hf.remote",
-    ENTRY,
-)
+SHIPPED = ("fullband.errors", "fullband.validate", "fullband.model.config", "fullband.model.layers",
+           "fullband.model.attention", "fullband.model.fusion", "fullband.model.cache", "fullband.model.mode",
+           "fullband.model.weights", "fullband.model.core", "fullband.model.decoder", "fullband.decode.sampling",
+           "fullband.decode.generate", "fullband.train.objective", "fullband.hf.remote", ENTRY)
 
 
 def file_name(module: str) -> str:

@@ -1,8 +1,7 @@
 """Grouped-query causal self-attention with optional QK-RMSNorm and RoPE, reading/writing a static KV cache.
 
 Shapes: B batch, T positions, H query heads, Hk key/value heads, Dh head dim, D model width, S cache length.
-q, k and v come from one (H + 2 Hk) * Dh x D matrix `wqkv`; q and k are normalised and rotated together.
-"""
+q, k and v come from one (H + 2 Hk) * Dh x D matrix `wqkv`; q and k are normalised and rotated together."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Static, preallocated KV cache written at integer positions (one slot per position, per row).
 
 Every decoding mode shares it: prefill writes positions [0, T) of every row; a decode step writes one
-position per row, so rows of a ragged batch advance at their own positions.
-"""
+position per row, so rows of a ragged batch advance at their own positions."""
 
 from __future__ import annotations
 
@@ -14,22 +13,12 @@ class KVCache:
     """Keys and values of every layer: k[i], v[i] are (B, max_len, H_kv, Dh) (position-major, so one decode
     step writes each row's slot with a single index_copy_ into the flattened (B * max_len, H_kv, Dh) view)."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        batch: int,
-        n_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (batch, max_len, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.batch = batch
-        self.max_len = max_len
+        self.batch, self.max_len = batch, max_len
 
     @classmethod
     def wrap(cls, k: list[Tensor], v: list[Tensor]) -> "KVCache":
@@ -43,9 +32,7 @@ class KVCache:
     def for_model(cls, model: torch.nn.Module, batch: int, max_len: int) -> "KVCache":
         cfg = model.config
         param = next(model.parameters())
-        return cls(
-            cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype=param.dtype, device=param.device
-        )
+        return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype=param.dtype, device=param.device)
 
     def slots(self, positions: Tensor) -> Tensor:
         """Row-major slot of each row's position in the flattened cache: b * max_len + positions[b]."""

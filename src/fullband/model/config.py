@@ -1,7 +1,6 @@
 """ModelConfig: every architectural and multi-pass knob of a full-bandwidth model, validated on construction.
 
-The resolved config travels with every checkpoint (`config.json`), so a folder always describes itself.
-"""
+The resolved config travels with every checkpoint (`config.json`), so a folder always describes itself."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ class ModelConfig:
     `input_norm` (default true): plain positions take norm_in(embedding), as in the paper. False makes the plain
     stack input the raw embedding, as in Llama-style models (so a converted Llama checkpoint computes exactly what
     it did); fused inputs still pass through norm_in, and the gate then reads a gain-free RMS-normalised
-    embedding. `tie_embeddings` (default true) shares the embedding with the LM head; false adds `lm_head`.
-    """
+    embedding. `tie_embeddings` (default true) shares the embedding with the LM head; false adds `lm_head`."""
 
     vocab_size: int = 259
     d_model: int = 256
@@ -81,19 +79,13 @@ class ModelConfig:
             self.d_ff = _default_d_ff(self.d_model)
         integer("d_ff", self.d_ff, 1)
         if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                f"accepted: n_heads dividing d_model (e.g. {_divisors_hint(self.d_model)})"
-            )
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                              f"accepted: n_heads dividing d_model (e.g. {_divisors_hint(self.d_model)})")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
-                f"accepted: a divisor of n_heads (e.g. {_divisors_hint(self.n_heads)})"
-            )
+            raise ConfigError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                              f"accepted: a divisor of n_heads (e.g. {_divisors_hint(self.n_heads)})")
         if self.head_dim % 2:
-            raise ConfigError(
-                f"head_dim = d_model / n_heads = {self.head_dim} is odd; RoPE needs an even head_dim"
-            )
+            raise ConfigError(f"head_dim = d_model / n_heads = {self.head_dim} is odd; RoPE needs an even head_dim")
         for name in ("rope_theta", "norm_eps", "init_std"):
             number(name, getattr(self, name), low=0, low_open=True)
         for name in ("jitter", "pass_loss_weight"):
@@ -111,10 +103,8 @@ class ModelConfig:
         if self.bos_token_id is not None:
             integer("bos_token_id", self.bos_token_id, 0)
             if self.bos_token_id >= self.vocab_size:
-                raise ConfigError(
-                    f"bos_token_id={self.bos_token_id} is outside the vocabulary; "
-                    f"accepted: 0 <= bos_token_id < vocab_size={self.vocab_size}, or null"
-                )
+                raise ConfigError(f"bos_token_id={self.bos_token_id} is outside the vocabulary; "
+                                  f"accepted: 0 <= bos_token_id < vocab_size={self.vocab_size}, or null")
 
     @property
     def head_dim(self) -> int:
@@ -122,9 +112,7 @@ class ModelConfig:
 
     def is_local(self, layer: int) -> bool:
         """Whether block `layer` (0-based) uses sliding-window attention."""
-        if self.sliding_window is None:
-            return False
-        return not (self.global_every and (layer + 1) % self.global_every == 0)
+        return self.sliding_window is not None and not (self.global_every and (layer + 1) % self.global_every == 0)
 
     @property
     def has_feedback(self) -> bool:
@@ -141,9 +129,8 @@ class ModelConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in data:
             if key not in names:
-                raise ConfigError(
-                    f"{source}: unknown model field {key!r}{closest(key, names)}; accepted: {', '.join(names)}"
-                )
+                raise ConfigError(f"{source}: unknown model field {key!r}{closest(key, names)}; accepted: "
+                                  f"{', '.join(names)}")
         return cls(**data)
 
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -17,8 +17,7 @@ model (vllm.model) supply their stacks; the transformers class, the decode engin
 training objective (train.objective) call these rules. Shipped as source with every transformers folder
 (fullband.hf.remote): it imports only other shipped modules.
 
-Shapes: B batch, T positions, D model width, V vocabulary.
-"""
+Shapes: B batch, T positions, D model width, V vocabulary."""
 
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ class FeedbackModel(nn.Module):
         training objective's jitter and prefix mixin). Stops after `passes`, or once every row's RMS update is below
         `tol`. Two passes' states are alive at a time. A `cache` receives the last pass's keys and values (every
         pass's under `tol`: any may be the last). -> (state, top, passes run, what each_pass returned per pass)."""
-        state = top = None
-        seen = []
+        state, seen = None, []
         for j in range(passes):
             prev, mask = (None, plain) if j == 0 else (feed(j, state, plain) if feed else (state, plain))
             last = j == passes - 1
@@ -237,10 +235,8 @@ def check_ids(input_ids: Tensor, vocab_size: int, max_seq_len: int) -> None:
     if not isinstance(input_ids, Tensor):
         raise InputError(f"input_ids must be a torch.Tensor of shape (B, T), got {type(input_ids).__name__}")
     if input_ids.ndim != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise InputError(
-            f"input_ids must be an integer tensor of shape (B, T); got dtype {input_ids.dtype}, "
-            f"shape {tuple(input_ids.shape)}"
-        )
+        raise InputError(f"input_ids must be an integer tensor of shape (B, T); got dtype {input_ids.dtype}, "
+                         f"shape {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
         raise InputError(f"input_ids is empty (shape {tuple(input_ids.shape)}); need B >= 1 and T >= 1")
     if input_ids.shape[1] > max_seq_len:

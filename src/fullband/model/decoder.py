@@ -8,8 +8,7 @@ whose input can fuse the previous position's top state. It supplies its transfor
 
 Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
 
-Shapes: B batch, T positions, D model width, V vocabulary.
-"""
+Shapes: B batch, T positions, D model width, V vocabulary."""
 
 from __future__ import annotations
 
@@ -85,9 +84,7 @@ class FullbandLM(FeedbackModel):
     # ---------------------------------------------------------------- initialisation
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; residual-branch outputs scaled by 1/sqrt(2L) so the top state's norm
-        stays O(1) as depth grows; fusion matrices at 1/sqrt(fan_in) (DECISION: the fused input starts at
-        unit scale, gates spread over sigmoid's range); every norm gain at 1."""
+        """Every parameter initialised as the weight table says (fullband.model.weights.init_parameter_)."""
         for name, p in self.named_parameters():
             init_parameter_(name, p, self.config)
 
@@ -131,9 +128,7 @@ class FullbandLM(FeedbackModel):
     def _window_mask(self, q_pos: Tensor, k_pos: Tensor, span: int) -> Tensor | None:
         """Sliding-window visibility for the local layers; None when there are none or the window covers `span`."""
         window = self.config.sliding_window
-        if not self._has_local or window >= span:
-            return None
-        return window_mask(q_pos, k_pos, window)
+        return None if not self._has_local or window >= span else window_mask(q_pos, k_pos, window)
 
     # ---------------------------------------------------------------- checks and checkpoints
     def num_params(self, *, fusion: bool = True) -> int:

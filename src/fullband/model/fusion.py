@@ -3,8 +3,7 @@
 `gated` is the paper's asymmetric gated unit, fuse(e, h) = (h W_U) * sigmoid(norm_in(e) W_G): the state is
 the value path and the token only gates it, so a model cannot learn to ignore the state. `additive` and
 `concat` exist for the ablation that shows why (docs/method.md, section 2). Shipped as source with every
-transformers folder (fullband.hf.remote): it imports only other shipped modules.
-"""
+transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 
@@ -48,11 +47,7 @@ class ConcatFusion(nn.Module):
         return linear(torch.cat([e, h], dim=-1), self.w_cat.weight)
 
 
-FUSION_TYPES: dict[str, type[nn.Module]] = {
-    "gated": GatedFusion,
-    "additive": AdditiveFusion,
-    "concat": ConcatFusion,
-}
+FUSION_TYPES: dict[str, type[nn.Module]] = {"gated": GatedFusion, "additive": AdditiveFusion, "concat": ConcatFusion}
 
 
 def build_fusion(kind: str, d_model: int) -> nn.Module | None:

@@ -2,8 +2,7 @@
 
 Shapes: B batch, T positions, H heads, Dh head dim, D model width, F MLP width.
 On the batch-1 decode path every tensor op costs microseconds next to a weight read of tens, so these
-modules call F.linear on their weights directly and keep the op count small.
-"""
+modules call F.linear on their weights directly and keep the op count small."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding, rotate-half convention (pairs (i, i + Dh/2)), tables up to max_seq_len.
 
-    `sin` is stored with the sign of rotate_half folded in, so rotation is x*cos + roll(x, Dh/2)*sin.
-    """
+    `sin` is stored with the sign of rotate_half folded in, so rotation is x*cos + roll(x, Dh/2)*sin."""
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()

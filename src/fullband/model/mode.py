@@ -7,8 +7,7 @@ exact recurrence) and whether generated positions are fed the previous top state
             update is below tol: adaptive prefill, at most k), then as soft
   exact     the exact recurrence over the prompt, then as soft (the ground truth)
 
-Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
-"""
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 
@@ -126,9 +125,7 @@ class DecodeMode:
         """'standard', 'soft', 'exact', 'fused k=2', 'fused auto tol=0.001'."""
         if self.name != "fused":
             return self.name
-        if self.adaptive:
-            return f"fused auto tol={self.tol:g}"
-        return f"fused k={self.prefill_passes}"
+        return f"fused auto tol={self.tol:g}" if self.adaptive else f"fused k={self.prefill_passes}"
 
     def check(self, config, error: type[FullbandError] = InputError, *, weights: bool = True) -> DecodeMode:
         """Refuse what `config` (a ModelConfig) cannot run: more fused passes than max_seq_len (a prompt is exact

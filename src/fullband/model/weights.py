@@ -3,8 +3,7 @@ optimizer takes it), how a fused matrix splits into the logical matrices it stac
 Llama checkpoint and goes in vLLM's model. Read by initialisation, optimizer routing (fullband.train.optim),
 from_llama, the vLLM loader and the decode benchmark.
 
-Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
-"""
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 
@@ -106,9 +105,8 @@ def split(w: Weight, tensor: Tensor, cfg: ModelConfig) -> list[Tensor]:
 
 @torch.no_grad()
 def init_parameter_(name: str, p: Tensor, cfg: ModelConfig) -> Tensor:
-    """The initialisation of FullbandLM parameter `name`: gains at 1; fusion matrices at 1/sqrt(fan_in) (DECISION:
-    the fused input starts at unit scale, gates spread over sigmoid's range); residual outputs at
-    init_std / sqrt(2 L); everything else Normal(0, init_std)."""
+    """The initialisation of FullbandLM parameter `name`: gains at 1; fusion matrices as init_fusion_weight_;
+    residual outputs at init_std / sqrt(2 L); everything else Normal(0, init_std)."""
     w, _ = lookup(name)
     if w.kind == "gain":
         return nn.init.ones_(p)
@@ -120,5 +118,6 @@ def init_parameter_(name: str, p: Tensor, cfg: ModelConfig) -> Tensor:
 
 @torch.no_grad()
 def init_fusion_weight_(p: Tensor) -> Tensor:
-    """Fusion matrices at 1/sqrt(fan_in): the fused input starts at unit scale, gates spread over sigmoid's range."""
+    """Fusion matrices at 1/sqrt(fan_in) (DECISION: the fused input starts at unit scale, gates spread over sigmoid's
+    range)."""
     return nn.init.normal_(p, std=p.shape[1] ** -0.5)

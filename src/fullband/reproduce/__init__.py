@@ -3,8 +3,7 @@ listed once below) and reproduce(), which runs one of them end to end.
 
 reproduce() trains the runs an experiment needs (from configs/tiny.toml plus overrides), evaluates them, and writes
 docs/results/<experiment>.md with tables and figures, whatever the outcome. Finished runs are reused, interrupted ones
-resumed.
-"""
+resumed."""
 
 from __future__ import annotations
 

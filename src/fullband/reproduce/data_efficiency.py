@@ -59,8 +59,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
         ax.errorbar([1], [r.nats], yerr=[r.stderr], marker="o", capsize=3,
                     label=f"full-bandwidth, {'STANDARD' if k == 0 else f'FUSED k={k}'}")
     ax.set_xticks([1, 2], ["N", "2N"])
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set(xlabel="training tokens", ylabel="held-out loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     lines += ["", *saved_figure(fig, figs, "data_efficiency.png", "data efficiency")]

@@ -15,6 +15,7 @@ def runs() -> list[Run]:
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
+    from fullband.eval.loss import validation_loss
     from fullband.eval.report import plt as _plt
     from fullband.eval.stability import state_contribution
     from fullband.model.decoder import FullbandLM
@@ -38,8 +39,6 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
         lines.append(f"| {run.name.removeprefix('warm-')} | {wall / 60:.1f} min | {r['standard']:.4f} | "
                      f"{r['fused']:.4f} | {r['swapped']:.4f} | {r['zero']:.4f} | {r['swap_penalty']:+.4f} |")
     base = FullbandLM.load(base_ckpt)
-    from fullband.eval.loss import validation_loss
-
     base_loss = validation_loss(base, val_batches(base_ckpt), 1).nats
     lines += ["", f"The standard base model itself: {base_loss:.4f} nats/token.", ""]
     ranked = sorted(results, key=lambda n: results[n]["swap_penalty"])

@@ -40,10 +40,8 @@ class Experiment:
 def hardware() -> str:
     cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
@@ -101,7 +99,6 @@ def saved_figure(fig, figs: Path, png: str, alt: str) -> list[str]:
 def config_line(run: Run, *extra: str) -> str:
     sets = " ".join(f"--set {o}" for o in [*run.overrides, *extra])
     return f"`fullband train {run.config or BASE}{' ' + sets if sets else ''}`"
-
 
 
 def val_batches(checkpoint: Path, windows: int = 128, seq_len: int = 256, batch: int = 16):

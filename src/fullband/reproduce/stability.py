@@ -59,11 +59,8 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
         curve = [v for v in sweep.update_curve[1:]]
         ks = [k for k, v in zip(range(2, len(curve) + 2), curve) if v > 0]
         axes[1].loglog(ks, [v for v in curve if v > 0], label=name)
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("passes k")
-    axes[0].set_ylabel("held-out loss (nats/token)")
-    axes[1].set_xlabel("passes k")
-    axes[1].set_ylabel("RMS ||h(k) - h(k-1)||")
+    axes[0].set(xscale="log", xlabel="passes k", ylabel="held-out loss (nats/token)")
+    axes[1].set(xlabel="passes k", ylabel="RMS ||h(k) - h(k-1)||")
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)

@@ -51,9 +51,7 @@ def _finished_eval(saved: Path, checkpoint: Path, n: int) -> dict | None:
     weights = checkpoint / "model.safetensors"
     if not (weights.is_file() and saved.with_suffix(".png").is_file()):  # the report links the figure
         return None
-    if saved.stat().st_mtime < weights.stat().st_mtime:
-        return None
-    return res
+    return None if saved.stat().st_mtime < weights.stat().st_mtime else res
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n: int = 200,

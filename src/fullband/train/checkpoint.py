@@ -18,6 +18,7 @@ from fullband.folder import FILES_KEY, load_state, model_metadata, read_config_f
 from fullband.errors import CheckpointError
 from fullband.files import check_record, publish_folder, writing
 from fullband.train.parallel import Dist, barrier, is_fsdp, unwrap
+from fullband.version import __version__
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 TRAINER_FILE = "trainer.json"
@@ -25,8 +26,6 @@ REQUIRED = ("config.json", "model.safetensors", TRAINER_FILE, "rng.pt")
 
 
 def code_version() -> dict:
-    from fullband.version import __version__
-
     info = {"fullband": __version__, "torch": torch.__version__}
     try:
         root = Path(__file__).resolve().parents[3]
@@ -78,10 +77,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
             if d.main:
                 if not fsdp:
                     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-                torch.save(
-                    {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-                    tmp / "rng.pt",
-                )
+                rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+                torch.save(rng, tmp / "rng.pt")
                 payload = {**trainer_state, "step": step, "world_size": d.world, "fsdp": fsdp, "code": code_version()}
                 (tmp / TRAINER_FILE).write_text(json.dumps(payload, indent=2) + "\n")
             barrier(d)
@@ -126,10 +123,9 @@ def load_checkpoint(path: Path, model, optimizer, *, d: Dist) -> dict:
     state = read_trainer_state(path)
     fsdp = is_fsdp(model)
     if state.get("fsdp") != fsdp or (fsdp and state.get("world_size") != d.world):
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} was written with fsdp={state.get('fsdp')} on {state.get('world_size')} "
-            f"processes; this run has fsdp={fsdp} on {d.world} (FSDP optimizer shards need the same world size)"
-        )
+        raise CheckpointError(f"checkpoint {str(path)!r} was written with fsdp={state.get('fsdp')} on "
+                              f"{state.get('world_size')} processes; this run has fsdp={fsdp} on {d.world} (FSDP "
+                              "optimizer shards need the same world size)")
     data = read_config_file(path)
     problems = check_record(path, data.get(FILES_KEY, {}), hashes=False)
     if problems:
@@ -157,10 +153,6 @@ def load_checkpoint(path: Path, model, optimizer, *, d: Dist) -> dict:
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
     return state
-
-
-def checkpoint_files(path: Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir())
 
 
 def describe(state: dict[str, Any]) -> str:

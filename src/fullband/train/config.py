@@ -75,10 +75,9 @@ class TrainConfig:
         number("train.cooldown_fraction", self.cooldown_fraction, low=0, high=1)
         number("train.z_loss", self.z_loss, low=0)
         if self.global_batch_tokens % self.seq_len:
-            raise ConfigError(
-                f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of train.seq_len="
-                f"{self.seq_len}; accepted: a whole number of windows (e.g. {self.seq_len * max(1, self.global_batch_tokens // self.seq_len)})"
-            )
+            raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
+                              f"train.seq_len={self.seq_len}; accepted: a whole number of windows (e.g. "
+                              f"{self.seq_len * max(1, self.global_batch_tokens // self.seq_len)})")
         choice("train.dtype", self.dtype, DTYPES)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"train.device={self.device!r} is invalid; accepted: auto, cpu, cuda, cuda:N")
@@ -128,15 +127,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len and not self.model.hf_path:  # hf: checked against the model
-            raise ConfigError(
-                f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
-                f"lower train.seq_len or raise model.max_seq_len"
-            )
+            raise ConfigError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                              f"lower train.seq_len or raise model.max_seq_len")
         if self.train.micro_batch > self.train.global_windows:
-            raise ConfigError(
-                f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
-                f"{self.train.global_windows} windows (global_batch_tokens / seq_len)"
-            )
+            raise ConfigError(f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
+                              f"{self.train.global_windows} windows (global_batch_tokens / seq_len)")
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -103,7 +103,6 @@ def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData
     from fullband.data.chat.sources import chat_conversations
     from fullband.data.chat.templates import chat_template, encode_chat
     from fullband.data.sampler import ChatSampler, chat_validation_batches
-
     from fullband.data.tracking import training_sequences
 
     data, t = cfg.data, cfg.train
@@ -140,9 +139,8 @@ def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None, hf_path
         return load_tokenizer(where)
     path = Path(data.tokenizer).expanduser()
     if not (path / "tokenizer.json").is_file():
-        raise ConfigError(
-            f"data.tokenizer={data.tokenizer!r} is neither 'byte', 'bpe' nor a folder holding a tokenizer.json"
-        )
+        raise ConfigError(f"data.tokenizer={data.tokenizer!r} is neither 'byte', 'bpe' nor a folder holding a "
+                          "tokenizer.json")
     return load_tokenizer(path)
 
 
@@ -150,15 +148,11 @@ def fit_model_config(model: ModelConfig, tokenizer) -> ModelConfig:
     """`model` with the tokenizer's BOS as its document start; refused when the vocabulary is too small or the BOS
     ids disagree."""
     if model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids; "
-            f"set model.vocab_size >= {tokenizer.vocab_size}"
-        )
+        raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size} ids; set model.vocab_size >= {tokenizer.vocab_size}")
     if model.bos_token_id is None:  # document starts must be plain: take the tokenizer's BOS
         return model.replace(bos_token_id=tokenizer.bos_id)
     if model.bos_token_id != tokenizer.bos_id:
-        raise ConfigError(
-            f"model.bos_token_id={model.bos_token_id} differs from the tokenizer's BOS id {tokenizer.bos_id}; "
-            f"set model.bos_token_id = {tokenizer.bos_id} (or leave it out)"
-        )
+        raise ConfigError(f"model.bos_token_id={model.bos_token_id} differs from the tokenizer's BOS id "
+                          f"{tokenizer.bos_id}; set model.bos_token_id = {tokenizer.bos_id} (or leave it out)")
     return model

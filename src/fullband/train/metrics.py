@@ -79,11 +79,10 @@ def _flatten(row: dict, prefix: str = "") -> dict[str, float]:
 
 def plot_metrics(metrics: Path, out: Path) -> Path | None:
     """Training loss per pass count (smoothed) and validation loss against tokens, as a PNG."""
-    try:
-        import matplotlib
+    from fullband.eval.report import plt as pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        plt = pyplot()
     except ImportError:
         return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -104,9 +103,8 @@ def plot_metrics(metrics: Path, out: Path) -> Path | None:
     for k in sorted({k for r in eval_rows for k in r["eval"]}, key=int):
         pts = [(r["tokens"] / 1e6, r["eval"][k]) for r in eval_rows if k in r["eval"]]
         ax.plot(*zip(*pts), "o--", label=f"validation, {k} pass{'es' if k != '1' else ''}", ms=4)
-    ax.set_xlabel("training tokens (millions)")
-    ax.set_ylabel("loss (nats / token)")
-    ax.set_title(f"{metrics.parent.name}: multi-pass training")
+    ax.set(xlabel="training tokens (millions)", ylabel="loss (nats / token)",
+           title=f"{metrics.parent.name}: multi-pass training")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -3,8 +3,7 @@ each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, and the train
 (uniform jitter on the fed state, a random plain prefix per sequence, detaching between passes). Called by the
 trainer and the transformers class's labels path; eval.loss scores with the same `ntp`.
 
-Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
-"""
+Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 

@@ -27,8 +27,6 @@ RMS_MATCH = 0.2  # NorMuon rescales its update to Adam's typical per-entry RMS
 
 
 # ---------------------------------------------------------------- config
-
-
 @dataclass
 class OptimConfig:
     """Optimizer hyperparameters (docs/method.md, section 9). `lr` / `weight_decay` are NorMuon's, for hidden
@@ -68,8 +66,6 @@ class OptimConfig:
 
 
 # ---------------------------------------------------------------- the routing table
-
-
 @dataclass(frozen=True)
 class Route:
     """One row of the routing table: parameters whose (unwrapped) name matches `pattern` go to `optimizer`
@@ -87,9 +83,8 @@ class Route:
 
     def __post_init__(self) -> None:
         if self.optimizer not in ROUTE_OPTIMIZERS:
-            raise ConfigError(
-                f"route {self.pattern!r}: optimizer={self.optimizer!r}; accepted: {', '.join(ROUTE_OPTIMIZERS)}"
-            )
+            raise ConfigError(f"route {self.pattern!r}: optimizer={self.optimizer!r}; "
+                              f"accepted: {', '.join(ROUTE_OPTIMIZERS)}")
         if self.splits is not None and self.splits not in SPLITS:
             raise ConfigError(f"route {self.pattern!r}: splits={self.splits!r}; accepted: {', '.join(SPLITS)} or None")
         if self.decay is None:
@@ -135,8 +130,6 @@ HF_ROUTES: tuple[Route, ...] = (
     Route(r"^hf\..*\.bias$", "adam", wd_mult=0.0),
     Route(r"^hf\.", "adam", decay="matrix"),
 )
-
-
 HF_ROUTE_TABLES: dict[str, tuple[Route, ...]] = {"normuon": HF_ROUTES, "adamw": _on_adamw(HF_ROUTES)}
 
 # Segments wrappers insert into parameter names (DDP, torch.compile, activation checkpointing, FSDP1).
@@ -148,9 +141,7 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
-def assign_routes(
-    named_params: Iterable[tuple[str, Tensor]], routes: Iterable[Route]
-) -> list[tuple[str, Tensor, int]]:
+def assign_routes(named_params: Iterable[tuple[str, Tensor]], routes: Iterable[Route]) -> list[tuple[str, Tensor, int]]:
     """(canonical name, parameter, index of the first matching route) for each trainable parameter; a
     parameter that matches no route is an error naming it."""
     routes = list(routes)
@@ -162,10 +153,9 @@ def assign_routes(
         name = canonical_name(raw)
         index = next((i for i, rx in enumerate(compiled) if rx.search(name)), None)
         if index is None:
-            raise ConfigError(
-                f"parameter {name!r} (shape {tuple(p.shape)}) matches no optimizer route; add a Route for it "
-                f"to the table in fullband.train.optim; patterns: {', '.join(r.pattern for r in routes)}"
-            )
+            patterns = ", ".join(r.pattern for r in routes)
+            raise ConfigError(f"parameter {name!r} (shape {tuple(p.shape)}) matches no optimizer route; add a Route "
+                              f"for it to the table in fullband.train.optim; patterns: {patterns}")
         out.append((name, p, index))
     return out
 
@@ -194,21 +184,12 @@ def param_groups(model: nn.Module, cfg: OptimConfig, routes: Iterable[Route] | N
         if not members:
             continue
         lr, wd = _base_hparams(route, cfg)
-        group: dict[str, Any] = {
-            "params": [p for _, p in members],
-            "names": [name for name, _ in members],
-            "route": route.pattern,
-            "lr": lr,
-            "weight_decay": wd,
-            "base_lr": lr,
-            "base_wd": wd,
-        }
+        group: dict[str, Any] = {"params": [p for _, p in members], "names": [name for name, _ in members],
+                                 "route": route.pattern, "lr": lr, "weight_decay": wd, "base_lr": lr, "base_wd": wd}
         if route.optimizer == "normuon":
             if route.splits is not None and model_cfg is None:
-                raise ConfigError(
-                    f"route {route.pattern!r} splits fused matrices by the model config ({route.splits!r}), "
-                    f"but {type(model).__name__} has no ModelConfig at .config"
-                )
+                raise ConfigError(f"route {route.pattern!r} splits fused matrices by the model config "
+                                  f"({route.splits!r}), but {type(model).__name__} has no ModelConfig at .config")
             group["splits"] = None if route.splits is None else SPLITS[route.splits](model_cfg)
         groups[route.optimizer].append(group)
     _check_disjoint(groups["normuon"] + groups["adam"])
@@ -225,8 +206,6 @@ def _check_disjoint(groups: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------- NorMuon
-
-
 def newton_schulz5(g: Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> Tensor:
     """Approximate U V^T of g = U S V^T with the quintic Newton-Schulz iteration; singular values land in
     roughly [0.7, 1.2] rather than exactly 1, which trains as well and needs only `steps` matmul rounds."""
@@ -250,17 +229,8 @@ def neuron_normalize(o: Tensor, v: Tensor, beta2: float, eps: float) -> Tensor:
     return o / (v32.sqrt() + eps)
 
 
-def normuon_update(
-    m: Tensor,
-    v: Tensor,
-    *,
-    lr: float,
-    beta2: float,
-    eps: float,
-    ns_steps: int,
-    splits: tuple[int, ...] | None = None,
-    ns_dtype: torch.dtype = torch.float32,
-) -> Tensor:
+def normuon_update(m: Tensor, v: Tensor, *, lr: float, beta2: float, eps: float, ns_steps: int,
+                   splits: tuple[int, ...] | None = None, ns_dtype: torch.dtype = torch.float32) -> Tensor:
     """The float32 step η̂·Ô for a momentum-like matrix m (rows, cols), one row block of `splits` at a time:
     each block is orthogonalised, neuron-normalised with its rows of v, and rescaled to RMS 0.2 * lr."""
     sizes = list(splits) if splits else [m.shape[0]]
@@ -290,26 +260,13 @@ class NorMuon(torch.optim.Optimizer):
     A group's `splits` (row sizes) cuts a fused matrix into blocks, each orthogonalised and rescaled on its
     own. State (`momentum_buffer`, `second_moment` (rows, 1)) is kept in the parameter's dtype, as torch's
     Adam does, so a state_dict round trip is exact. DTensor (FSDP2) parameters: the momentum is gathered,
-    the update computed on the full matrix on every rank, and each rank applies its own shard.
-    """
+    the update computed on the full matrix on every rank, and each rank applies its own shard."""
 
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict],
-        lr: float = 1e-2,
-        weight_decay: float = 0.0,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        beta2: float = 0.95,
-        ns_steps: int = 5,
-        eps: float = 1e-8,
-        *,
-        ns_dtype: torch.dtype | None = None,
-    ) -> None:
-        defaults = dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, beta2=beta2,
-            ns_steps=ns_steps, eps=eps, splits=None,
-        )
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict], lr: float = 1e-2, weight_decay: float = 0.0,
+                 momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95, ns_steps: int = 5,
+                 eps: float = 1e-8, *, ns_dtype: torch.dtype | None = None) -> None:
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, beta2=beta2,
+                        ns_steps=ns_steps, eps=eps, splits=None)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype  # None: bfloat16 on CUDA (as Muon), float32 elsewhere
         for group in self.param_groups:
@@ -343,16 +300,9 @@ class NorMuon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 u = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 sharded = dtensor is not None and isinstance(p, dtensor)
-                update = normuon_update(
-                    u.full_tensor() if sharded else u,
-                    state["second_moment"],
-                    lr=group["lr"],
-                    beta2=group["beta2"],
-                    eps=group["eps"],
-                    ns_steps=group["ns_steps"],
-                    splits=group["splits"],
-                    ns_dtype=self._ns_dtype(p),
-                )
+                update = normuon_update(u.full_tensor() if sharded else u, state["second_moment"], lr=group["lr"],
+                                        beta2=group["beta2"], eps=group["eps"], ns_steps=group["ns_steps"],
+                                        splits=group["splits"], ns_dtype=self._ns_dtype(p))
                 if sharded:
                     update = _local_shard(update.to(p.dtype), p)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -364,10 +314,8 @@ def _check_matrix(p: Tensor, splits: tuple[int, ...] | None) -> None:
     if p.ndim != 2:
         raise ConfigError(f"NorMuon takes 2-D matrices; got a parameter of shape {tuple(p.shape)} (route it to Adam)")
     if splits is not None and (sum(splits) != p.shape[0] or min(splits) < 1):
-        raise ConfigError(
-            f"splits={tuple(splits)} do not cut a ({p.shape[0]}, {p.shape[1]}) matrix by rows; "
-            f"accepted: positive row counts summing to {p.shape[0]}"
-        )
+        raise ConfigError(f"splits={tuple(splits)} do not cut a ({p.shape[0]}, {p.shape[1]}) matrix by rows; "
+                          f"accepted: positive row counts summing to {p.shape[0]}")
 
 
 def _local_shard(update: Tensor, p: Tensor) -> Tensor:
@@ -381,8 +329,6 @@ def _local_shard(update: Tensor, p: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- composite
-
-
 class CompositeOptimizer:
     """NorMuon and AdamW stepped together; `param_groups` lists both so LR / WD scaling is uniform:
     `for g in opt.param_groups: g["lr"] = g["base_lr"] * factor`."""
@@ -423,10 +369,8 @@ class CompositeOptimizer:
     def load_state_dict(self, state: Mapping[str, dict]) -> None:
         """Restore every inner optimizer; group hyperparameters (lr, base_lr, ...) come from the saved state."""
         if set(state) != set(self.optimizers):
-            raise ConfigError(
-                f"optimizer state holds {sorted(state)} but this optimizer has {sorted(self.optimizers)}; "
-                f"was it saved with a different optim.name?"
-            )
+            raise ConfigError(f"optimizer state holds {sorted(state)} but this optimizer has "
+                              f"{sorted(self.optimizers)}; was it saved with a different optim.name?")
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state[name])
 
@@ -441,28 +385,20 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, routes: Iterable[Route] 
     groups = param_groups(model, cfg, routes)
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if groups["normuon"]:
-        optimizers["normuon"] = NorMuon(
-            groups["normuon"], lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-            nesterov=cfg.nesterov, beta2=cfg.beta2, ns_steps=cfg.ns_steps, eps=cfg.eps,
-        )
+        optimizers["normuon"] = NorMuon(groups["normuon"], lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                        momentum=cfg.momentum, nesterov=cfg.nesterov, beta2=cfg.beta2,
+                                        ns_steps=cfg.ns_steps, eps=cfg.eps)
     if groups["adam"]:
-        optimizers["adam"] = torch.optim.AdamW(
-            groups["adam"], lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-            weight_decay=cfg.adam_weight_decay,
-        )
+        optimizers["adam"] = torch.optim.AdamW(groups["adam"], lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+                                               weight_decay=cfg.adam_weight_decay)
     return CompositeOptimizer(optimizers)
 
 
-def routing_report(
-    model: nn.Module, cfg: OptimConfig, routes: Iterable[Route] | None = None
-) -> list[tuple[str, str, float, float]]:
+def routing_report(model: nn.Module, cfg: OptimConfig,
+                   routes: Iterable[Route] | None = None) -> list[tuple[str, str, float, float]]:
     """(parameter name, "normuon" | "adam", base lr, base weight decay) per trainable parameter, for logging."""
     groups = param_groups(model, cfg, routes)
-    rows = [
-        (name, kind, group["base_lr"], group["base_wd"])
-        for kind in ("normuon", "adam")
-        for group in groups[kind]
-        for name in group["names"]
-    ]
+    rows = [(name, kind, group["base_lr"], group["base_wd"])
+            for kind in ("normuon", "adam") for group in groups[kind] for name in group["names"]]
     order = {canonical_name(name): i for i, (name, _) in enumerate(model.named_parameters())}
     return sorted(rows, key=lambda row: order.get(row[0], len(order)))

@@ -1,8 +1,7 @@
 """Process groups and model wrapping, in one place: activation checkpointing, compile, then DDP or FSDP2.
 
 The model code knows nothing about parallelism. Launch several processes with `torchrun`; a single process
-runs without a process group. Order follows torchtitan: checkpointing, compile, data parallelism.
-"""
+runs without a process group. Order follows torchtitan: checkpointing, compile, data parallelism."""
 
 from __future__ import annotations
 
@@ -37,9 +36,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"train.device={name!r} but CUDA is not available here; accepted: auto or cpu")
-    if name == "cuda":
-        return torch.device(f"cuda:{local_rank}")
-    return torch.device(name)
+    return torch.device(f"cuda:{local_rank}") if name == "cuda" else torch.device(name)
 
 
 def init_distributed(device: str) -> Dist:

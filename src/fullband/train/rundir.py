@@ -38,10 +38,8 @@ def claim_run_dir(run_dir: Path, *, resume: bool) -> tuple[FolderLock, bool]:
                               f"{describe_entries(entries)}); a run needs a new or empty folder: choose another "
                               "log.run_dir (e.g. --set log.run_dir=runs/new)")
         if entries:
-            raise ConfigError(
-                f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
-                f"{run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)"
-            )
+            raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
+                              f"{run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)")
     except BaseException:
         lock.release()
         raise
@@ -88,10 +86,8 @@ def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
                           "from a checkpoint's trainer.json ('config') or start a new run")
     diffs = resume_differences(saved, cfg.to_dict())
     if diffs:
-        raise ConfigError(
-            f"cannot resume {str(run_dir)!r} with this config; {len(diffs)} setting(s) differ: " + "; ".join(diffs)
-            + ". Use the run's own settings (its run.json) or start a new run"
-        )
+        raise ConfigError(f"cannot resume {str(run_dir)!r} with this config; {len(diffs)} setting(s) differ: "
+                          + "; ".join(diffs) + ". Use the run's own settings (its run.json) or start a new run")
 
 
 _UNSET = object()
@@ -107,10 +103,8 @@ def _differences(a, b, key: str, path: str = "") -> list[str]:
     """'key: run has path=A, config has path=B' for every leaf setting under `key` that differs between a and b
     (for a leaf key itself: 'key: run has A, config has B')."""
     if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b)):
-            out += _differences(a.get(k, _UNSET), b.get(k, _UNSET), key, f"{path}.{k}" if path else k)
-        return out
+        return [d for k in sorted(set(a) | set(b))
+                for d in _differences(a.get(k, _UNSET), b.get(k, _UNSET), key, f"{path}.{k}" if path else k)]
     if a == b:
         return []
     name = f"{path}=" if path else ""

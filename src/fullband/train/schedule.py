@@ -17,15 +17,11 @@ PROB_TOLERANCE = 1e-6
 
 
 # ---------------------------------------------------------------- learning rate (warmup, stable, decay)
-
-
 def cooldown_steps(total_steps: int, cooldown_fraction: float) -> int:
     """Steps in the cooldown: cooldown_fraction * total_steps, rounded, and at least 1 when the fraction is > 0."""
     integer("total_steps", total_steps, 1)
     number("cooldown_fraction", cooldown_fraction, low=0, high=1)
-    if cooldown_fraction == 0:
-        return 0
-    return min(total_steps, max(1, round(cooldown_fraction * total_steps)))
+    return 0 if cooldown_fraction == 0 else min(total_steps, max(1, round(cooldown_fraction * total_steps)))
 
 
 def in_cooldown(step: int, total_steps: int, cooldown_fraction: float) -> bool:
@@ -41,15 +37,13 @@ def wsd_factor(step: int, total_steps: int, warmup_steps: int, cooldown_fraction
     Warmup: (step + 1) / warmup_steps, so step 0 already moves and step warmup_steps - 1 reaches 1.
     Cooldown over the last n = cooldown_steps(total_steps, cooldown_fraction) steps: (total_steps - step) / n,
     1 at its first step, 1/n at the last step (total_steps - 1), and 0 at step total_steps, which is never
-    taken. Where warmup and cooldown overlap (short runs) the smaller factor wins. Steps past the end give 0.
-    """
+    taken. Where warmup and cooldown overlap (short runs) the smaller factor wins. Steps past the end give 0."""
     integer("step", step, 0)
     integer("warmup_steps", warmup_steps, 0)
     n = cooldown_steps(total_steps, cooldown_fraction)
     if warmup_steps > total_steps:
-        raise ConfigError(
-            f"warmup_steps={warmup_steps} exceeds total_steps={total_steps}; accepted: 0 <= warmup_steps <= total_steps"
-        )
+        raise ConfigError(f"warmup_steps={warmup_steps} exceeds total_steps={total_steps}; accepted: 0 <= "
+                          "warmup_steps <= total_steps")
     if step >= total_steps:
         return 0.0
     factor = 1.0
@@ -61,8 +55,6 @@ def wsd_factor(step: int, total_steps: int, warmup_steps: int, cooldown_fraction
 
 
 # ---------------------------------------------------------------- pass schedule
-
-
 class Stage(NamedTuple):
     """Applies while step / total_steps < until; probs maps a pass count k >= 1 to its probability."""
 
@@ -112,10 +104,8 @@ class PassSchedule:
         if isinstance(value, str):
             return cls.preset(value)
         if not isinstance(value, Sequence) or isinstance(value, bytes):
-            raise ConfigError(
-                f"pass schedule {value!r} is invalid; accepted: a preset name ({', '.join(PRESETS)}) "
-                f"or a list of {{until = ..., probs = {{\"k\" = p, ...}}}} stages"
-            )
+            raise ConfigError(f"pass schedule {value!r} is invalid; accepted: a preset name ({', '.join(PRESETS)}) "
+                              f"or a list of {{until = ..., probs = {{\"k\" = p, ...}}}} stages")
         return cls([_stage_from_data(i, item) for i, item in enumerate(value)])
 
     def to_data(self) -> list[dict[str, Any]]:
@@ -149,16 +139,12 @@ class PassSchedule:
     def mean_passes(self, total_steps: int | None = None) -> float:
         """Expected passes per step over the run (token-equivalent compute = tokens x this). With total_steps,
         stages are weighted by their whole step counts; without it, by their fractions of the run."""
-        weights = []
-        prev = 0.0
-        for i, stage in enumerate(self.stages):
-            if total_steps is None:
-                weights.append(stage.until - prev)
-                prev = stage.until
-            else:
-                weights.append(self._steps_in_stage(i, total_steps))
-        denominator = sum(weights)
-        return sum(w * _expected_k(s.probs) for w, s in zip(weights, self.stages)) / denominator
+        if total_steps is None:
+            bounds = [0.0, *(s.until for s in self.stages)]
+            weights = [until - prev for prev, until in zip(bounds, bounds[1:])]
+        else:
+            weights = [self._steps_in_stage(i, total_steps) for i in range(len(self.stages))]
+        return sum(w * _expected_k(s.probs) for w, s in zip(weights, self.stages)) / sum(weights)
 
     @property
     def max_passes(self) -> int:
@@ -176,9 +162,8 @@ class PassSchedule:
         return max(0, end - start)
 
     def __str__(self) -> str:
-        body = "; ".join(
-            f"until {s.until:g}: " + ", ".join(f"{k}x {p:g}" for k, p in s.probs.items()) for s in self.stages
-        )
+        body = "; ".join(f"until {s.until:g}: " + ", ".join(f"{k}x {p:g}" for k, p in s.probs.items())
+                         for s in self.stages)
         return f"{self.name} ({body})" if self.name else body
 
 
@@ -190,17 +175,14 @@ def _stage_from_data(index: int, item: Any) -> tuple[Any, Any]:
     if isinstance(item, Mapping):
         unknown = sorted(set(item) - {"until", "probs"})
         if unknown or "until" not in item or "probs" not in item:
-            raise ConfigError(
-                f"pass schedule stage {index + 1}: {dict(item)!r} is invalid"
-                + (f" (unknown key {unknown[0]!r}{closest(str(unknown[0]), ('until', 'probs'))})" if unknown else "")
-                + "; accepted: a table {until = <fraction>, probs = {\"k\" = p, ...}}"
-            )
+            why = f" (unknown key {unknown[0]!r}{closest(str(unknown[0]), ('until', 'probs'))})" if unknown else ""
+            raise ConfigError(f"pass schedule stage {index + 1}: {dict(item)!r} is invalid{why}; accepted: a table "
+                              "{until = <fraction>, probs = {\"k\" = p, ...}}")
         return item["until"], item["probs"]
     if isinstance(item, Sequence) and not isinstance(item, str) and len(item) == 2:
         return item[0], item[1]
-    raise ConfigError(
-        f"pass schedule stage {index + 1}: {item!r} is invalid; accepted: {{until = <fraction>, probs = {{\"k\" = p}}}}"
-    )
+    raise ConfigError(f"pass schedule stage {index + 1}: {item!r} is invalid; accepted: "
+                      f"{{until = <fraction>, probs = {{\"k\" = p}}}}")
 
 
 def _pass_count(stage: int, key: Any) -> int:
@@ -223,14 +205,11 @@ def _validate_stages(stages: Sequence[Any]) -> tuple[Stage, ...]:
         if isinstance(until, bool) or not isinstance(until, int | float) or not 0 < until <= 1:
             raise ConfigError(f"pass schedule stage {i}: until={until!r}; accepted: a fraction 0 < until <= 1")
         if until <= prev:
-            raise ConfigError(
-                f"pass schedule stage {i}: until={until} does not come after the previous stage's until={prev}; "
-                "accepted: strictly increasing until fractions"
-            )
+            raise ConfigError(f"pass schedule stage {i}: until={until} does not come after the previous stage's "
+                              f"until={prev}; accepted: strictly increasing until fractions")
         if not isinstance(probs, Mapping) or not probs:
-            raise ConfigError(
-                f"pass schedule stage {i}: probs={probs!r}; accepted: a non-empty table {{k: probability}}"
-            )
+            raise ConfigError(f"pass schedule stage {i}: probs={probs!r}; accepted: a non-empty table "
+                              "{k: probability}")
         clean: dict[int, float] = {}
         for key, p in probs.items():
             k = _pass_count(i, key)
@@ -241,15 +220,11 @@ def _validate_stages(stages: Sequence[Any]) -> tuple[Stage, ...]:
             clean[k] = float(p)
         total = sum(clean.values())
         if abs(total - 1) > PROB_TOLERANCE:
-            raise ConfigError(
-                f"pass schedule stage {i}: probabilities {dict(probs)!r} sum to {total:.6g}; accepted: a sum of 1 "
-                f"(tolerance {PROB_TOLERANCE:g})"
-            )
+            raise ConfigError(f"pass schedule stage {i}: probabilities {dict(probs)!r} sum to {total:.6g}; accepted: "
+                              f"a sum of 1 (tolerance {PROB_TOLERANCE:g})")
         out.append(Stage(float(until), dict(sorted(clean.items()))))
         prev = until
     if out[-1].until != 1.0:
-        raise ConfigError(
-            f"pass schedule: the last stage ends at until={out[-1].until}; accepted: the last until is 1.0 "
-            "(the schedule must cover the whole run)"
-        )
+        raise ConfigError(f"pass schedule: the last stage ends at until={out[-1].until}; accepted: the last until is "
+                          "1.0 (the schedule must cover the whole run)")
     return tuple(out)

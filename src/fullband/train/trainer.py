@@ -3,8 +3,7 @@ validation, atomic checkpoints that resume bitwise-exactly, and a divergence gua
 
 Everything random is a pure function of (seed, step, micro-batch): the pass count, the data, the jitter
 and the prefix mixin. So a resumed run, or the same global batch split over more processes, replays the
-same computation.
-"""
+same computation."""
 
 from __future__ import annotations
 
@@ -24,12 +23,10 @@ from fullband.train.config import RunConfig
 from fullband.train.build import build, resolve
 from fullband.train.data import RunData, prepare_data
 from fullband.train.objective import objective
-from fullband.train.rundir import (
-    RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir, truncate_metrics,
-)
+from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
+                                   truncate_metrics)
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
-from fullband.train.parallel import Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync
-from fullband.train.parallel import shutdown
+from fullband.train.parallel import Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync, shutdown
 from fullband.train.schedule import in_cooldown, wsd_factor
 
 
@@ -87,10 +84,7 @@ class Trainer:
         built = build(cfg, self.d, warm=resume is None)
         self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
         self.schedule = cfg.train.schedule
-        self.step = 0
-        self.tokens = 0
-        self.compute_tokens = 0
-        self.elapsed = 0.0
+        self.step, self.tokens, self.compute_tokens, self.elapsed = 0, 0, 0, 0.0
         self.autocast = _autocast(cfg.train.dtype, self.d.device)
         barrier(self.d)
         if self.resume_from is not None:
@@ -149,11 +143,10 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             last = ckpt.list_checkpoints(self.run_dir)
             where = f"pass {bad[0]}" if bad[0] else "the z-loss term"
-            raise TrainingDiverged(
-                f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); stopped before "
-                f"applying it. Last good checkpoint: {last[-1] if last else 'none yet'}. Try a lower learning rate "
-                f"(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip)."
-            )
+            raise TrainingDiverged(f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); "
+                                   "stopped before applying it. Last good checkpoint: "
+                                   f"{last[-1] if last else 'none yet'}. Try a lower learning rate (optim.lr / "
+                                   "optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
         grad_norm = self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -170,10 +163,8 @@ class Trainer:
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> dict[str, float]:
         """Mean validation NTP loss (nats/token) for each pass count in log.eval_passes."""
-        return {
-            str(k): validation_loss(self.model, self.data.val_batches, k, autocast=self.autocast).nats
-            for k in self.cfg.log.eval_passes
-        }
+        return {str(k): validation_loss(self.model, self.data.val_batches, k, autocast=self.autocast).nats
+                for k in self.cfg.log.eval_passes}
 
     # ------------------------------------------------------------------ the loop
     def weights_finite(self) -> bool:
@@ -198,10 +189,8 @@ class Trainer:
                                        "clipping (optim.grad_clip)")
             _print0(self.d, msg)
             return None
-        state = {
-            "tokens": self.tokens, "compute_tokens": self.compute_tokens, "elapsed": self.elapsed,
-            "sampler": self.data.sampler.state_dict(), "config": self.cfg.to_dict(),
-        }
+        state = {"tokens": self.tokens, "compute_tokens": self.compute_tokens, "elapsed": self.elapsed,
+                 "sampler": self.data.sampler.state_dict(), "config": self.cfg.to_dict()}
         return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, d=self.d,
                                     tokenizer=self.data.tokenizer, keep_last=self.cfg.log.keep_last)
 
@@ -220,13 +209,11 @@ class Trainer:
                 self.tokens += tokens_per_step
                 self.compute_tokens += tokens_per_step * stats.k
                 self.elapsed += dt
-                row = {
-                    "step": self.step, "k": stats.k, "loss": stats.loss, "loss_pass": stats.pass_losses,
-                    "lr": {name: opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers.items()
-                           if opt.param_groups},
-                    "grad_norm": stats.grad_norm, "state_rms": stats.state_rms, "tokens": self.tokens,
-                    "compute_tokens": self.compute_tokens, "tok_per_s": tokens_per_step / dt, "time": self.elapsed,
-                }
+                lr = {name: opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers.items()
+                      if opt.param_groups}
+                row = {"step": self.step, "k": stats.k, "loss": stats.loss, "loss_pass": stats.pass_losses, "lr": lr,
+                       "grad_norm": stats.grad_norm, "state_rms": stats.state_rms, "tokens": self.tokens,
+                       "compute_tokens": self.compute_tokens, "tok_per_s": tokens_per_step / dt, "time": self.elapsed}
                 if self.loggers:
                     self.loggers.log(row)
                 if bar is not None:
@@ -266,7 +253,6 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
         trainer.close()
 
 
-# ---------------------------------------------------------------------- helpers
 def _autocast(dtype: str, device: torch.device):
     import contextlib
 

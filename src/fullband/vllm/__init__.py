@@ -2,8 +2,7 @@
 model (`fullband convert --to hf`, `save_pretrained`), in every decoding mode. See fullband.vllm.model.
 
 `register` is vLLM's plugin entry point (`vllm.general_plugins` in pyproject.toml): vLLM calls it in each of its
-processes after `pip install 'fullband[vllm]'`; nothing else is set up by hand.
-"""
+processes after `pip install 'fullband[vllm]'`; nothing else is set up by hand."""
 
 from __future__ import annotations
 

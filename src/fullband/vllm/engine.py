@@ -66,8 +66,6 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
             vllm_config.model_config.logits_processors = [*procs, TRACKER]
 
 
-
-
 def _no_full_cuda_graphs(vllm_config: VllmConfig) -> None:
     """Full CUDA graphs would freeze the step plan the forward builds on the host each step; piecewise graphs of
     the transformer stack (the compiled FeedbackStack) stay."""

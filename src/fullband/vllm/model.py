@@ -35,8 +35,7 @@ Where vLLM's machinery meets the state (each case is tested):
   CUDA graphs  the step plan is built on the host, so full graphs are off; piecewise graphs of the compiled
                transformer stack (FeedbackStack) stay.
   not served   speculative decoding, pipeline parallelism (the state must reach the first stage from the last
-               every step), latent-feedback wrappers of other HF models (hf_path), adaptive prefill ("auto").
-"""
+               every step), latent-feedback wrappers of other HF models (hf_path), adaptive prefill ("auto")."""
 
 from __future__ import annotations
 
@@ -54,12 +53,8 @@ from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_t
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                               RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -109,10 +104,8 @@ class FeedbackAttention(nn.Module):
         if cfg.qk_norm:
             self.qk_gain = nn.Parameter(torch.ones(self.n_heads + self.n_kv_heads, Dh), requires_grad=False)
             self.qk_gain.weight_loader = self._load_qk_gain
-        self.gate = None
-        if cfg.attn_gate:
-            self.gate = ColumnParallelLinear(cfg.d_model, cfg.n_heads, bias=False, gather_output=False,
-                                             prefix=f"{prefix}.gate")
+        self.gate = ColumnParallelLinear(cfg.d_model, cfg.n_heads, bias=False, gather_output=False,
+                                         prefix=f"{prefix}.gate") if cfg.attn_gate else None
         self.rotary = get_rope(Dh, max_position=cfg.max_seq_len, is_neox_style=True,
                                rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"})
         self.window = cfg.sliding_window if cfg.is_local(layer) else None

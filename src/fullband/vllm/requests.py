@@ -3,8 +3,7 @@
 A request picks its mode with vLLM's per-request extra arguments: `SamplingParams(extra_args={"feedback_mode":
 "fused", "prefill_passes": 2})` offline, `vllm_xargs` / `extra_body={"vllm_xargs": {...}}` through the OpenAI API.
 Unset keys take the served folder's defaults (its config.json `feedback_mode` and `prefill_passes`). Pure Python:
-no vLLM import, so the rules are tested without vLLM.
-"""
+no vLLM import, so the rules are tested without vLLM."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from typing import Any
 from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
 
-KEYS = ("feedback_mode", "prefill_passes")
 # modes a served model decodes in; "exact" (the token-by-token reference) is for tests, not a server
 SERVED_MODES = ("standard", "soft", "fused")
 # a prompt is exact after as many passes as it has tokens: more passes than this are refused, not run

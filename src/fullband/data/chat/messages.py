@@ -3,8 +3,7 @@ chat JSONL file read.
 
 A conversation is one JSON object per line with a `messages` list of {"role": "system" | "user" | "assistant",
 "content": str}, multi-turn, at least one assistant turn, no empty assistant turn. Any defect is an error naming
-the file and the line.
-"""
+the file and the line."""
 
 from __future__ import annotations
 

@@ -82,9 +82,8 @@ def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, 
             open_rows.append(row)
             if len(open_rows) > OPEN_WINDOWS:
                 open_rows.pop(0)
-        row[0].extend(ids)
-        row[1].extend(targets)
-        row[2].extend(fed)
+        for part, new in zip(row, (ids, targets, fed)):
+            part.extend(new)
         count += 1
     if not rows:
         raise DataError(f"no conversation fits a window of seq_len={seq_len} tokens ({dropped} dropped); raise "

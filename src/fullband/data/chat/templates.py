@@ -9,13 +9,13 @@ the marker that ends its turn), `assemble` gives the training sequence:
            tokens only (the turn's end marker included, so the model learns to stop);
   fed      positions whose input takes the previous position's state at inference. SOFT / FUSED decoding
            feeds every generated token (the response's tokens); the end marker ends the turn and is read with
-           the next turn's prompt, plainly, as every prompt position is.
-"""
+           the next turn's prompt, plainly, as every prompt position is."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 from fullband.data.chat.messages import ROLES, Message, as_message
 from fullband.errors import DataError
@@ -151,9 +151,7 @@ class JinjaTemplate:
                                 "assistant's tokens cannot be told apart; accepted: a template that appends turns")
             spans.append((len(start), len(through)))
         enc = self._backend.encode(full, add_special_tokens=False)
-        kinds = []
-        for a, _ in enc.offsets:
-            kinds.append("response" if any(s <= a < e for s, e in spans) else "prompt")
+        kinds = ["response" if any(s <= a < e for s, e in spans) else "prompt" for a, _ in enc.offsets]
         ids = list(enc.ids)
         # a response ends at its first stop token: template text after it is read as prompt
         for t in range(len(ids)):
@@ -164,13 +162,7 @@ class JinjaTemplate:
                     u += 1
         if ids and ids[0] == self.bos_id:  # assemble adds the BOS
             ids, kinds = ids[1:], kinds[1:]
-        out: Segments = []
-        for tok, kind in zip(ids, kinds):
-            if out and out[-1][0] == kind:
-                out[-1][1].append(tok)
-            else:
-                out.append((kind, [tok]))
-        return out
+        return [(kind, [tok for tok, _ in run]) for kind, run in groupby(zip(ids, kinds), key=lambda pair: pair[1])]
 
 
 def chat_template(tokenizer):
@@ -203,7 +195,4 @@ def chat_prompt(tokenizer, messages, *, template=None) -> list[int]:
     turn, or Message objects): BOS, the rendered conversation and the assistant's turn marker."""
     template = template or chat_template(tokenizer)
     msgs = [m if isinstance(m, Message) else as_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    ids = [template.bos_id]
-    for _, seg in template.segments(msgs, generation_prompt=True):
-        ids += seg
-    return ids
+    return [template.bos_id] + [t for _, seg in template.segments(msgs, generation_prompt=True) for t in seg]
