@@ -42,9 +42,13 @@ serve-env: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/fullband demo --out runs/demo
 
+# The vLLM tests run beside the main suite (each uses about one core: the two together fill a 2-core machine); their
+# output follows the main suite's.
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q
-	$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py
+	@$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py > .vllm-tests.log 2>&1 & vllm=$$!; \
+	$(BIN)/python -m pytest -q; main=$$?; wait $$vllm; vllm=$$?; \
+	echo "--- vLLM tests (.venv-vllm)"; cat .vllm-tests.log; rm -f .vllm-tests.log; \
+	test $$main -eq 0 && test $$vllm -eq 0
 
 bench: $(STAMP)
 	$(BIN)/fullband bench decode --config bench-91m

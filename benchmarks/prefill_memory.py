@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -42,16 +41,6 @@ print(json.dumps({"passes": passes, "peak_rise_mib": (after - before) / 1024}))
 """
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def measure(batch: int, length: int, width: int, fused: int, threads: int, *, live: bool) -> dict:
     env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if live else {})}
     out = subprocess.run([sys.executable, "-c", CHILD, str(batch), str(length), str(width), str(fused), str(threads)],
@@ -69,9 +58,10 @@ def main() -> None:
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     import fullband
+    from fullband.machine import hardware
 
     state = args.batch * args.length * args.width * 4 / 2**20
-    print(f"fullband {fullband.__version__} from {fullband.__file__}; {cpu_model()}, {args.threads} threads")
+    print(f"fullband {fullband.__version__} from {fullband.__file__}; {hardware()} ({args.threads} in the runs)")
     print(f"prompts {args.batch} x {args.length}, d_model {args.width}: one pass's state is {state:.1f} MiB")
     print(f"{'fused passes':>12} {'passes run':>10} {'peak rise MiB':>14} {'live (fixed mmap) MiB':>22}")
     rows = []
@@ -82,7 +72,7 @@ def main() -> None:
         print(f"{k:>12} {r['passes']:>10} {r['peak_rise_mib']:>14.1f} {live:>22.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_model(), "rows": rows}, f, indent=2)
+            json.dump({"machine": hardware(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

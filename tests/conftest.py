@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from fullband import FullbandLM, ModelConfig
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One thread, here and in the processes tests start: the models are tiny (a second thread buys little even on an
+# idle machine) and `make test` runs the vLLM tests beside this suite, where two threads per process would spin
+# against each other (docs/benchmarks: 2 threads on a busy core run 1.6-2x slower than 1).
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def tiny_config(**changes) -> ModelConfig:

@@ -377,6 +377,16 @@ def test_eval_chat_scores_final_answers_per_mode(tmp_path, base_checkpoint):
                                             {"role": "assistant", "content": "hello"}]}) + "\n")
     with pytest.raises(DataError, match="no final 'Answer: ...' line"):
         eval_chat(tmp_path / "sft" / "step_000004", bad, out=tmp_path / "eval2")
+    # a corpus spec: its held-out split, as the run split it
+    from fullband.data.chat.sources import chat_conversations
+    from fullband.eval.chat import held_out_items
+
+    split = json.loads((tmp_path / "sft" / "run.json").read_text())["data"]
+    spec = held_out_items(split["corpus"], val_percent=split["val_percent"])
+    assert spec == held_out_items(write_chat_jsonl([{"messages": [{"role": m.role, "content": m.content} for m in c]}
+                                                    for c in chat_conversations(split["corpus"], "val",
+                                                                                split["val_percent"])],
+                                                   tmp_path / "val.jsonl")) and spec
 
 
 def test_reproduce_sft_writes_a_report(tmp_path, corpus, cache):

@@ -4,6 +4,7 @@ adaptive prefill, and every `fullband eval` command end to end on a micro run.""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -192,6 +193,11 @@ def test_eval_loss_command(checkpoint, tmp_path):
     auto = res["rows"][3]
     assert 1 <= auto["fused_passes_used"] <= 32
     assert abs(auto["nats_per_token"] - res["rows"][-1]["nats_per_token"]) < 0.05  # near the fixed point
+    # each mode against STANDARD, paired over the same windows: the difference of the means, with its error
+    first = res["rows"][0]
+    assert first["minus_first"] == 0 and all(
+        r["minus_first"] == pytest.approx(r["nats_per_token"] - first["nats_per_token"], abs=1e-9)
+        and math.isfinite(r["minus_first_stderr"]) for r in res["rows"][1:])
     assert (tmp_path / "loss.png").stat().st_size > 0 and json.loads((tmp_path / "loss.json").read_text())["rows"]
 
 

@@ -163,3 +163,14 @@ def test_unknown_preset_lists_presets_and_suggests():
     assert all(name in str(err.value) for name in PRESETS)
     with pytest.raises(ConfigError, match="preset name"):
         PassSchedule.parse(3)
+
+
+def test_growing_schedule_reaches_the_fixed_point_depth():
+    grow = PassSchedule.parse("grow:11")
+    assert grow.name == "grow:11" and [s.until for s in grow.stages] == [0.25, 0.5, 0.75, 1.0]
+    assert [s.probs for s in grow.stages] == [{1: 1.0}, {2: 0.5, 4: 0.5}, {4: 0.5, 8: 0.5}, {8: 0.5, 11: 0.5}]
+    assert [s.probs for s in PassSchedule.parse("grow:3").stages] == [{1: 1.0}, {2: 0.5, 3: 0.5}, {3: 1.0}, {3: 1.0}]
+    assert PassSchedule.parse(grow.to_data()).stages == grow.stages
+    for bad in ("grow:", "grow:0", "grow:x", "grow:\u00b2"):
+        with pytest.raises(ConfigError, match="grow:N needs an integer N >= 1"):
+            PassSchedule.parse(bad)

@@ -365,18 +365,41 @@ def test_small_recipe_builds_in_its_size_class(tmp_path, cache):
     assert not (tmp_path / "s").exists()  # loading a recipe writes nothing
 
 
-def test_demo_trains_evaluates_and_samples(tmp_path, corpus, cache):
-    from fullband.demo import run_demo
+def test_demo_races_trains_evaluates_summarises_and_reuses_every_phase(tmp_path, corpus, cache, monkeypatch, capsys):
+    """The demo end to end in seconds (--quick): the parity race (both models, every mode, the figure), the code LM
+    (loss by mode, paired; greedy and sampled continuations), the summary. Its evaluations are `fullband eval
+    tracking`'s and `fullband eval loss`'s on the same checkpoints; a second run trains and scores nothing again."""
+    from fullband import demo
+    from fullband.eval.commands import eval_tracking
 
-    config = write_config(tmp_path, corpus, cache, "demo", steps=4, ckpt_every=0)
-    assert run_demo(config, tmp_path / "demo", new_tokens=8, eval_windows=4) == 0
-    out = json.loads((tmp_path / "demo" / "demo.json").read_text())
-    assert [v["passes"] for v in out["val_loss"].values()] == [1, 2, 3]
-    assert set(out["samples"]) == {"standard", "soft", "fused (k=1)", "fused (k=2)", "exact"}
-    assert (tmp_path / "demo" / "val_loss.png").stat().st_size > 0
-    assert (tmp_path / "demo" / "samples.md").read_text().count("```python") == 6
-    # a second call reuses the finished run instead of failing on the existing directory
-    assert run_demo(config, tmp_path / "demo", new_tokens=4, eval_windows=4) == 0
+    config = write_config(tmp_path, corpus, cache, "code", steps=4, ckpt_every=0)
+    out = tmp_path / "demo"
+    assert demo.run_demo(out, quick=True, code_config=config) == 0
+    for name in ("race.png", "race.json", "samples.json", "samples.md", "summary.md", "code/step_000004/eval/loss.png",
+                 "parity-full-bandwidth/step_000012/eval/tracking_parity.png"):
+        assert (out / name).stat().st_size > 0, name
+    race = json.loads((out / "race.json").read_text())
+    assert [r["mode"] for r in race["rows"]] == [
+        "standard model, read standard", "full-bandwidth model, read standard", "full-bandwidth model, read fused k=1",
+        "full-bandwidth model, read fused k=4", "full-bandwidth model, read exact"]
+    assert race["lengths"] == [8, 16, 32, 64] and race["runs"]["standard"]["parameters"] < \
+        race["runs"]["full-bandwidth"]["parameters"]  # the standard model has no fusion weights
+    again = eval_tracking(race["runs"]["full-bandwidth"]["checkpoint"], n=16,
+                          modes=["standard", "fused:1", "fused:4", "exact"], out=tmp_path / "eval", progress=False)
+    assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in race["rows"][1:]]
+    loss = json.loads((out / "code" / "step_000004" / "eval" / "loss.json").read_text())
+    assert [r["mode"] for r in loss["rows"]] == ["standard", "fused k=1", "fused k=2"]
+    assert len(json.loads((out / "samples.json").read_text())["text"]) == 8
+    assert (out / "samples.md").read_text().count("```python") == 9
+    summary = (out / "summary.md").read_text()
+    assert "Parity of inputs up to 8 bits" in summary and "held-out loss: standard" in summary
+    assert "x the standard model's compute" in summary
+    # a second run reuses every phase: nothing is trained, scored or sampled again
+    for name in ("train", "eval_tracking", "eval_loss", "generate"):
+        monkeypatch.setattr(demo, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran again"))
+    capsys.readouterr()
+    assert demo.run_demo(out, quick=True, code_config=config) == 0
+    assert capsys.readouterr().out.count("reusing") == 3 + 4
 
 
 def test_train_bench_child_measures_a_step(tmp_path, corpus, cache):

@@ -380,7 +380,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fullband.demo import run_demo
 
-    return run_demo(args.config, args.out)
+    return run_demo(args.out, quick=args.quick, race_config=args.race_config, code_config=args.config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -503,8 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=_count(1), default=256)
     s.add_argument("--stop-text", default="\\n", help="the answer is the text before this (default: newline)")
     s = e.add_parser("chat", parents=[common], help="exact match of the final answer and reply length per mode")
-    s.add_argument("--data", required=True, help="held-out chat JSONL ({\"messages\": [...]} per line); the last "
-                   "assistant turn of each is the reference, its 'Answer: N' line is scored")
+    s.add_argument("--data", required=True, help="held-out chat JSONL ({\"messages\": [...]} per line), or a chat "
+                   "corpus (arithmetic, a folder, hf:NAME) whose held-out split is scored as the run split it; the "
+                   "last assistant turn of each is the reference, its 'Answer: N' line is scored")
     s.add_argument("--modes", nargs="+", default=["standard", "soft", "fused:1", "fused:2"], help="MODE or fused:K")
     s.add_argument("--max-new-tokens", type=_count(1), default=192)
     s.add_argument("--batch-size", type=_count(1), default=16)
@@ -552,9 +553,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="also write the findings to this JSON file")
     s.set_defaults(func=cmd_doctor)
 
-    s = sub.add_parser("demo", help="the embedded demo (what `make demo` runs)")
-    s.add_argument("--config", default="configs/tiny.toml", help="the recipe to train (default: configs/tiny.toml)")
-    s.add_argument("--out", default="runs/demo", help="run directory (a finished run there is reused)")
+    s = sub.add_parser("demo", help="the embedded demo (what `make demo` runs): latent feedback vs a standard model",
+                       description="A race on running parity (a standard and a full-bandwidth model, scored beyond "
+                       "their training length), then the code LM on the Python standard library; a few minutes on a "
+                       "CPU. Finished phases are reused.")
+    s.add_argument("--out", default="runs/demo", help="where everything goes (default runs/demo)")
+    s.add_argument("--config", default="configs/tiny.toml", help="the code LM's recipe (default configs/tiny.toml)")
+    s.add_argument("--race-config", default="configs/demo-parity.toml", help="the race's recipe")
+    s.add_argument("--quick", action="store_true", help="every phase in seconds (a check that it all runs)")
     s.set_defaults(func=cmd_demo)
     return p
 
@@ -575,6 +581,7 @@ def _show_warnings(command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _show_warnings(args.command)
+    threads = _fit_threads(args.command)
     try:
         return args.func(args)
     except FullbandError as err:
@@ -593,6 +600,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if threads is not None:  # an in-process caller gets its thread count back
+            import torch
+
+            torch.set_num_threads(threads)
+
+
+def _fit_threads(command: str) -> int | None:
+    """Torch's threads to the free cores (fullband.machine), saying so once; -> the count to restore after."""
+    if command not in ("train", "generate", "chat", "eval", "bench", "demo", "reproduce"):  # the ones that compute
+        return None
+    import torch
+
+    from fullband.machine import fit_threads
+
+    before = torch.get_num_threads()
+    message = fit_threads()
+    if message:
+        print(f"fullband {command}: {message}", file=sys.stderr)
+    return before
 
 
 if __name__ == "__main__":

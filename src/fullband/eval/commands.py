@@ -206,7 +206,11 @@ def eval_chat(checkpoint: str | Path, data: str | Path, *, modes=CHAT_MODES, max
     modes = [m if isinstance(m, DecodeMode) else DecodeMode.parse(m) for m in modes]
     where = Path(out) if out else checkpoint / "eval"
     report.check_out(where, "chat")
-    items = held_out_items(data, limit=limit)
+    from fullband.files import read_json
+
+    split = (read_json(checkpoint.parent / "run.json") or {}).get("data")  # a corpus is split as its run split it
+    val_percent = split.get("val_percent", 2.0) if isinstance(split, dict) else 2.0
+    items = held_out_items(data, limit=limit, val_percent=val_percent)
     model, tok = load(checkpoint)
     for mode in modes:
         mode.check(model.config, ConfigError)

@@ -68,7 +68,9 @@ def validation_loss(model, batches, passes: int, *, autocast=None) -> LossResult
 def loss_by_mode(model, batches, modes: list[tuple[str, DecodeMode]], bytes_per_token: torch.Tensor) -> list[dict]:
     """Held-out loss of every (name, mode) over (inputs, targets) batches, each window read as the mode prefills a
     prompt (Jacobi passes, adaptive under "auto", or the exact recurrence): one row per mode with nats/token, its
-    standard error over windows, bits/byte, and the fused passes adaptive prefill used on average."""
+    standard error over windows, its difference to the first mode (STANDARD) paired window by window with that
+    difference's standard error, bits/byte (all of a mode's bits over all bytes scored), and the fused passes adaptive
+    prefill used on average."""
     sums = {name: [] for name, _ in modes}
     used: dict[str, list[int]] = {name: [] for name, mode in modes if mode.adaptive}
     nbytes = 0.0
@@ -80,13 +82,19 @@ def loss_by_mode(model, batches, modes: list[tuple[str, DecodeMode]], bytes_per_
                 used[name].append(res.passes_used - 1)
             nll = ntp(res.logits, targets, reduction="none")
             sums[name].append(nll.view(targets.shape).double())
-    rows = []
+    rows, first = [], None
     for name, mode in modes:
         nll = torch.cat(sums[name])  # (N, T)
         per_window = nll.mean(dim=1)
+        first = per_window if first is None else first
+        diff = per_window - first  # paired with the first mode (STANDARD) window by window
         rows.append({"mode": name, "passes": None if mode.exact or mode.adaptive else mode.passes,
                      "fused_passes_used": float(np.mean(used[name])) if name in used else None,
-                     "nats_per_token": float(per_window.mean()),
-                     "stderr": float(per_window.std() / math.sqrt(len(per_window))),
+                     "nats_per_token": float(per_window.mean()), "stderr": _se(per_window),
+                     "minus_first": float(diff.mean()), "minus_first_stderr": _se(diff),
                      "bits_per_byte": float(nll.sum()) / math.log(2) / max(nbytes, 1.0)})
     return rows
+
+
+def _se(values: torch.Tensor) -> float:
+    return float(values.std() / math.sqrt(len(values))) if len(values) > 1 else float("nan")

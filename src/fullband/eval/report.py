@@ -67,32 +67,44 @@ def show(name: str, result: dict, out: Path) -> None:
 
 # ---------------------------------------------------------------------- loss by mode
 def loss_table(result: dict) -> str:
-    lines = [f"{'mode':<15} {'passes':>6} {'nats/token':>11} {'± s.e.':>8} {'bits/byte':>10}"]
+    first = result["rows"][0]["mode"]
+    lines = [f"{'mode':<15} {'passes':>6} {'nats/token':>11} {'± s.e.':>8} {f'minus {first} (paired)':>27} "
+             f"{'bits/byte':>10}"]
     for r in result["rows"]:
         passes = r["passes"] or ("T+1" if r["mode"] == "exact" else f"{1 + r['fused_passes_used']:.1f}")
-        lines.append(f"{r['mode']:<15} {passes:>6} {r['nats_per_token']:>11.4f} {r['stderr']:>8.4f} "
+        paired = f"{r['minus_first']:+.4f} ± {r['minus_first_stderr']:.4f}" if r is not result["rows"][0] else ""
+        lines.append(f"{r['mode']:<15} {passes:>6} {r['nats_per_token']:>11.4f} {r['stderr']:>8.4f} {paired:>27} "
                      f"{r['bits_per_byte']:>10.4f}")
     return "\n".join(lines)
 
 
 def loss_figure(result: dict):
+    """Left: held-out loss by fused prefill passes (± s.e. over windows); right: each mode minus the first
+    (STANDARD), paired window by window (± 2 s.e.), which is what tells the modes apart."""
+    from matplotlib.ticker import MaxNLocator
+
     rows = result["rows"]
-    fig, ax = plt().subplots(figsize=(6, 3.8))
-    fused = [r for r in rows if r["passes"] is not None]
-    ks = list(range(len(fused)))
-    for r in rows:
-        if r["fused_passes_used"] is not None:
-            ax.errorbar([r["fused_passes_used"]], [r["nats_per_token"]], yerr=[r["stderr"]], marker="D", capsize=3,
-                        ls="none", label=f"{r['mode']} (mean passes used)")
-    ax.errorbar(ks, [r["nats_per_token"] for r in fused], yerr=[r["stderr"] for r in fused], marker="o", capsize=3,
-                label="STANDARD (k=0) and FUSED (k prefill passes)")
-    exact = [r for r in rows if r["mode"] == "exact"]
-    if exact:
-        ax.axhline(exact[0]["nats_per_token"], color="k", ls="--", lw=1, label="exact recurrence")
-    ax.set(xlabel="fused prefill passes k", ylabel="held-out loss (nats / token)", xticks=ks,
-           title=Path(result["checkpoint"]).name)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt().subplots(1, 2, figsize=(10.5, 3.8))
+    x = [r["passes"] - 1 if r["passes"] is not None else r["fused_passes_used"] for r in rows]
+    for ax, key, err, scale, label in ((axes[0], "nats_per_token", "stderr", 1, "held-out loss (nats / token)"),
+                                       (axes[1], "minus_first", "minus_first_stderr", 2,
+                                        f"minus {rows[0]['mode']}, paired\n(nats / token, ± 2 s.e.)")):
+        fixed = [(xi, r) for xi, r in zip(x, rows) if r["passes"] is not None]
+        ax.errorbar([xi for xi, _ in fixed], [r[key] for _, r in fixed], yerr=[scale * r[err] for _, r in fixed],
+                    marker="o", capsize=3, label="STANDARD (k=0) and FUSED (k prefill passes)")
+        for xi, r in zip(x, rows):
+            if r["fused_passes_used"] is not None:
+                ax.errorbar([xi], [r[key]], yerr=[scale * r[err]], marker="D", capsize=3, ls="none",
+                            label=f"{r['mode']} (mean passes used)")
+        exact = [r for r in rows if r["mode"] == "exact"]
+        if exact:
+            ax.axhline(exact[0][key], color="k", ls="--", lw=1, label="exact recurrence")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # ticks under the adaptive points' mean passes too
+        ax.set(xlabel="fused prefill passes k", ylabel=label)
+        ax.grid(alpha=0.3)
+    axes[1].axhline(0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(Path(result["checkpoint"]).name, fontsize=10)
     return fig
 
 

@@ -98,6 +98,6 @@ def tracking_figure(result: dict):
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: lines meet at chance
     ckpt = Path(result.get("checkpoint", ""))  # run/step_N: the run's name says which model it is
     label = f"{ckpt.parent.name}/{ckpt.name}" if ckpt.name.startswith("step_") else ckpt.name
-    ax.set_title(f"{result['task']}: {label}")
+    ax.set_title(result.get("title") or f"{result['task']}: {label}", fontsize=10)
     fig.tight_layout()
     return fig

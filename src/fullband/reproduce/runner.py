@@ -4,16 +4,14 @@ finished ones reused, interrupted ones resumed), its registry entry, the setting
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from fullband.eval.report import save_figure
+from fullband.machine import hardware  # noqa: F401 (the reports' machine line, re-exported)
 from fullband.files import replace_file
 
 BASE = "configs/tiny.toml"
@@ -35,17 +33,6 @@ class Experiment:
     name: str
     runs: Callable[[], list[Run]]
     report: Callable[..., list[str]]
-
-
-def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,9 @@ def _tracking_schedules(length: int) -> dict[str, list[str]]:
     model's compute), the paper's schedule, three passes every step, and a schedule growing to length + 3
     passes: the Jacobi fixed point of a whole example (BOS, the input, the query, the label), where training's
     last pass is the exact recurrence."""
-    deep = length + 3
-    grow = (f'[{{until = 0.25, probs = {{"1" = 1.0}}}}, {{until = 0.5, probs = {{"2" = 0.5, "4" = 0.5}}}}, '
-            f'{{until = 0.75, probs = {{"4" = 0.5, "8" = 0.5}}}}, '
-            f'{{until = 1.0, probs = {{"8" = 0.5, "{deep}" = 0.5}}}}]')
     return {"standard": [STANDARD_PASSES], "standard-3x": [STANDARD_PASSES, "train.steps=1200"],
             "fbt-paper": ['train.passes="paper-200b"'], "fbt-three": ['train.passes="three-pass"'],
-            "fbt-grow": [f"train.passes={grow}"]}
+            "fbt-grow": [f'train.passes="grow:{length + 3}"']}
 
 
 def runs() -> list[Run]:

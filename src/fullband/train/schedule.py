@@ -74,6 +74,19 @@ PRESETS: dict[str, list[tuple[float, dict[int, float]]]] = {
 }
 
 
+GROW = "grow:"
+
+
+def _growing(deep: int) -> list[tuple[float, dict[int, float]]]:
+    stages = []
+    for until, pair in ((0.25, (1, 1)), (0.5, (2, 4)), (0.75, (4, 8)), (1.0, (8, deep))):
+        probs: dict[int, float] = {}
+        for k in pair:
+            probs[min(k, deep)] = probs.get(min(k, deep), 0.0) + 0.5
+        stages.append((until, probs))
+    return stages
+
+
 @dataclass(frozen=True, eq=True)
 class PassSchedule:
     """Stages (until_fraction, {k: probability}) in increasing `until`, the last at 1.0. The pass count of a
@@ -89,9 +102,18 @@ class PassSchedule:
     # ------------------------------------------------------------ construction
     @classmethod
     def preset(cls, name: str) -> "PassSchedule":
+        """A preset by name (PRESETS), or "grow:N": passes growing over training, 1, then 2 or 4, 4 or 8, 8 or N
+        (each capped at N) in four equal stages; with N the length of a whole example plus one, training's last
+        stage includes the exact recurrence (the Jacobi fixed point), as for the state-tracking tasks."""
+        if isinstance(name, str) and name.startswith(GROW):
+            deep = name[len(GROW):]
+            if not (deep.isascii() and deep.isdigit() and int(deep) >= 1):
+                raise ConfigError(f"pass schedule {name!r}: {GROW}N needs an integer N >= 1 (e.g. {GROW}11)")
+            return cls(_growing(int(deep)), name=name)
         if name not in PRESETS:
             hint = closest(name, PRESETS) if isinstance(name, str) else ""
-            raise ConfigError(f"unknown pass schedule {name!r}{hint}; accepted presets: {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown pass schedule {name!r}{hint}; accepted presets: {', '.join(PRESETS)}, "
+                              f"{GROW}N")
         return cls(PRESETS[name], name=name)
 
     @classmethod

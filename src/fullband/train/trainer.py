@@ -162,9 +162,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> dict[str, float]:
-        """Mean validation NTP loss (nats/token) for each pass count in log.eval_passes."""
+        """Mean validation NTP loss (nats/token) for each pass count in log.eval_passes (a model without feedback
+        weights: one pass only, which is what any number of its passes would compute)."""
+        feedback = self.cfg.model.has_feedback
         return {str(k): validation_loss(self.model, self.data.val_batches, k, autocast=self.autocast).nats
-                for k in self.cfg.log.eval_passes}
+                for k in self.cfg.log.eval_passes if k == 1 or feedback}
 
     # ------------------------------------------------------------------ the loop
     def weights_finite(self) -> bool:

@@ -1,0 +1,79 @@
+"""The machine a command runs on: the line every report and benchmark prints about it, and torch's thread count
+from the cores that are free (on a machine whose cores are busy with other processes, threads beyond the free
+cores spin against them: docs/benchmarks, 2 threads on 2 cores with one busy decode 2.1x and train 1.6x slower)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+OVERRIDE = "FULLBAND_THREADS"  # a thread count that wins over the measurement
+
+
+def hardware() -> str:
+    """'CPU model, N cores, torch version (threads), GPU' in one line."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all cores from /proc/stat (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_cores(interval: float = 0.1) -> float | None:
+    """How many cores other processes keep busy, measured over `interval` seconds (None where it cannot be read)."""
+    first = _cpu_times()
+    time.sleep(interval)
+    second = _cpu_times()
+    if first is None or second is None or second[1] <= first[1]:
+        return None
+    return (second[0] - first[0]) / (second[1] - first[1]) * (os.cpu_count() or 1)
+
+
+def choose(cores: int, busy: float | None, current: int) -> int:
+    """Threads for `cores` usable cores of which `busy` are taken: the free ones, at least 1, at most `current`."""
+    if busy is None:
+        return current
+    return max(1, min(current, cores, round(cores - busy)))
+
+
+def fit_threads() -> str | None:
+    """Set torch's threads to the free cores (FULLBAND_THREADS or OMP_NUM_THREADS, when set, win; a torchrun process
+    keeps its own). -> a line saying what was done and why, or None when nothing changed."""
+    import torch
+
+    env = os.environ.get(OVERRIDE)
+    if env:
+        try:
+            torch.set_num_threads(max(1, int(env)))
+        except ValueError:
+            return f"{OVERRIDE}={env!r} is not an integer; torch's {torch.get_num_threads()} threads are kept"
+        return None
+    if "OMP_NUM_THREADS" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    current = torch.get_num_threads()
+    busy = busy_cores()
+    threads = choose(cores, busy, current)
+    if threads >= current:
+        return None
+    torch.set_num_threads(threads)
+    return (f"{busy:.1f} of {cores} cores are busy with other processes: {threads} thread(s) instead of {current} "
+            f"(more would spin against them; {OVERRIDE}=N sets the count)")
