@@ -1,9 +1,5 @@
 """lm-evaluation-harness model `fullband` (the `eval` extra): score and generate with a checkpoint in any mode.
-
-    python -m fullband.lmeval --model fullband --model_args checkpoint=DIR,mode=fused,prefill_passes=2 --tasks ...
-
-(the harness's own CLI, with this model registered first), or in Python
-`lm_eval.simple_evaluate(model=FullbandHarnessLM(checkpoint=...), tasks=[...])`.
+Usage (`python -m fullband.lmeval`, the harness's CLI with this model registered): README.md, "lm-evaluation-harness".
 
 `loglikelihood` prefills the context in the chosen mode (FUSED: 1 + prefill_passes Jacobi passes, the paper's
 Fig. 4 protocol) and feeds the continuation through the decode step (fullband.decode.score), so a score is

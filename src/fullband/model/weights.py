@@ -16,8 +16,6 @@ from torch import Tensor, nn
 
 from fullband.model.config import ModelConfig
 
-KINDS = ("embedding", "head", "gain", "matrix", "fusion")
-
 
 @dataclass(frozen=True)
 class Weight:

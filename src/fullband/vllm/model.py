@@ -13,29 +13,13 @@ writes each request's last row back. A finished request's row is taken by the ne
 dropping.
 
 Why not the alternatives: vLLM's EAGLE / MTP proposers hand hidden states from the target model to the drafter
-within one step, not from one step to the next; its Mamba state cache lives in KV blocks keyed by token ids
-(see prefix caching below); model runner V2's ModelState hook would fit as well, but V2 needs Triton kernels
-that vLLM's CPU build cannot run, so this is the path that runs, and is tested, everywhere (the engine hook
-selects runner V1 for fullband folders).
+within one step, not from one step to the next; its Mamba state cache lives in KV blocks keyed by token ids (as
+prefix caching does, which is why that is off); model runner V2's ModelState hook would fit as well, but V2 needs
+Triton kernels that vLLM's CPU build cannot run, so this is the path that runs, and is tested, everywhere (the
+engine hook selects runner V1 for fullband folders).
 
-Where vLLM's machinery meets the state (each case is tested):
-  modes        per request (`extra_args` feedback_mode / prefill_passes), default from the folder's config;
-               a batch mixes modes freely (fed rows are chosen per row).
-  FUSED        the prompt's 1 + k Jacobi passes run when its last chunk is scheduled: passes 1..k over the whole
-               prompt (token ids kept by the tracker) in one dense block with the layers' own weights, then
-               pass 1 + k through vLLM's attention, which writes the paged cache. When the prompt arrived in
-               chunks, the earlier chunks ran plain and their keys/values are rewritten with the last pass's.
-  chunked prefill   exact in every mode (STANDARD / SOFT prompts are plain; FUSED as above).
-  prefix caching    turned off for models with feedback weights (FullbandEngineConfig): vLLM keys cached
-               blocks by token ids alone, but a block's keys/values also depend on how its positions were fed.
-  preemption   vLLM recomputes a preempted request from its tokens; recomputed positions that were generated
-               are fed and iterated to the fixed point of the recurrence (one extra pass per such position in
-               the chunk), so they carry the states they were generated with.
-  n > 1, stop strings, max_tokens, logprobs   vLLM's own: each sample is a request with its own state.
-  CUDA graphs  the step plan is built on the host, so full graphs are off; piecewise graphs of the compiled
-               transformer stack (FeedbackStack) stay.
-  not served   speculative decoding, pipeline parallelism (the state must reach the first stage from the last
-               every step), latent-feedback wrappers of other HF models (hf_path), adaptive prefill ("auto")."""
+Where vLLM's machinery meets the state (modes, FUSED prompts, chunked prefill, prefix caching, preemption,
+n > 1, CUDA graphs, what is not served; each case is tested): README.md's "Serving" table."""
 
 from __future__ import annotations
 
