@@ -85,7 +85,6 @@ def _fresh(saved: Path, checkpoint: Path, **settings) -> dict | None:
     return data
 
 
-# ---------------------------------------------------------------------- 1. the race
 def _race(out: Path, config: str | Path, quick: bool) -> dict:
     n, runs, rows = 16 if quick else 200, {}, []
     for name, overrides in RACERS.items():
@@ -104,7 +103,6 @@ def _race(out: Path, config: str | Path, quick: bool) -> dict:
     return race
 
 
-# ---------------------------------------------------------------------- 2. the code LM
 def _code(out: Path, config: str | Path, quick: bool, overrides: list[str]) -> dict:
     ckpt, code = _trained(config, out / "code", [*(QUICK["code"] if quick else [f"train.steps={CODE_STEPS}"]),
                                                  *overrides], "the code LM")
@@ -131,7 +129,6 @@ def _code(out: Path, config: str | Path, quick: bool, overrides: list[str]) -> d
     return code
 
 
-# ---------------------------------------------------------------------- 3. the summary
 def _verdict(diff: float, se: float) -> str:
     """What a paired difference in held-out loss shows, from its size against its standard error."""
     if not math.isfinite(se) or abs(diff) < 2 * se:

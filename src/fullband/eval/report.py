@@ -65,7 +65,6 @@ def show(name: str, result: dict, out: Path) -> None:
     write(out, name, result, figure(result) if figure is not None else None)
 
 
-# ---------------------------------------------------------------------- loss by mode
 def loss_table(result: dict) -> str:
     first = result["rows"][0]["mode"]
     lines = [f"{'mode':<15} {'passes':>6} {'nats/token':>11} {'± s.e.':>8} {f'minus {first} (paired)':>27} "
@@ -108,7 +107,6 @@ def loss_figure(result: dict):
     return fig
 
 
-# ---------------------------------------------------------------------- stability
 def stability_table(result: dict) -> str:
     sweep, con = result["sweep"], result["contraction"]
     lines = [f"{'k':>5} {'loss':>8} {'± s.e.':>7} {'|h(k)-h(k-1)|':>14} {'|h(k)-exact|':>13}"]
@@ -150,7 +148,6 @@ def stability_figure(result: dict):
     return fig
 
 
-# ---------------------------------------------------------------------- probes
 def probe_table(result: dict) -> str:
     lines = []
     for task, t in result["tasks"].items():
@@ -176,7 +173,6 @@ def probe_figure(result: dict):
     return fig
 
 
-# ---------------------------------------------------------------------- generation length
 def generate_length_table(result: dict) -> str:
     lines = [f"{'mode':<14} {'median tokens':>13} {'mean':>8} {'exact match':>11}"]
     for r in result["modes"]:

@@ -26,7 +26,6 @@ NS_EPS = 1e-7  # guards the Frobenius normalisation before Newton-Schulz
 RMS_MATCH = 0.2  # NorMuon rescales its update to Adam's typical per-entry RMS
 
 
-# ---------------------------------------------------------------- config
 @dataclass
 class OptimConfig:
     """Optimizer hyperparameters (docs/method.md, section 9). `lr` / `weight_decay` are NorMuon's, for hidden
@@ -167,12 +166,6 @@ def _model_config(model: nn.Module) -> ModelConfig | None:
     return None
 
 
-def _base_hparams(route: Route, cfg: OptimConfig) -> tuple[float, float]:
-    lr = cfg.lr if route.optimizer == "normuon" else cfg.adam_lr
-    wd = cfg.weight_decay if route.decay == "matrix" else cfg.adam_weight_decay
-    return lr * route.lr_mult, wd * route.wd_mult
-
-
 def param_groups(model: nn.Module, cfg: OptimConfig, routes: Iterable[Route] | None = None) -> dict[str, list[dict]]:
     """{"normuon": groups, "adam": groups}: one group per route that matched something, in table order."""
     routes = list(ROUTES[cfg.name] if routes is None else routes)
@@ -183,7 +176,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig, routes: Iterable[Route] | N
         members = [(name, p) for name, p, i in assigned if i == index]
         if not members:
             continue
-        lr, wd = _base_hparams(route, cfg)
+        lr = (cfg.lr if route.optimizer == "normuon" else cfg.adam_lr) * route.lr_mult
+        wd = (cfg.weight_decay if route.decay == "matrix" else cfg.adam_weight_decay) * route.wd_mult
         group: dict[str, Any] = {"params": [p for _, p in members], "names": [name for name, _ in members],
                                  "route": route.pattern, "lr": lr, "weight_decay": wd, "base_lr": lr, "base_wd": wd}
         if route.optimizer == "normuon":
@@ -328,7 +322,6 @@ def _local_shard(update: Tensor, p: Tensor) -> Tensor:
         return distribute_tensor(update, p.device_mesh, p.placements)
 
 
-# ---------------------------------------------------------------- composite
 class CompositeOptimizer:
     """NorMuon and AdamW stepped together; `param_groups` lists both so LR / WD scaling is uniform:
     `for g in opt.param_groups: g["lr"] = g["base_lr"] * factor`."""
