@@ -101,11 +101,10 @@ def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
         report.add(WARN, label("."), "config.json has no record of the files' sizes and hashes (written by an "
                                      "older fullband): completeness can only be checked by loading")
     else:
-        problems = 0
-        for name, entry in sorted(record.items()):
-            for problem in check_record(folder, {name: entry}, hashes=hashes):
-                report.add(FAIL, label(name), problem)
-                problems += 1
+        problems = [(name, problem) for name, entry in sorted(record.items())
+                    for problem in check_record(folder, {name: entry}, hashes=hashes)]
+        for name, problem in problems:
+            report.add(FAIL, label(name), problem)
         if not problems:
             what = "sizes and sha256" if hashes else "sizes (hashes not checked: --quick)"
             report.add(OK, label("."), f"{len(record)} files match the {what} recorded at save time")

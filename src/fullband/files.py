@@ -72,11 +72,6 @@ def describe_entries(names: list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    """Whether `path` is `folder` or lies inside it (both resolved)."""
-    return path.resolve().is_relative_to(folder.resolve())
-
-
 def check_destination(dst: str | Path, kind: Kind, *, overwrite: bool, sources: Iterable[str | Path] = (),
                       flag: str = "--overwrite", error: type[FullbandError] = OutputError) -> bool:
     """Raise `error` unless `dst` may receive a new `kind` folder; returns whether an old one is replaced.
@@ -86,7 +81,7 @@ def check_destination(dst: str | Path, kind: Kind, *, overwrite: bool, sources: 
     `error` is the class raised (OutputError unless the caller's domain has its own)."""
     dst = Path(dst)
     for src in sources:
-        if _inside(Path(src), dst):
+        if Path(src).resolve().is_relative_to(dst.resolve()):  # the source is the output folder or inside it
             raise error(f"output {str(dst)!r} contains the source {str(src)!r}; replacing it would delete the "
                         "source. Choose an output folder outside it")
     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):

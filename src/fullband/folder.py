@@ -162,8 +162,9 @@ def read_header(directory: str | Path, data: dict | None = None,
 def check_float(path: Path, header: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     wrong = [f"{k} ({dt})" for k, (dt, _) in header.items() if dt not in FLOAT_DTYPES]
     if wrong:
-        raise CheckpointError(f"{path} holds non-floating-point tensors {_few(sorted(wrong))}; accepted: weights in "
-                              f"{', '.join(FLOAT_DTYPES)} (a model's weights are never cast from integers)")
+        raise CheckpointError(f"{path} holds non-floating-point tensors {describe_entries(sorted(wrong), 4)}; "
+                              f"accepted: weights in {', '.join(FLOAT_DTYPES)} (a model's weights are never cast from "
+                              "integers)")
 
 
 def load_state(directory: str | Path, data: dict | None = None) -> dict[str, torch.Tensor]:
@@ -190,8 +191,8 @@ def check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
     """CheckpointError naming the tensors that hold NaN or infinity (one pass over the weights)."""
     bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
-        raise CheckpointError(f"{path} holds NaN or infinite values in {_few(sorted(bad))}; these weights cannot "
-                              "be used (a diverged run or a damaged file): load an earlier checkpoint")
+        raise CheckpointError(f"{path} holds NaN or infinite values in {describe_entries(sorted(bad), 4)}; these "
+                              "weights cannot be used (a diverged run or a damaged file): load an earlier checkpoint")
 
 
 def check_shapes(directory: str | Path, config: ModelConfig, expected: dict[str, tuple],
@@ -262,8 +263,4 @@ def _compare(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
     unexpected = sorted(set(found) - set(expected))
     shapes = [f"{k}: {found[k]} in file, {expected[k]} expected" for k in expected if k in found and found[k] != expected[k]]
     kinds = (("missing tensors", missing), ("unexpected tensors", unexpected), ("shape mismatch", shapes))
-    return [f"{what} {_few(items)}" for what, items in kinds if items]
-
-
-def _few(items: list[str]) -> str:
-    return describe_entries(items, 4)
+    return [f"{what} {describe_entries(items, 4)}" for what, items in kinds if items]

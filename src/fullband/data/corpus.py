@@ -321,13 +321,9 @@ def _file_kind(path: Path) -> str:
 def _regular_files(paths: list[Path], spec: str) -> list[Path]:
     """The regular files among `paths` (symlinks to regular files included); the others (FIFOs, sockets, devices,
     dangling or looping symlinks) are skipped with one warning naming them: reading a FIFO would hang."""
-    kept, skipped = [], []
-    for path in paths:
-        kind = _file_kind(path)
-        if kind == "a regular file":
-            kept.append(path)
-        else:
-            skipped.append(f"{path.name} ({kind})")
+    kinds = [(path, _file_kind(path)) for path in paths]
+    kept = [path for path, kind in kinds if kind == "a regular file"]
+    skipped = [f"{path.name} ({kind})" for path, kind in kinds if kind != "a regular file"]
     if skipped:
         warnings.warn(f"corpus {spec!r}: skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} that "
                       f"{'is' if len(skipped) == 1 else 'are'} not a regular file: {', '.join(skipped[:5])}"

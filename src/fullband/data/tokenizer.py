@@ -87,10 +87,8 @@ class ByteTokenizer:
         for i in ids:
             if i < 256:
                 run.append(i)
-                continue
-            if not skip_special:
-                parts.append(run.decode("utf-8", errors="replace"))
-                parts.append(names.get(i, f"<{i}>"))
+            elif not skip_special:
+                parts += [run.decode("utf-8", errors="replace"), names.get(i, f"<{i}>")]
                 run = bytearray()
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
@@ -166,8 +164,7 @@ class BPETokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "BPETokenizer":
-        tokenizers = _hf_tokenizers()
-        return cls(tokenizers.Tokenizer.from_file(str(path)), source=str(path))
+        return cls(_hf_tokenizers().Tokenizer.from_file(str(path)), source=str(path))
 
     chat_template: str | None = None  # a pretrained model's own template (PretrainedTokenizer)
 

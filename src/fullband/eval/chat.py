@@ -5,6 +5,7 @@ response length in tokens, each with its standard error; differences to STANDARD
 from __future__ import annotations
 
 import math
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +28,13 @@ def held_out_items(path: str | Path, *, limit: int | None = None,
 
     items = []
     chats = read_chat_jsonl(path) if Path(path).is_file() else chat_conversations(str(path), "val", val_percent)
-    for i, messages in enumerate(chats):
+    for i, messages in islice(enumerate(chats), limit):
         last = max(j for j, m in enumerate(messages) if m.role == "assistant")
         reference = final_answer(messages[last].content)
         if reference is None:
             raise DataError(f"{path}: conversation {i + 1}: its last assistant turn has no final 'Answer: ...' line "
                             "to score against")
         items.append((messages[:last], reference))
-        if limit is not None and len(items) >= limit:
-            break
     if not items:
         raise DataError(f"{path} holds no conversation")
     return items

@@ -204,8 +204,7 @@ def eval_chat(checkpoint: str | Path, data: str | Path, *, modes=CHAT_MODES, max
     _check_counts(max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1), **({} if limit is None else
                                                                                       {"limit": (limit, 1)}))
     modes = [m if isinstance(m, DecodeMode) else DecodeMode.parse(m) for m in modes]
-    where = Path(out) if out else checkpoint / "eval"
-    report.check_out(where, "chat")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "chat")
     from fullband.files import read_json
 
     split = (read_json(checkpoint.parent / "run.json") or {}).get("data")  # a corpus is split as its run split it
@@ -241,9 +240,8 @@ def eval_tracking(checkpoint: str | Path, task: str | None = None, *, train_leng
         raise ConfigError(f"{checkpoint} is not from a tracking run (no run.json with data.format = 'tracking' "
                           "beside it); pass --task and --train-length")
     _check_counts(train_length=(train_length, 1))
-    where = Path(out) if out else checkpoint / "eval"
     name = f"tracking_{task}"
-    report.check_out(where, name)
+    where = report.check_out(Path(out) if out else checkpoint / "eval", name)
     model, tok = load_any(checkpoint)
     result = {"checkpoint": str(checkpoint),
               **accuracy_table(model, tok, task, train_length, n=n, modes=modes or DEFAULT_MODES,

@@ -26,7 +26,7 @@ class LossResult:
     def paired_difference(self, other: "LossResult") -> tuple[float, float]:
         """Mean and standard error of (self - other) over the same windows."""
         d = (self.per_window - other.per_window).double()
-        return float(d.mean()), float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
+        return float(d.mean()), _se(d)
 
     @property
     def bits(self) -> float:
@@ -59,9 +59,7 @@ def validation_loss(model, batches, passes: int, *, autocast=None) -> LossResult
     finally:
         model.train(was_training)
     losses = torch.cat(per_window).double()
-    n = losses.numel()
-    stderr = float(losses.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("nan")
-    return LossResult(passes=passes, nats=float(losses.mean()), stderr=stderr, tokens=tokens, per_window=losses)
+    return LossResult(passes=passes, nats=float(losses.mean()), stderr=_se(losses), tokens=tokens, per_window=losses)
 
 
 @torch.no_grad()

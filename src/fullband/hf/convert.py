@@ -20,7 +20,6 @@ from fullband.errors import CheckpointError, ConfigError
 from fullband.files import Kind, atomic_folder, check_destination, read_json
 from fullband.folder import HF_INDEX_FILE, HF_MODEL_TYPE, is_transformers_folder, load_transformers_folder
 
-KINDS = ("native", "hf", "llama")
 TARGETS = ("hf", "native")
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
@@ -144,12 +143,12 @@ def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int
     # a chat vocabulary carries its template, so AutoTokenizer.apply_chat_template and vLLM's chat API render
     # conversations exactly as fullband's own template does
     chat = {"chat_template": hf_chat_template(tokenizer)} if hf_chat_template(tokenizer) else {}
-    if isinstance(tokenizer, BPETokenizer):  # AutoTokenizer reads it as a fast tokenizer
-        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"), bos_token=bos,
-                                eos_token=eos, pad_token=pad, **chat).save_pretrained(out)
-    else:  # the byte tokenizer: its transformers equivalent for other tools, and itself for the way back
-        PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), bos_token=bos, eos_token=eos,
-                                pad_token=pad, **chat).save_pretrained(out)
+    bpe = isinstance(tokenizer, BPETokenizer)  # AutoTokenizer reads a BPE as a fast tokenizer
+    # the byte tokenizer: its transformers equivalent for other tools, and itself for the way back
+    file = str(tokenizer_dir / "tokenizer.json")
+    source = {"tokenizer_file": file} if bpe else {"tokenizer_object": tokenizer.to_hf()}
+    PreTrainedTokenizerFast(**source, bos_token=bos, eos_token=eos, pad_token=pad, **chat).save_pretrained(out)
+    if not bpe:
         shutil.copy2(tokenizer_dir / "tokenizer.json", out / BYTE_TOKENIZER_FILE)
 
 

@@ -18,11 +18,6 @@ MAX_SEQ_LEN = 2**20
 FEEDBACKS = ("final", "residual")
 
 
-def _default_d_ff(d_model: int) -> int:
-    # SwiGLU keeps the MLP's parameter count near a 4x GELU MLP with 8/3 * D, rounded up to a multiple of 64.
-    return -(-(8 * d_model // 3) // 64) * 64
-
-
 @dataclass
 class ModelConfig:
     """Architecture of a decoder-only full-bandwidth LM.
@@ -75,8 +70,8 @@ class ModelConfig:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         integer("n_kv_heads", self.n_kv_heads, 1)
-        if self.d_ff is None:
-            self.d_ff = _default_d_ff(self.d_model)
+        if self.d_ff is None:  # SwiGLU near a 4x GELU MLP's parameter count: 8/3 * D, rounded up to a multiple of 64
+            self.d_ff = -(-(8 * self.d_model // 3) // 64) * 64
         integer("d_ff", self.d_ff, 1)
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "

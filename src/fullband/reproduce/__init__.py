@@ -23,18 +23,14 @@ REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
 EXPERIMENTS = tuple(REGISTRY)
 
 
-def _experiment(exp: str) -> Experiment:
-    if exp not in REGISTRY:
-        raise InputError(f"experiment {exp!r} is unknown{closest(exp, EXPERIMENTS)}; "
-                         f"accepted: {', '.join(EXPERIMENTS)}")
-    return REGISTRY[exp]
-
-
 def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "docs/results", base: str = BASE,
               extra: list[str] | None = None, **options) -> Path:
     """Run one experiment; `base`, `extra` overrides (applied after the experiment's own) and `options` (keyword
     arguments of the experiment's function, e.g. sft's held_out) exist for tests."""
-    experiment = _experiment(exp)
+    if exp not in REGISTRY:
+        raise InputError(f"experiment {exp!r} is unknown{closest(exp, EXPERIMENTS)}; "
+                         f"accepted: {', '.join(EXPERIMENTS)}")
+    experiment = REGISTRY[exp]
     runs = experiment.runs()
     settings = Settings(base, tuple(extra or ()))
     root, docs = Path(root) / exp, Path(docs)

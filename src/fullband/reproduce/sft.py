@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import islice
 from pathlib import Path
 
 from fullband.reproduce.runner import BASE, COMMANDS, Experiment, Run, Settings, config_line, train_run
@@ -42,12 +43,9 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
         spent[tuned.name] = [sum(state[key] for state in states) for key in ("tokens", "compute_tokens")]
     cfg = load_run_config(SFT, [*settings.extra, *sft_extra])
     data_file = root / "held_out.jsonl"
-    conversations = []
-    for messages in chat_conversations(cfg.data.corpus, "val", cfg.data.val_percent):
-        conversations.append({"messages": [{"role": m.role, "content": m.content} for m in messages]})
-        if len(conversations) >= held_out:
-            break
-    write_chat_jsonl(conversations, data_file)
+    conversations = islice(chat_conversations(cfg.data.corpus, "val", cfg.data.val_percent), held_out)
+    write_chat_jsonl([{"messages": [{"role": m.role, "content": m.content} for m in c]} for c in conversations],
+                     data_file)
     modes = ["standard", "soft", "fused:1", "fused:2"]
     results = {sft.name: eval_chat(trained[sft.name][0], data_file, modes=modes, out=figs / "fbt",
                                    max_new_tokens=max_new_tokens, progress=False),

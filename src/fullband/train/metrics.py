@@ -95,8 +95,7 @@ def plot_metrics(metrics: Path, out: Path) -> Path | None:
     for r in train_rows:
         by_k.setdefault(r["k"], []).append((r["tokens"] / 1e6, r["loss_pass"][-1]))
     first = [(r["tokens"] / 1e6, r["loss_pass"][0]) for r in train_rows]
-    window = max(1, len(first) // 50)
-    ax.plot(*zip(*_smooth(first, window)), label="train, pass 1", lw=1.2)
+    ax.plot(*zip(*_smooth(first, max(1, len(first) // 50))), label="train, pass 1", lw=1.2)
     for k, pts in sorted(by_k.items()):
         if k > 1 and len(pts) > 1:
             ax.plot(*zip(*_smooth(pts, max(1, len(pts) // 50))), label=f"train, pass {k} (steps with k={k})", lw=1, alpha=0.8)
@@ -114,11 +113,6 @@ def plot_metrics(metrics: Path, out: Path) -> Path | None:
 
 
 def _smooth(points: list[tuple[float, float]], window: int) -> list[tuple[float, float]]:
-    if window <= 1:
-        return points
-    out = []
-    for i in range(len(points)):
-        lo = max(0, i - window + 1)
-        ys = [p[1] for p in points[lo : i + 1]]
-        out.append((points[i][0], sum(ys) / len(ys)))
-    return out
+    """Each point's y averaged with the window - 1 before it."""
+    ys = [y for _, y in points]
+    return [(x, sum(ys[max(0, i - window + 1) : i + 1]) / min(i + 1, window)) for i, (x, _) in enumerate(points)]

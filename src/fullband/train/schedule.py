@@ -4,6 +4,7 @@ Jacobi passes a step trains with, drawn from a generator seeded by (seed, step) 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -78,13 +79,8 @@ GROW = "grow:"
 
 
 def _growing(deep: int) -> list[tuple[float, dict[int, float]]]:
-    stages = []
-    for until, pair in ((0.25, (1, 1)), (0.5, (2, 4)), (0.75, (4, 8)), (1.0, (8, deep))):
-        probs: dict[int, float] = {}
-        for k in pair:
-            probs[min(k, deep)] = probs.get(min(k, deep), 0.0) + 0.5
-        stages.append((until, probs))
-    return stages
+    return [(until, {k: n / 2 for k, n in Counter(min(k, deep) for k in pair).items()})
+            for until, pair in ((0.25, (1, 1)), (0.5, (2, 4)), (0.75, (4, 8)), (1.0, (8, deep)))]
 
 
 @dataclass(frozen=True, eq=True)
@@ -166,7 +162,7 @@ class PassSchedule:
             weights = [until - prev for prev, until in zip(bounds, bounds[1:])]
         else:
             weights = [self._steps_in_stage(i, total_steps) for i in range(len(self.stages))]
-        return sum(w * _expected_k(s.probs) for w, s in zip(weights, self.stages)) / sum(weights)
+        return sum(w * sum(k * p for k, p in s.probs.items()) for w, s in zip(weights, self.stages)) / sum(weights)
 
     @property
     def max_passes(self) -> int:
@@ -187,10 +183,6 @@ class PassSchedule:
         body = "; ".join(f"until {s.until:g}: " + ", ".join(f"{k}x {p:g}" for k, p in s.probs.items())
                          for s in self.stages)
         return f"{self.name} ({body})" if self.name else body
-
-
-def _expected_k(probs: Mapping[int, float]) -> float:
-    return sum(k * p for k, p in probs.items())
 
 
 def _stage_from_data(index: int, item: Any) -> tuple[Any, Any]:

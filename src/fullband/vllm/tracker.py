@@ -84,8 +84,7 @@ class RequestTracker(LogitsProcessor):
             to = [b, a] if direction == MoveDirectionality.SWAP else [b]
             for arr in (self.mode, self.passes, self.prompt_len):
                 arr[to] = arr[rows]
-            moved = [self.prompts[r] for r in rows]
-            for r, p in zip(to, moved):
+            for r, p in zip(to, [self.prompts[r] for r in rows]):
                 self.prompts[r] = p
             if SERVED.state is not None:
                 SERVED.state[to] = SERVED.state[rows]

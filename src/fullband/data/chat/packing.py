@@ -88,12 +88,9 @@ def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, 
     if not rows:
         raise DataError(f"no conversation fits a window of seq_len={seq_len} tokens ({dropped} dropped); raise "
                         "train.seq_len or set data.chat_too_long = \"truncate\"")
-    n = len(rows)
-    out_ids = np.full((n, seq_len), pad_id, dtype=np.int64)
-    out_targets = np.full((n, seq_len), IGNORE, dtype=np.int64)
-    out_fed = np.zeros((n, seq_len), dtype=bool)
-    for r, (ids, targets, fed) in enumerate(rows):
-        out_ids[r, : len(ids)] = ids
-        out_targets[r, : len(ids)] = targets
-        out_fed[r, : len(ids)] = fed
-    return PackedChat(out_ids, out_targets, out_fed, count, dropped, truncated)
+    shape = (len(rows), seq_len)
+    out = (np.full(shape, pad_id, dtype=np.int64), np.full(shape, IGNORE, dtype=np.int64), np.zeros(shape, dtype=bool))
+    for r, row in enumerate(rows):  # (ids, targets, fed) of window r
+        for array, part in zip(out, row):
+            array[r, : len(part)] = part
+    return PackedChat(*out, count, dropped, truncated)
