@@ -1,16 +1,7 @@
 """The main job (`make demo`, `fullband demo`): latent feedback against a standard transformer, side by side, in a few
-minutes on a CPU, on data every machine has.
-
-  1. the race: running parity on inputs of up to L = 8 bits (configs/demo-parity.toml), a standard transformer and a
-     full-bandwidth one of the same size trained on it, scored on inputs of L, 2L, 4L and 8L bits (`fullband eval
-     tracking`); the full-bandwidth one read STANDARD, FUSED and with the exact recurrence (an RNN whose cell is the
-     transformer);
-  2. the code LM (configs/tiny.toml, shortened) on the Python standard library: held-out loss by mode, paired with
-     STANDARD (`fullband eval loss`), and continuations (greedy, and a seeded sample) in every mode;
-  3. summary.md: what was trained, how long it took, the two results, where the files are.
-
-Each phase's results stay in the output folder and are reused when the demo runs again (an interrupted training
-resumes)."""
+minutes on a CPU, on data every machine has. Its phases (the parity race, the code LM, summary.md) and what they
+show: README.md, "Two commands". Each phase's results stay in the output folder and are reused when the demo runs
+again (an interrupted training resumes)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """lm-evaluation-harness model `fullband` (the `eval` extra): score and generate with a checkpoint in any mode.
 Usage (`python -m fullband.lmeval`, the harness's CLI with this model registered): README.md, "lm-evaluation-harness".
 
-`loglikelihood` prefills the context in the chosen mode (FUSED: 1 + prefill_passes Jacobi passes, the paper's
-Fig. 4 protocol) and feeds the continuation through the decode step (fullband.decode.score), so a score is
-what decoding in that mode sees. `loglikelihood_rolling` scores a text in max_seq_len windows;
-`generate_until` decodes in the mode and cuts at the first stop string.
+`loglikelihood` prefills the context in the mode and feeds the continuation through the decode step
+(fullband.decode.score), so a score is what decoding in that mode sees; `loglikelihood_rolling` scores a text in
+max_seq_len windows; `generate_until` decodes in the mode and cuts at the first stop string.
 
 With the harness's `--apply_chat_template` (a checkpoint with a chat vocabulary, or a pretrained model's own
 template) each request is the conversation rendered by the vocabulary's template, read back with its special

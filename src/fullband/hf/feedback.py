@@ -7,12 +7,11 @@ fusion operator, and the exact recurrence runs token by token through the model'
 model's weights are not touched; the new ones are the fusion and `norm_in`, whose gain starts at the
 embedding RMS so fused inputs begin at the scale of plain ones.
 
-The wrapper is a full-bandwidth model for the rest of fullband: a FeedbackModel (fullband.model.core) whose stack is
-the HF model, so the Jacobi passes, the recurrence, every decoding mode and the training objective
-(fullband.train.objective, `fullband train` with `model.hf_path`) are the native model's own; its `config` is a
-ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks` are the HF model's layers (activation
-checkpointing, FSDP), and a saved folder (config.json with the HF config inside + model.safetensors) loads back
-with `fullband.load_model`."""
+The wrapper is a FeedbackModel (fullband.model.core) whose stack is the HF model, so the Jacobi passes, the
+recurrence, every decoding mode and the training objective are the native model's own (README.md, "Hugging Face
+transformers"); its `config` is a ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks` are the HF
+model's layers (activation checkpointing, FSDP); a saved folder (the HF config inside config.json) loads back with
+`fullband.load_model`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Hugging Face transformers classes for full-bandwidth models: FullbandConfig and FullbandForCausalLM.
 
 FullbandForCausalLM is a thin adapter: it holds a native FullbandLM (`.model`, the source of truth) and maps
-the transformers calling convention onto it, so `save_pretrained` / `from_pretrained`, the Auto classes and
-`generate` (greedy, sampling, beam search, num_return_sequences) work, in every feedback mode:
-
-    model.generate(ids, max_new_tokens=32, feedback_mode="fused", prefill_passes=2)
-
+the transformers calling convention onto it, in every feedback mode (usage: README.md, "Hugging Face transformers").
 The fed-back state of each sequence lives in the cache (FeedbackCache) next to its keys and values, so beam
 search reordering and num_return_sequences expansion move both together. Prompts of different lengths are
 left-padded (transformers' convention, `attention_mask`); each row is run from its first real token, at its
@@ -276,7 +272,7 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             out = model.read(ids, mode)
         top = _scatter_rows(out.top, starts, lengths, input_ids.shape[1])
-        return self._output(loss, self._logits(top, logits_to_keep), new_cache)
+        return self._output(loss, self.model.head(top[:, -logits_to_keep:] if logits_to_keep else top), new_cache)
 
     def _decode(self, input_ids: Tensor, cache: FeedbackCache, mode: DecodeMode) -> Tensor:
         """One decode step per new column of input_ids (B, n) -> logits (B, n, V); advances the cache."""
@@ -284,14 +280,8 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids.ndim != 2 or input_ids.shape[0] != cache.kv.batch:
             raise InputError(f"input_ids for a cached step must be (B={cache.kv.batch}, n); got "
                              f"{tuple(input_ids.shape)}")
-        feed = mode.feeds_state
-        steps = range(input_ids.shape[1])
-        return torch.stack([advance(self.model, cache, input_ids[:, t], feed=feed) for t in steps], 1)
-
-    def _logits(self, top: Tensor, logits_to_keep: int) -> Tensor:
-        if logits_to_keep:
-            top = top[:, -logits_to_keep:]
-        return self.model.head(top)
+        return torch.stack([advance(self.model, cache, input_ids[:, t], feed=mode.feeds_state)
+                            for t in range(input_ids.shape[1])], 1)
 
     @staticmethod
     def _output(loss: Tensor | None, logits: Tensor, cache: FeedbackCache | None) -> CausalLMOutputWithPast:

@@ -2,15 +2,9 @@
 
 A runtime supplies its stack by subclassing FeedbackModel: the token embedding (`embed_tokens`), the stack over a
 whole sequence (`stack`) or one cached position per row (`stack_step`), the head and a new cache, plus the fusion and
-its input norm (`fusion`, `norm_in`). Every rule of the method lives here, once, on top of that:
-
-  plain_positions   which positions take the plain embedding (position 0, a BOS token, a plain prefix, a mask)
-  embed_inputs / fuse / pass_inputs   the stack input: a plain position's norm_in(e_t) (e_t itself for Llama-style
-                    models, config.input_norm false), a fed one's norm_in(fuse(e_t, h_{t-1}))
-  jacobi_pass / iterate   one Jacobi pass over all positions, and the pass loop (no loss inside)
-  recurrent_forward the exact recurrence, one position at a time (the ground truth)
-  read              a prompt as a decoding mode reads it (STANDARD / SOFT one pass, FUSED 1 + k passes capped at
-                    the prompt's length, EXACT the recurrence)
+its input norm (`fusion`, `norm_in`). Every rule of the method lives here, once, on top of that (docs/method.md
+names each one's code): which positions are plain, the stack input of a plain and of a fed position, one Jacobi pass
+and the pass loop, the exact recurrence, and how a decoding mode reads a prompt.
 
 The native model (model.decoder), the latent-feedback wrapper of a Hugging Face decoder (hf.feedback) and vLLM's
 model (vllm.model) supply their stacks; the transformers class, the decode engine, the evaluators, chat and the

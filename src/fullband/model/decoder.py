@@ -1,10 +1,6 @@
 """FullbandLM: the native full-bandwidth model: a pre-norm decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)
 whose input can fuse the previous position's top state. It supplies its transformer stack to the method's core
-(fullband.model.core.FeedbackModel), which runs it three ways:
-
-  forward(ids, passes=k)   k time-parallel (Jacobi) passes; pass 1 is an ordinary transformer
-  recurrent_forward(ids)   the exact sequential recurrence, token by token (the ground truth)
-  step(tokens, ...)        one cached decode step, shared by every decoding mode
+(fullband.model.core.FeedbackModel), which runs the Jacobi passes, the exact recurrence and the decode step on it.
 
 Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
 
