@@ -143,7 +143,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out.flush()
     out.write(text.rest() + "\n")
     out.flush()
-    _summary(text.ids, args, stops, t0)
+    ids, dt = text.ids, time.perf_counter() - t0  # the last line, on stderr: tokens, mode, speed, why it stopped
+    why = f"; stopped at EOS id {ids[-1]} (--ignore-eos to go on)" if ids and ids[-1] in stops else ""
+    print(f"[{len(ids)} tokens, {args.mode}, {len(ids) / dt:.1f} tok/s{why}]", file=sys.stderr)
     return 0
 
 
@@ -218,13 +220,6 @@ def _chat_turn(session, text: str, out) -> None:
     dt = time.perf_counter() - t0
     print(f"\n[{len(turn.ids)} tokens, {session.mode.label}, {len(turn.ids) / max(dt, 1e-9):.1f} tok/s, "
           f"{turn.stopped or 'interrupted'}{', conversation re-read' if turn.reread else ''}]", flush=True)
-
-
-def _summary(ids: list[int], args: argparse.Namespace, stops: list[int], t0: float) -> None:
-    """The generate command's last line on stderr: tokens, mode, speed, and why it stopped."""
-    dt = time.perf_counter() - t0
-    why = f"; stopped at EOS id {ids[-1]} (--ignore-eos to go on)" if ids and ids[-1] in stops else ""
-    print(f"[{len(ids)} tokens, {args.mode}, {len(ids) / dt:.1f} tok/s{why}]", file=sys.stderr)
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:

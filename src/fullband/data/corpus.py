@@ -142,8 +142,7 @@ class JsonlFiles:
         return text
 
     def identity(self) -> dict:
-        files = [[k, *s] for k, s in zip(self.keys, self.stats)]
-        return {"kind": "jsonl", "text_field": self.text_field, "files": files}
+        return {"kind": "jsonl", "text_field": self.text_field, "files": [[k, *s] for k, s in zip(self.keys, self.stats)]}
 
     def summary(self, val_percent: float) -> str:
         return f"jsonl {self.source}: {len(self.files)} files (field {self.text_field!r}, split by line)"

@@ -80,8 +80,7 @@ class TokenStream:
         return int(self._starts[-1])
 
     def __repr__(self) -> str:
-        shards = len(self._shards)
-        return f"TokenStream({str(self.path)!r}, n_tokens={len(self)}, shards={shards}, cached={self.cached})"
+        return f"TokenStream({str(self.path)!r}, n_tokens={len(self)}, shards={len(self._shards)}, cached={self.cached})"
 
     @property
     def dtype(self) -> np.dtype:
@@ -218,8 +217,7 @@ class _ShardWriter:
             self.n_tokens += len(head)
 
     def _next_file(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        self.close()
         name = f"tokens-{len(self.shards):05d}.bin"
         self._file = open(self.directory / name, "wb")  # noqa: SIM115 - closed in _next_file / close
         self.shards.append({"file": name, "n_tokens": 0})

@@ -95,9 +95,8 @@ def loss_figure(result: dict):
             if r["fused_passes_used"] is not None:
                 ax.errorbar([xi], [r[key]], yerr=[scale * r[err]], marker="D", capsize=3, ls="none",
                             label=f"{r['mode']} (mean passes used)")
-        exact = [r for r in rows if r["mode"] == "exact"]
-        if exact:
-            ax.axhline(exact[0][key], color="k", ls="--", lw=1, label="exact recurrence")
+            elif r["mode"] == "exact":
+                ax.axhline(r[key], color="k", ls="--", lw=1, label="exact recurrence")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # ticks under the adaptive points' mean passes too
         ax.set(xlabel="fused prefill passes k", ylabel=label)
         ax.grid(alpha=0.3)

@@ -92,18 +92,16 @@ class Trainer:
             self.data.sampler.check_state(state["sampler"])
             self.step, self.tokens = state["step"], state["tokens"]
             self.compute_tokens, self.elapsed = state["compute_tokens"], state["elapsed"]
-            if self.d.main:
-                truncate_metrics(self.run_dir / METRICS_FILE, self.step)
             _print0(self.d, f"resumed from {self.resume_from} at {ckpt.describe(state)}")
         elif resume is not None:  # a run killed before its first checkpoint: it starts again from step 0
-            if self.d.main:
-                truncate_metrics(self.run_dir / METRICS_FILE, 0)
             _print0(self.d, f"{self.run_dir} holds no complete checkpoint yet (the run stopped before its first); "
                             "starting it from step 0 with its saved settings")
         elif self.d.main:
             with writing(self.run_dir, "write the run's settings"):
                 self.data.tokenizer.save(self.run_dir)
                 replace_file(self.run_dir / RUN_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if resume is not None and self.d.main:  # rows logged after the step it resumes from (all: before the first)
+            truncate_metrics(self.run_dir / METRICS_FILE, self.step)
         self.loggers = MetricsLog(self.run_dir, cfg, self.d) if self.d.main else None
 
     # ------------------------------------------------------------------ one optimizer step
