@@ -186,6 +186,25 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_session(chat):
     assert term.exit_status() == 0
 
 
+def test_ctrl_c_at_any_point_of_an_answer_keeps_the_session(chat):
+    term = chat("--max-new-tokens", "900", "--temperature", "1", "--seed", str(LONG_SEED))
+    for delay, presses in ((0, 1), (0.001, 2), (0.01, 1), (0.05, 2), (0.2, 1)):  # in the prefill, mid-answer, twice
+        term.send(b"hello\r")
+        term.expect(b"assistant> ")
+        time.sleep(delay)
+        term.send(b"\x03" * presses)
+        term.expect(SUMMARY)
+        term.expect(b"you> ")
+        time.sleep(0.3)  # a key typed before input() reads again is lost with the ^C (the terminal's own rule)
+    term.send("/mode fused:\u00b2\r".encode())  # a Unicode digit: refused by name, the session goes on
+    term.expect(rb"\(error: mode 'fused:\xc2\xb2' is not MODE or fused:K")
+    term.expect(b"you> ")
+    assert term.say("go on")[3] in (b"end", b"length", b"context")
+    term.send(b"/exit\r")
+    assert term.exit_status() == 0
+    assert b"Traceback" not in term.buf
+
+
 def test_ctrl_c_at_the_prompt_does_not_exit(chat):
     term = chat()
     # input() (no readline) misses a SIGINT that lands between writing "you> " and blocking in read(), until the

@@ -50,7 +50,7 @@ def test_bad_conversations_are_errors_naming_file_and_line(tmp_path, row, messag
 
 
 def test_a_missing_file_is_named(tmp_path):
-    with pytest.raises(DataError, match="nope.jsonl: cannot be read"):
+    with pytest.raises(DataError, match="nope.jsonl. does not exist"):
         list(read_chat_jsonl(tmp_path / "nope.jsonl"))
 
 

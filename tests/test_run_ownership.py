@@ -255,6 +255,27 @@ echo "doctor_rc=$?"
     assert "verdict: resumable from step_" in doctor and "FAIL" not in doctor
 
 
+@needs_tmpfs
+def test_a_full_disk_while_saving_a_model_names_the_folder_and_leaves_nothing(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert run("init", "--config", "tiny", "--out", str(tmp_path / "small")).returncode == 0  # 3.6 MB > 1 MB
+    cli = " ".join(CLI)
+    script = f"""
+mount -t tmpfs -o size=1m tmpfs {disk} || exit 90
+{cli} init --config tiny --out {disk / 'init'} 2> {tmp_path / 'init.txt'}; echo "init_rc=$?"
+{cli} convert {tmp_path / 'small'} {disk / 'hf'} 2> {tmp_path / 'convert.txt'}; echo "convert_rc=$?"
+ls -a {disk}
+"""
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300,
+                         env=child_env()).stdout
+    assert "init_rc=2" in out and "convert_rc=2" in out, out
+    for name, folder in (("init", "init"), ("convert", "hf")):
+        err = (tmp_path / f"{name}.txt").read_text()
+        assert "the disk is full" in err and f"{disk / folder}'" in err and "Traceback" not in err, err
+    assert out.split("convert_rc=2")[1].split() == [".", ".."], out  # no temporary folder left behind
+
+
 def test_a_damaged_token_cache_says_so(tmp_path, corpus):
     from fullband.errors import DataError
 

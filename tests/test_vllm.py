@@ -16,6 +16,8 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (make test builds it)")
 
+from vllm.platforms import current_platform  # noqa: E402
+
 from fullband.decode.generate import generate  # noqa: E402
 from fullband.hf.modeling import FullbandForCausalLM  # noqa: E402
 from fullband.model.config import ModelConfig  # noqa: E402
@@ -174,8 +176,9 @@ def test_logprobs_equal_the_native_model(base):
 
 @pytest.mark.parametrize("extra,message", [
     ({"feedback_mode": "bogus"}, "feedback_mode='bogus' is not a serving mode"),
-    ({"feedback_mode": "fused", "prefill_passes": -1}, "prefill_passes=-1 is out of range"),
+    ({"feedback_mode": "fused", "prefill_passes": -1}, "prefill_passes=-1 is invalid"),
     ({"feedback_mode": "fused", "prefill_passes": "two"}, "prefill_passes='two' is invalid"),
+    ({"feedback_mod": "fused"}, "unknown request key 'feedback_mod' (did you mean 'feedback_mode'?)"),
     ({"feedback_mode": "soft", "prefill_passes": 2}, "applies to feedback_mode='fused' only"),
     ({"feedback_mode": "exact"}, "not a serving mode"),
 ])
@@ -269,6 +272,15 @@ def test_unsupported_folders_are_refused_by_name(tmp_path):
     make_folder(tmp_path, **dict(BASE, hf_path="/somewhere/llama"))
     with pytest.raises(Exception, match="hf_path='/somewhere/llama'"):
         engine(tmp_path)
+
+
+@pytest.mark.skipif(not current_platform.is_cpu(), reason="the CPU attention's head sizes")
+def test_a_head_size_the_attention_cannot_run_is_refused_at_load(tmp_path, capfd):
+    make_folder(tmp_path, **dict(BASE, d_model=64, n_heads=4, n_kv_heads=2))  # head_dim 16: CPU_ATTN has no kernel
+    with pytest.raises(Exception):
+        engine(tmp_path)
+    printed = capfd.readouterr()  # the worker process's log: its stdout and stderr
+    assert "head_dim=16 (d_model / n_heads) is not supported by vLLM's CPU_ATTN attention" in printed.out + printed.err
 
 
 # ---------------------------------------------------------------------------------------------------- a converted Llama
@@ -436,7 +448,8 @@ def test_server_answers_32_concurrent_requests_like_offline(server):
 @pytest.mark.parametrize("body,message", [
     ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "bogus"}}, "feedback_mode='bogus'"),
     ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "fused", "prefill_passes": -1}},
-     "prefill_passes=-1 is out of range"),
+     "prefill_passes=-1 is invalid"),
+    ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"prefil_passes": 2}}, "did you mean 'prefill_passes'?"),
     ({"prompt": list(range(1, 300)), "max_tokens": 2}, "maximum context length"),
     ("{not json", ""),
 ])

@@ -57,9 +57,11 @@ def _count(minimum: int, below: int | None = None, accepted: str | None = None):
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = int(text) if text.isascii() else None  # int() alone also reads other scripts' digits
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}") from None
+            value = None
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}")
         if value < minimum or (below is not None and value >= below):
             raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: {accepted}")
         return value
@@ -74,6 +76,15 @@ _passes = _count(0, accepted="an integer >= 0 or 'auto'")
 def _prefill_passes(text: str) -> int | str:
     """--prefill-passes: an integer >= 0 or 'auto' (adaptive prefill, see --prefill-tol)."""
     return text if text == "auto" else _passes(text)
+
+
+def _unescape(text: str, flag: str) -> str:
+    """Backslash escapes (\\n, \\t, \\x41, \\u00e9) in a command-line string, read as Python reads them."""
+    try:
+        return _utf8(text, flag).encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{flag} {text!r} has a bad escape ({err.reason}); accepted: text with \\n, \\t, "
+                         "\\xHH or \\uHHHH escapes") from None
 
 
 def _tolerance(text: str) -> float:
@@ -324,7 +335,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         modes = [DecodeMode.parse(m) for m in args.modes]
         commands.eval_generate_length(args.checkpoint, args.prompts, modes=modes, max_new_tokens=args.max_new_tokens,
-                                      stop_text=args.stop_text.encode().decode("unicode_escape"), out=args.out)
+                                      stop_text=_unescape(args.stop_text, "--stop-text"), out=args.out)
     return 0
 
 
@@ -589,6 +600,15 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # a file-system failure no check foresaw: one line naming the path, not a traceback
         from fullband.files import output_error
 
+        if err.filename is None and err.errno == errno.ENOSPC:  # print() into a full device (`> /dev/full`)
+            target = "standard output"
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{sys.stdout.fileno()}")
+            with contextlib.suppress(OSError):  # nothing more to flush at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print(f"fullband {args.command}: error: could not write the output: no space left on {target!r}",
+                  file=sys.stderr)
+            return 2
         where = err.filename or "."
         print(f"fullband {args.command}: error: {output_error(err, where, 'complete the command')}", file=sys.stderr)
         return 1 if err.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS) else 2

@@ -131,7 +131,7 @@ def read_settings_file(path: Path, kind: str) -> dict:
     """The table in a TOML or JSON settings file, with one-line errors for a missing, unreadable, binary or
     malformed file."""
     if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
+        what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
         raise ConfigError(f"config file {str(path)!r} {what}; accepted: a {kind} file")
     try:
         text = path.read_text(encoding="utf-8")
@@ -144,6 +144,8 @@ def read_settings_file(path: Path, kind: str) -> dict:
         data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"{path}: malformed {kind}: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: malformed {kind}: nested too deeply to read") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a table of settings, got a JSON {type(data).__name__}")
     return data

@@ -4,6 +4,7 @@ files complete and as recorded at save time, weights finite and matching the con
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ class Report:
 def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
     """Everything doctor can tell about `path` (nothing is written, locked for longer than a check, or deleted)."""
     from fullband.folder import CONFIG_FILE
-    from fullband.files import read_json
+    from fullband.files import read_json, read_json_file
     from fullband.train.checkpoint import STEP_DIR
     from fullband.train.rundir import RUN_FILE
 
@@ -68,8 +69,13 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
         ok = _hf_folder(report, path, hashes)
     else:
         report = Report(path, "unknown", verdict="nothing to check")
-        report.add(FAIL, ".", "not a fullband folder: no run.json, no step_NNNNNN/ checkpoints and no config.json "
-                              "written by fullband")
+        why = "no run.json, no step_NNNNNN/ checkpoints and no config.json written by fullband"
+        if (path / CONFIG_FILE).exists() or (path / CONFIG_FILE).is_symlink():
+            try:
+                read_json_file(path / CONFIG_FILE, "its config.json", error=FullbandError)
+            except FullbandError as err:
+                why = str(err)
+        report.add(FAIL, ".", f"not a fullband folder: {why}")
         return report
     report.verdict = "healthy" if ok else "damaged: see the FAIL lines"
     return report
@@ -101,7 +107,13 @@ def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
         report.add(WARN, label("."), "config.json has no record of the files' sizes and hashes (written by an "
                                      "older fullband): completeness can only be checked by loading")
     else:
-        problems = [(name, problem) for name, entry in sorted(record.items())
+        trainer = (folder / "trainer.json").is_file()
+        left = sorted(n for n in record if not trainer and _training_state(n) and not (folder / n).exists())
+        if left:  # model files copied out of a training checkpoint: they load; they cannot resume training
+            report.add(WARN, label("."), f"the training state saved beside these weights is not here ({', '.join(left)}"
+                                         "): a model folder copied out of a training checkpoint; it loads and "
+                                         "generates, it cannot resume training")
+        problems = [(name, problem) for name, entry in sorted(record.items()) if name not in left
                     for problem in check_record(folder, {name: entry}, hashes=hashes)]
         for name, problem in problems:
             report.add(FAIL, label(name), problem)
@@ -118,6 +130,11 @@ def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
     if trainer:
         _trainer_files(report, folder, label)
     return sum(f.level == FAIL for f in report.findings) == n_fail
+
+
+def _training_state(name: str) -> bool:
+    """Whether a checkpoint file is training state (not needed to load the model)."""
+    return name in ("trainer.json", "rng.pt") or re.fullmatch(r"optimizer(\.rank\d+)?\.pt", name) is not None
 
 
 def _weights(report: Report, folder: Path, label, data: dict, config) -> None:
@@ -222,7 +239,8 @@ def _run_dir(path: Path, hashes: bool) -> Report:
     except FullbandError as err:
         report.add(FAIL, RUN_FILE, f"{err} (resuming needs the run's settings)")
     got = try_lock(path)
-    if isinstance(got, str):
+    busy = isinstance(got, str)
+    if busy:
         report.add(WARN, ".", f"in use by another process ({got}): a training or resume is running; what follows "
                               "may change while it runs")
     else:
@@ -241,7 +259,13 @@ def _run_dir(path: Path, hashes: bool) -> Report:
             good.append(step)
     last_step = read_trainer_state(good[-1])["step"] if good else 0
     _metrics(report, path / METRICS_FILE, last_step)
-    if good and good[-1] == steps[-1] and cfg is not None and last_step >= cfg.train.steps:
+    if busy:
+        report.verdict = (f"in use by a running process ({got}); {len(good)} healthy checkpoint(s) so far"
+                          f"{f', the latest {good[-1].name}' if good else ''}: check again when it stops")
+    elif good and cfg is None:
+        report.verdict = (f"not resumable as it is: {RUN_FILE} is damaged; restore it from {good[-1].name}/"
+                          f"{TRAINER_FILE} ('config'), then --resume {path}")
+    elif good and good[-1] == steps[-1] and last_step >= cfg.train.steps:
         report.verdict = f"finished: {good[-1].name} is the final checkpoint, and it is healthy"
     elif good and good[-1] == steps[-1]:
         report.verdict = f"resumable from {good[-1].name} (fullband train RECIPE --resume {path})"

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -167,8 +168,8 @@ def writing(path: str | Path, action: str) -> Iterator[None]:
         yield
     except FullbandError:  # already says what went wrong (several of them are OSErrors too)
         raise
-    except (OSError, RuntimeError) as err:
-        if isinstance(err, RuntimeError) and not is_disk_full(err, path):
+    except Exception as err:  # noqa: BLE001 -- writers that hide the errno (safetensors' SafetensorError) included
+        if not isinstance(err, OSError) and not is_disk_full(err, path):
             raise
         raise output_error(err, path, action) from err
 
@@ -332,7 +333,7 @@ def atomic_folder(dst: str | Path, kind: Kind, *, overwrite: bool = False, sourc
     with writing(parent, action):
         tmp, lock = make_temp(parent, prefix, suffix)
     try:
-        with writing(tmp, action):
+        with writing(dst, action):  # the error names the folder asked for, not its temporary
             yield tmp
             replace = check_destination(dst, kind, overwrite=overwrite, sources=sources, flag=flag, error=error)
             publish_folder(tmp, dst, replace=replace)
@@ -360,10 +361,21 @@ def _restore_interrupted_swap(parent: Path, dst: Path) -> None:
         return
 
 
+def umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def publish_folder(tmp: Path, dst: Path, *, replace: bool) -> None:
     """Move the finished folder `tmp` to `dst` (same parent): into an absent or empty `dst` by one rename; with
     replace=True the old `dst` is renamed aside, the new one in, and the old one deleted (a kill between the two
     renames is undone by the next atomic_folder to the same place). The one place fullband publishes a folder."""
+    mask = umask()  # what mkdtemp made private (0700) gets the modes a plain mkdir and open would give
+    for path in (tmp, *tmp.rglob("*")):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
     if dst.is_dir() and not replace:  # empty (checked by the caller): make room for the rename
         dst.rmdir()
     if not replace:
@@ -386,6 +398,7 @@ def replace_file(path: str | Path, text: str) -> None:
     with writing(path, f"write {path.name}"):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
         try:
+            os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 -> what a plain open would give
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, path)
@@ -428,10 +441,104 @@ def check_record(folder: Path, record: dict, *, hashes: bool) -> list[str]:
     return problems
 
 
-def read_json(path: Path) -> dict | None:
-    """A JSON object from `path`, or None when it is missing or not one."""
+# ---------------------------------------------------------------------- reading what users hand us
+TEXT_LIMIT = 2**26  # 64 MiB: the largest settings / JSON file read whole (a model's config.json is kilobytes)
+LINE_LIMIT = 2**24  # 16 MiB: the longest JSONL line
+
+
+def file_kind(path: Path) -> str:
+    """What a path is: 'a regular file', 'a FIFO', 'a dangling symlink', 'a symlink loop', 'missing', ..."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "a dangling symlink" if path.is_symlink() else "missing"
+    except (OSError, RuntimeError) as err:
+        return "a symlink loop" if getattr(err, "errno", None) == errno.ELOOP else f"unreadable: {err}"
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file" if not stat.S_ISREG(mode) else "a regular file"
+
+
+def regular_file(path: str | Path, what: str, *, error: type[FullbandError], limit: int | None = None) -> Path:
+    """`path` if it is a regular file (of at most `limit` bytes); else `error` naming it. A FIFO or a device would
+    block a reader or never end, a symlink loop never resolves."""
+    path = Path(path)
+    kind = file_kind(path)
+    if kind == "missing":
+        raise error(f"{what} {str(path)!r} does not exist")
+    if kind != "a regular file":
+        raise error(f"{what} {str(path)!r} is {kind}, not a regular file; accepted: a file")
+    size = path.stat().st_size
+    if limit is not None and size > limit:
+        raise error(f"{what} {str(path)!r} is {size:,} bytes; accepted: at most {limit:,} bytes")
+    return path
+
+
+def decode_text(data: bytes, where: str, *, error: type[FullbandError]) -> str:
+    """UTF-8 bytes (a byte-order mark read past) -> text; else `error` naming `where` and the byte."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise error(f"{where} is UTF-16 text; accepted: UTF-8 (re-save it as UTF-8)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise error(f"{where} is not UTF-8 text (invalid byte 0x{data[err.start]:02x} at byte {err.start}); "
+                    "accepted: UTF-8") from None
+
+
+def read_text(path: str | Path, what: str, *, error: type[FullbandError], limit: int = TEXT_LIMIT) -> str:
+    """The UTF-8 text of a regular file, checked (see regular_file, decode_text)."""
+    path = regular_file(path, what, error=error, limit=limit)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as err:
+        raise error(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
+    return decode_text(data, str(path), error=error)
+
+
+def parse_json(text: str, where: str, *, error: type[FullbandError]):
+    """Any JSON value, or `error` naming `where`: malformed, nested too deeply, or holding text that is not Unicode
+    (a lone surrogate escape)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise error(f"{where}: JSON nested too deeply to read; accepted: at most a few hundred levels") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{where}: invalid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{where}: JSON text holds a lone surrogate (\\ud800-\\udfff escape), which is not Unicode "
+                    "text") from None
+    except RecursionError:
+        raise error(f"{where}: JSON nested too deeply to read; accepted: at most a few hundred levels") from None
+    return value
+
+
+def read_json_file(path: str | Path, what: str, *, error: type[FullbandError]):
+    """The JSON value of a regular UTF-8 file, every check of read_text and parse_json applied."""
+    return parse_json(read_text(path, what, error=error), str(path), error=error)
+
+
+def jsonl_values(path: str | Path, what: str, *, error: type[FullbandError]) -> Iterator[tuple[str, object]]:
+    """('file:line', value) of each non-blank line of a JSONL file, read line by line (no line above LINE_LIMIT)."""
+    path = regular_file(path, what, error=error)
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(iter(lambda: f.readline(LINE_LIMIT + 1), b""), 1):
+            where = f"{path}:{lineno}"
+            if len(raw) > LINE_LIMIT:
+                raise error(f"{where}: a line of more than {LINE_LIMIT:,} bytes; accepted: one JSON object per line")
+            text = decode_text(raw, where, error=error)
+            if text.strip():
+                yield where, parse_json(text, where, error=error)
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON object from `path`, or None when it is missing, not a regular file, too large or not one."""
+    try:
+        data = read_json_file(path, "file", error=FullbandError)
+    except FullbandError:
         return None
     return data if isinstance(data, dict) else None

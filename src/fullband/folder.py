@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from fullband.errors import CheckpointError, ConfigError, FullbandWarning
-from fullband.files import Kind, atomic_folder, check_record, describe_entries, file_record, read_json
+from fullband.errors import CheckpointError, ConfigError, FullbandError, FullbandWarning
+from fullband.files import Kind, atomic_folder, check_record, describe_entries, file_record, read_json, read_json_file
 from fullband.model.config import ModelConfig
 from fullband.version import __version__
 
@@ -70,13 +70,32 @@ def write_config_file(directory: Path, config: Any, metadata: dict | None = None
 def save_model(model: torch.nn.Module, directory: str | Path, *, tokenizer: Any = None, metadata: dict | None = None,
                overwrite: bool = False) -> Path:
     """Write model (and tokenizer) into `directory`: a new or empty folder, or (with overwrite=True) a model
-    folder saved earlier, replaced only once everything is written. Anything else is refused (OutputError)."""
+    folder saved earlier, replaced only once everything is written (its tokenizer is kept when no new one is given).
+    Anything else is refused (OutputError)."""
     directory = Path(directory)
     with atomic_folder(directory, MODEL_KIND, overwrite=overwrite, action="save the model",
                        flag="overwrite=True (--overwrite)", error=CheckpointError) as tmp:
+        if tokenizer is None and (directory / "tokenizer.json").is_file():
+            tokenizer = _saved_tokenizer(directory, model.config.vocab_size)
         metadata = {**model_metadata(model), **(metadata or {})}
         write_model_files(tmp, model.config, model.state_dict(), tokenizer=tokenizer, metadata=metadata)
     return directory
+
+
+def _saved_tokenizer(directory: Path, vocab_size: int) -> Any:
+    """The tokenizer of the model folder about to be overwritten, when it still fits the new model's vocabulary."""
+    from fullband.data.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(directory)
+    except FullbandError as err:
+        warnings.warn(f"{directory}: the saved tokenizer was not kept ({err})", FullbandWarning, stacklevel=4)
+        return None
+    if tokenizer.vocab_size > vocab_size:
+        warnings.warn(f"{directory}: the saved tokenizer ({tokenizer.vocab_size} ids) was not kept: the new model has "
+                      f"vocab_size={vocab_size}; pass tokenizer=...", FullbandWarning, stacklevel=4)
+        return None
+    return tokenizer
 
 
 def model_metadata(model: torch.nn.Module) -> dict:
@@ -96,13 +115,10 @@ def read_config_file(directory: str | Path) -> dict:
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint folder {str(directory)!r} does not exist (or is not a folder)")
     path = directory / CONFIG_FILE
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):
         raise CheckpointError(f"{str(directory)!r} is not a fullband checkpoint: {CONFIG_FILE} is missing "
                               f"(a checkpoint holds {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is corrupted (not valid JSON): {err}") from None
+    data = read_json_file(path, "the model config", error=CheckpointError)
     if not isinstance(data, dict) or data.get("format") != FORMAT or "model" not in data:
         raise CheckpointError(f"{path} is not a fullband config (expected format={FORMAT!r} and a 'model' section)")
     version = data.get("format_version", 0)

@@ -13,6 +13,7 @@ generation then also ends at the vocabulary's stop ids (EOS, <|end|>), where the
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -256,7 +257,11 @@ def main() -> None:
     """The harness CLI with `--model fullband` registered."""
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except FullbandError as err:  # a wrong model arg or an unloadable checkpoint: one line, as `fullband` prints
+        print(f"fullband.lmeval: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,19 @@ def integer(name: str, value: Any, minimum: int | None = None, *, below: int | N
     return int(value)
 
 
+def parse_int(name: str, text: str, minimum: int | None = None, *, below: int | None = None,
+              error: type[FullbandError] = ConfigError) -> int:
+    """An integer written as text: what int() reads, in ASCII only (int() also reads other scripts' digits, and
+    str.isdigit() accepts '²', which int() refuses), within the range of `integer`."""
+    try:
+        value = int(text) if isinstance(text, str) and text.isascii() else None
+    except ValueError:
+        value = None
+    if value is None:
+        raise error(f"{name}={text!r} is not an integer; accepted: {_int_range(name, minimum, below)}")
+    return integer(name, value, minimum, below=below, error=error)
+
+
 _NUMPY_INTS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 
 

@@ -3,13 +3,11 @@ The train/val split hashes each document's identity (relative path, file + line,
 
 from __future__ import annotations
 
-import errno
 import glob
 import hashlib
 import itertools
 import json
 import os
-import stat
 import sysconfig
 import warnings
 from collections.abc import Iterator, Sequence
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fullband.errors import DataError, FullbandWarning, closest
+from fullband.files import file_kind
 
 SPLITS = ("train", "val")
 DEFAULT_EXTENSIONS = (
@@ -261,12 +260,12 @@ def _file_parts(spec: str, extensions: tuple[str, ...], text_field: str) -> list
         elif path.is_file():
             root, label, files = path.parent, "file", [path]
         elif path.exists() or path.is_symlink():
-            raise DataError(f"corpus path {spec!r} is not a regular file or folder ({_file_kind(path)}); "
+            raise DataError(f"corpus path {spec!r} is not a regular file or folder ({file_kind(path)}); "
                             f"accepted: {ACCEPTED}")
         elif any(c in spec for c in "*?["):
             root, label = _glob_root(spec), "glob"
             matched = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True)]
-            files = _regular_files([p for p in matched if not p.is_dir()], spec)
+            files = regular_files([p for p in matched if not p.is_dir()], spec)
             if not files:
                 raise DataError(f"corpus glob {spec!r} matches no files; accepted: {ACCEPTED}")
         else:
@@ -299,28 +298,13 @@ def _walk(root: Path, extensions: tuple[str, ...]) -> list[Path]:
     if unreadable:
         warnings.warn(f"corpus {str(root)!r}: skipped {len(unreadable)} folder(s) that cannot be read: "
                       f"{', '.join(unreadable[:5])}", FullbandWarning, stacklevel=4)
-    return _regular_files(found, str(root))
+    return regular_files(found, str(root))
 
 
-def _file_kind(path: Path) -> str:
-    """What a path that is not a regular file is: 'a FIFO', 'a dangling symlink', ..."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return "a dangling symlink" if path.is_symlink() else "missing"
-    except OSError as err:
-        return "a symlink loop" if err.errno == errno.ELOOP else f"unreadable: {err.strerror}"
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
-        if test(mode):
-            return name
-    return "not a regular file" if not stat.S_ISREG(mode) else "a regular file"
-
-
-def _regular_files(paths: list[Path], spec: str) -> list[Path]:
+def regular_files(paths: list[Path], spec: str) -> list[Path]:
     """The regular files among `paths` (symlinks to regular files included); the others (FIFOs, sockets, devices,
     dangling or looping symlinks) are skipped with one warning naming them: reading a FIFO would hang."""
-    kinds = [(path, _file_kind(path)) for path in paths]
+    kinds = [(path, file_kind(path)) for path in paths]
     kept = [path for path, kind in kinds if kind == "a regular file"]
     skipped = [f"{path.name} ({kind})" for path, kind in kinds if kind != "a regular file"]
     if skipped:

@@ -12,7 +12,7 @@ from typing import Any
 
 from fullband.data.corpus import _short_hash, resolve_corpus
 from fullband.errors import CheckpointError, InputError
-from fullband.files import Kind, atomic_folder, check_destination
+from fullband.files import Kind, atomic_folder, check_destination, parse_json, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 BYTE_TOKENIZER_FILE = "fullband_tokenizer.json"  # beside a transformers folder of ours: the byte tokenizer it was made from
@@ -329,13 +329,10 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
     path = Path(directory) / BYTE_TOKENIZER_FILE
     if not path.is_file():
         path = Path(directory) / TOKENIZER_FILE
-    if not path.exists():
+    if not (path.exists() or path.is_symlink()):
         return ByteTokenizer()
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is corrupted: {err}") from None
+    text = read_text(path, "the tokenizer", error=CheckpointError)
+    data = parse_json(text, f"{path} is corrupted", error=CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a JSON {type(data).__name__}; accepted: a tokenizer JSON object")
     if "fullband_tokenizer" in data:
@@ -350,11 +347,13 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
     ids_path = Path(directory) / SPECIAL_IDS_FILE
     if ids_path.is_file():
         try:
-            ids = json.loads(ids_path.read_text())
+            ids = parse_json(read_text(ids_path, "the special ids", error=CheckpointError), str(ids_path),
+                             error=CheckpointError)
             special = (int(ids["bos_id"]), int(ids["eos_id"]), int(ids["pad_id"]))
             stops = tuple(int(i) for i in ids.get("stop_ids", ()))
             template_path = Path(directory) / CHAT_TEMPLATE_FILE
-            template = template_path.read_text(encoding="utf-8") if template_path.is_file() else None
+            template = read_text(template_path, "the chat template", error=CheckpointError) if \
+                template_path.is_file() else None
             return PretrainedTokenizer(_hf_tokenizers().Tokenizer.from_str(text), source=str(path), special_ids=special,
                                        stop_ids=stops, chat_template=template)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:

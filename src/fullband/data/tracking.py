@@ -98,6 +98,20 @@ def examples(task: str, n: int, *, min_length: int = 1, max_length: int, seed: i
     return [make_example(task, rng.randint(min_length, max_length), rng) for _ in range(n)]
 
 
+def longest_tokens(task: str, length: int) -> int:
+    """The most tokens an example of `length` steps takes in a byte vocabulary: BOS, the input (registers: a write
+    and up to 3 scratch symbols per step, then the register asked for), the query and the label."""
+    return 2 + (length * 5 + 1 if _task(task) == "registers" else length) + 1
+
+
+def check_fits(task: str, length: int, room: int, what: str) -> None:
+    """InputError, before any example is made, when examples of `length` steps cannot fit `room` positions."""
+    if longest_tokens(task, length) > room:
+        fits = max((n for n in range(1, room + 1) if longest_tokens(task, n) <= room), default=0)
+        raise InputError(f"{what}: {task} examples of {length:,} steps take up to {longest_tokens(task, length):,} "
+                         f"tokens, more than the {room} positions there are; accepted: at most {fits} steps")
+
+
 def length_sets(task: str, train_length: int, n: int, *, seed: int = 1) -> dict[int, list[Example]]:
     """Fixed-length test sets at L, 2L, 4L, 8L (L = train_length), from a seed the training data does not use."""
     return {m * train_length: examples(task, n, min_length=m * train_length, max_length=m * train_length,
@@ -124,19 +138,21 @@ VAL_EXAMPLES = 1_000
 def parse_spec(spec: str) -> tuple[str, int]:
     """'parity:32' -> ('parity', 32): the task and its longest training input (`data.corpus` of a tracking run)."""
     task, _, length = str(spec).partition(":")
-    if task not in TASKS or not length.isdigit() or int(length) < 1:
+    if task not in TASKS or not (length.isascii() and length.isdigit()) or int(length) < 1:
         raise InputError(f"tracking corpus {spec!r}; accepted: TASK:L with TASK one of {', '.join(TASKS)} and L >= 1 "
                          "the longest training input (e.g. 'parity:32')")
     return task, int(length)
 
 
-def training_sequences(spec: str, split: str, tokenizer):
+def training_sequences(spec: str, split: str, tokenizer, room: int | None = None):
     """The ChatSequences of a tracking corpus's split: BOS, the input and query, the label; the loss falls on the
     label only. Train: TRAIN_EXAMPLES with lengths uniform in [1, L]; val: VAL_EXAMPLES, another seed."""
     from fullband.data.chat.templates import IGNORE, ChatSequence
 
     task, length = parse_spec(spec)
     answer = dict(zip(labels(task), label_ids(tokenizer, task)))
+    if room is not None:
+        check_fits(task, length, room, f"tracking corpus {spec!r} (train.seq_len={room}: examples are packed whole)")
     n, seed = (TRAIN_EXAMPLES, 0) if split == "train" else (VAL_EXAMPLES, 7)
     for e in examples(task, n, max_length=length, seed=seed):
         ids = tokenizer.encode(e.text, bos=True) + [answer[e.label]]

@@ -24,6 +24,8 @@ from fullband.model.core import FeedbackModel
 from fullband.validate import integer
 
 
+MAX_EXAMPLES = 100_000  # eval tracking: examples per length (each length's set is made in memory)
+
 # ---------------------------------------------------------------------- inputs
 def load(checkpoint: str | Path) -> tuple[FeedbackModel, object]:
     """The model and tokenizer of any folder fullband writes (fullband.loader.load_model)."""
@@ -52,14 +54,30 @@ def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_perc
     from fullband.data.shards import tokenize_corpus
     from fullband.train.data import cache_root
 
-    run_json = checkpoint.parent / "run.json"
-    data = json.loads(run_json.read_text())["data"] if run_json.is_file() else {}
+    data = run_data(checkpoint)
     spec = corpus or data.get("corpus")
     if spec is None:
         raise ConfigError(f"{checkpoint} has no run.json beside it to name its corpus; pass --corpus")
     src = resolve_corpus(spec, text_field=data.get("text_field", "text"),
                          val_percent=val_percent or data.get("val_percent", 1.0))
     return tokenize_corpus(src, tokenizer, "val", cache_root(data.get("cache_dir", "")) / "tokens")
+
+
+def run_data(checkpoint: Path) -> dict:
+    """The [data] section of the run.json beside a checkpoint ({} for a folder without one); a damaged one is a
+    ConfigError that says so."""
+    from fullband.files import read_json_file
+
+    path = checkpoint.parent / "run.json"
+    if not (path.exists() or path.is_symlink()):
+        return {}
+    saved = read_json_file(path, "the run's settings beside the checkpoint", error=ConfigError)
+    data = saved.get("data", {}) if isinstance(saved, dict) else None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is damaged: no [data] section (it holds a JSON {type(saved).__name__}); pass "
+                          "--corpus (and --task / --train-length for tracking) or restore it from a checkpoint's "
+                          "trainer.json")
+    return data
 
 
 def window_batches(stream, seq_len: int, windows: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -226,13 +244,14 @@ def eval_tracking(checkpoint: str | Path, task: str | None = None, *, train_leng
                   progress: bool = True) -> dict:
     """Accuracy by input length (L, 2L, 4L, 8L) and decoding mode on a serial state-tracking task. The task and L
     default to the run's own (a `data.format = "tracking"` run, from its run.json)."""
-    from fullband.data.tracking import parse_spec
+    from fullband.data.tracking import TEST_MULTIPLES, check_fits, parse_spec
     from fullband.eval.tracking import DEFAULT_MODES, accuracy_table, tracking_figure, tracking_table
 
     checkpoint = Path(checkpoint)
     _check_counts(n=(n, 1), batch_size=(batch_size, 1))
-    run_json = checkpoint.parent / "run.json"
-    data = json.loads(run_json.read_text()).get("data", {}) if run_json.is_file() else {}
+    if n > MAX_EXAMPLES:
+        raise ConfigError(f"n={n:,} examples per length is too many to score; accepted: 1 <= n <= {MAX_EXAMPLES:,}")
+    data = run_data(checkpoint)
     if data.get("format") == "tracking":
         own_task, own_length = parse_spec(data["corpus"])
         task, train_length = task or own_task, train_length or own_length
@@ -243,6 +262,8 @@ def eval_tracking(checkpoint: str | Path, task: str | None = None, *, train_leng
     name = f"tracking_{task}"
     where = report.check_out(Path(out) if out else checkpoint / "eval", name)
     model, tok = load_any(checkpoint)
+    check_fits(task, TEST_MULTIPLES[-1] * train_length, model.config.max_seq_len,
+               f"--train-length {train_length} (tested up to {TEST_MULTIPLES[-1]}L, within max_seq_len)")
     result = {"checkpoint": str(checkpoint),
               **accuracy_table(model, tok, task, train_length, n=n, modes=modes or DEFAULT_MODES,
                                batch_size=batch_size, progress=progress)}

@@ -40,13 +40,16 @@ def check_out(out: str | Path, name: str) -> Path:
 
 
 def save_figure(fig, path: Path) -> None:
-    """A figure as PNG through a temporary file and a rename; the figure is closed."""
+    """A figure as PNG through a temporary file and a rename (a failure leaves neither); the figure is closed."""
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp")
-    with writing(path.parent, f"write {path.name}"):
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    plt().close(fig)
+    try:
+        with writing(path, f"write {path.name}"):
+            fig.savefig(tmp, dpi=120, format="png")
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt().close(fig)
 
 
 def write(out: Path, name: str, result: dict, fig=None) -> None:

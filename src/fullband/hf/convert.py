@@ -17,7 +17,7 @@ import torch
 
 from fullband.data.tokenizer import BYTE_TOKENIZER_FILE
 from fullband.errors import CheckpointError, ConfigError
-from fullband.files import Kind, atomic_folder, check_destination, read_json
+from fullband.files import Kind, atomic_folder, check_destination, read_json, read_json_file
 from fullband.folder import HF_INDEX_FILE, HF_MODEL_TYPE, is_transformers_folder, load_transformers_folder
 
 TARGETS = ("hf", "native")
@@ -36,12 +36,11 @@ HF_KIND = Kind("transformers fullband folder",
 def detect(src: str | Path) -> str:
     """The kind of checkpoint folder `src` is: 'native', 'hf' or 'llama'."""
     path = Path(src) / "config.json"
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):
         raise CheckpointError(f"{str(src)!r} is not a checkpoint folder: {path.name} is missing")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    data = read_json_file(path, "the config", error=CheckpointError)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}; accepted: a config object")
     if data.get("format") == "fullband":
         return "native"
     kind = {HF_MODEL_TYPE: "hf", "llama": "llama"}.get(data.get("model_type"))

@@ -8,6 +8,7 @@ plain one (DECISION: the warm-start then perturbs the Llama's input distribution
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from fullband.errors import ConfigError, FullbandError
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.model.fusion import embedding_rms
-from fullband.model.weights import lookup, named
+from fullband.model.weights import lookup, named, split
 
 # LlamaConfig field -> the value the native block computes
 _REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
@@ -69,12 +70,42 @@ def config_from_llama(hf_config: Any, *, fusion: str = "gated", max_seq_len: int
     return ModelConfig(**values)
 
 
+def check_llama_files(folder: Path, cfg: ModelConfig) -> None:
+    """The Llama tensors the weight table reads for `cfg`, against the shapes in the folder's safetensors headers
+    (no tensor is read): ConfigError naming the first that is missing or has another shape."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(file, "pt") as f:
+                shapes.update((k, tuple(f.get_slice(k).get_shape())) for k in f.keys())
+        except SafetensorError as err:
+            raise ConfigError(f"{file}: not a readable safetensors file ({err})") from None
+    if not shapes:
+        return  # weights in another format: transformers checks them as it loads
+    with torch.device("meta"):
+        native = FullbandLM(cfg)
+    for name, param in native.state_dict().items():
+        w, layer = lookup(name)
+        for source, part in zip((named(w, layer, n) for n in w.llama), split(w, param, cfg)):
+            got = shapes.get(source)
+            if got != tuple(part.shape):
+                raise ConfigError(f"{folder}: config.json implies {source} of shape {tuple(part.shape)}; the weights "
+                                  f"{'hold ' + str(got) if got else 'have no such tensor'}: config.json does not "
+                                  "describe these weights")
+
+
 @torch.no_grad()
 def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = None, **overrides: Any) -> FullbandLM:
     """A FullbandLM holding the weights of `model`: a LlamaForCausalLM instance or a local folder / hub id for
     `LlamaForCausalLM.from_pretrained`. In STANDARD mode it reproduces the Llama's logits."""
     tf = _transformers()
     if isinstance(model, str):
+        if Path(model).is_dir():  # a config that does not describe its weights: refused before its size is allocated
+            cfg = config_from_llama(tf.AutoConfig.from_pretrained(model), fusion=fusion, max_seq_len=max_seq_len,
+                                    **overrides)
+            check_llama_files(Path(model), cfg)
         model = tf.LlamaForCausalLM.from_pretrained(model, **dtype_kwarg(torch.float32))
     if not isinstance(model, tf.PreTrainedModel) or not hasattr(model, "config"):
         raise FullbandError(f"from_llama expects a LlamaForCausalLM or a path to one; got {type(model).__name__}")

@@ -16,7 +16,7 @@ import torch
 
 from fullband.folder import FILES_KEY, load_state, model_metadata, read_config_file, write_model_files
 from fullband.errors import CheckpointError
-from fullband.files import check_record, publish_folder, writing
+from fullband.files import check_record, parse_json, publish_folder, read_text, writing
 from fullband.train.parallel import Dist, barrier, is_fsdp, unwrap
 from fullband.version import __version__
 
@@ -105,16 +105,22 @@ def read_trainer_state(path: Path) -> dict:
     missing = [name for name in REQUIRED if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: missing {', '.join(missing)}")
-    try:
-        state = json.loads((path / TRAINER_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path / TRAINER_FILE} is corrupted: {err}") from None
+    file = path / TRAINER_FILE
+    state = parse_json(read_text(file, "the trainer state", error=CheckpointError), f"{file} is corrupted",
+                       error=CheckpointError)
     lacking = [k for k in TRAINER_KEYS if not isinstance(state, dict) or k not in state]
     if lacking:
-        raise CheckpointError(f"{path / TRAINER_FILE} is damaged: it lacks {', '.join(lacking)}; resume from an "
-                              f"earlier checkpoint of the run (--resume {path.parent}/step_NNNNNN)")
-    if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 0:
-        raise CheckpointError(f"{path / TRAINER_FILE}: step={state['step']!r} is invalid; accepted: an integer >= 0")
+        raise CheckpointError(f"{file} is damaged: it lacks {', '.join(lacking)}; resume from an earlier checkpoint "
+                              f"of the run (--resume {path.parent}/step_NNNNNN)")
+    for key in ("step", "tokens", "compute_tokens", "elapsed"):
+        value = state[key]
+        whole = key != "elapsed"
+        if isinstance(value, bool) or not isinstance(value, int if whole else int | float) or value < 0:
+            raise CheckpointError(f"{file}: {key}={value!r} is invalid; accepted: "
+                                  f"{'an integer' if whole else 'a number'} >= 0 (the file is damaged)")
+    if not isinstance(state["sampler"], dict):
+        raise CheckpointError(f"{file}: sampler={state['sampler']!r} is invalid; accepted: the sampler's state (an "
+                              "object); the file is damaged")
     return state
 
 

@@ -110,10 +110,11 @@ def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData
     packed = {}
     for split in ("train", "val"):
         if template is None:  # tracking: each example's label is its only target
-            sequences = training_sequences(spec, split, tokenizer)
+            sequences = training_sequences(spec, split, tokenizer, room=t.seq_len)
         else:
             sequences = (encode_chat(template, m) for m in chat_conversations(spec, split, data.val_percent))
-        packed[split] = pack_chats(sequences, t.seq_len, tokenizer.pad_id, too_long=data.chat_too_long)
+        what = f"the {split} split of {data.corpus!r}" + (f" (val_percent={data.val_percent})" if split == "val" else "")
+        packed[split] = pack_chats(sequences, t.seq_len, tokenizer.pad_id, too_long=data.chat_too_long, what=what)
         if d.main:
             print(f"chat data ({split}): {packed[split].describe()}", flush=True)
     sampler = ChatSampler(packed["train"], t.global_windows, t.micro_batch, t.seed, fused_prompts=data.fused_prompts,

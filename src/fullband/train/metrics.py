@@ -79,7 +79,7 @@ def _flatten(row: dict, prefix: str = "") -> dict[str, float]:
 
 def plot_metrics(metrics: Path, out: Path) -> Path | None:
     """Training loss per pass count (smoothed) and validation loss against tokens, as a PNG."""
-    from fullband.eval.report import plt as pyplot
+    from fullband.eval.report import plt as pyplot, save_figure
 
     try:
         plt = pyplot()
@@ -106,9 +106,7 @@ def plot_metrics(metrics: Path, out: Path) -> Path | None:
            title=f"{metrics.parent.name}: multi-pass training")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
 
 

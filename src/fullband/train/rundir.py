@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from fullband.errors import ConfigError
-from fullband.files import FolderLock, describe_entries, lock_folder, make_folder, replace_file, sweep_temps
+from fullband.files import FolderLock, describe_entries, lock_folder, make_folder, read_json_file, replace_file, sweep_temps
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
 
@@ -75,8 +75,8 @@ def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     if not saved_path.is_file():
         raise ConfigError(f"{str(run_dir)!r} has no {RUN_FILE}; it is not a fullband run directory")
     try:
-        saved = json.loads(saved_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        saved = read_json_file(saved_path, "the run's settings", error=ConfigError)
+    except ConfigError as err:
         raise ConfigError(f"{saved_path} is corrupted ({err}); it holds the run's settings: restore it from a "
                           f"checkpoint's trainer.json ('config') or start a new run") from None
     sections = [s.split(".")[0] for s in MUST_MATCH]

@@ -217,7 +217,8 @@ class Trainer:
                 if self.loggers:
                     self.loggers.log(row)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{stats.pass_losses[0]:.3f}", k=stats.k, tok_s=f"{tokens_per_step / dt:,.0f}")
+                    bar.set_postfix(loss=f"{stats.loss:.3f}", pass1=f"{stats.pass_losses[0]:.3f}", k=stats.k,
+                                    tok_s=f"{tokens_per_step / dt:,.0f}")  # loss: the objective, as metrics.jsonl
                     bar.update(1)
                 done = self.step == total
                 if (cfg.log.eval_every and self.step % cfg.log.eval_every == 0) or done:

@@ -96,6 +96,10 @@ class FeedbackAttention(nn.Module):
         self.attn = Attention(self.n_heads, Dh, Dh**-0.5, num_kv_heads=self.n_kv_heads,
                               cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
                               per_layer_sliding_window=self.window, prefix=f"{prefix}.attn")
+        backend = self.attn.attn_backend  # some (CPU_ATTN) accept any head size here and fail at the first request
+        if not backend.supports_head_size(Dh):
+            raise ValueError(f"head_dim={Dh} (d_model / n_heads) is not supported by vLLM's {backend.get_name()} "
+                             f"attention here; accepted: {', '.join(map(str, backend.get_supported_head_sizes()))}")
 
     def _load_qk_gain(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """The checkpoint's (n_heads + n_kv_heads, Dh) gains -> this rank's query heads and key heads."""

@@ -8,39 +8,40 @@ no vLLM import, so the rules are tested without vLLM."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
+from fullband.errors import InputError, closest
 from fullband.model.mode import DecodeMode
-from fullband.errors import InputError
 
 # modes a served model decodes in; "exact" (the token-by-token reference) is for tests, not a server
 SERVED_MODES = ("standard", "soft", "fused")
+KEYS = ("feedback_mode", "prefill_passes")  # the per-request keys fullband reads
 # a prompt is exact after as many passes as it has tokens: more passes than this are refused, not run
 MAX_PASSES = 2**20
 
 
 def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, has_feedback: bool = True,
                  max_passes: int = MAX_PASSES) -> DecodeMode:
-    """The DecodeMode a request asks for (its extra_args over the served default). Raises InputError naming
-    the key, the value seen and what is accepted."""
+    """The DecodeMode a request asks for (its extra_args over the served default), checked as DecodeMode checks a
+    mode for a model whose max_seq_len is `max_passes`. Raises InputError naming the key, the value seen and what
+    is accepted; a key that looks like a misspelling of ours is refused, others are left to other plugins."""
     args = dict(extra_args or {})
+    for key in args.keys() - set(KEYS):
+        if hint := closest(str(key), KEYS):
+            raise InputError(f"unknown request key {key!r}{hint}; fullband reads {', '.join(KEYS)}")
     name = args.get("feedback_mode", default.name)
     if not isinstance(name, str) or name not in SERVED_MODES:
         raise InputError(f"feedback_mode={name!r} is not a serving mode; accepted: {', '.join(SERVED_MODES)}")
-    passes = args.get("prefill_passes", default.prefill_passes if default.name == "fused" else 1)
+    passes = args.get("prefill_passes", default.prefill_passes if name == default.name == "fused" else 1)
     if "prefill_passes" in args and name != "fused":
         raise InputError(f"prefill_passes={passes!r} applies to feedback_mode='fused' only (the request asks for "
                          f"{name!r})")
-    if isinstance(passes, bool) or not isinstance(passes, int):
+    if isinstance(passes, str):  # DecodeMode reads "auto" (adaptive prefill): not served
         raise InputError(f"prefill_passes={passes!r} is invalid; accepted: an integer 0 <= prefill_passes <= "
                          f"{max_passes} (fused Jacobi passes over the prompt after the plain one)")
-    if not 0 <= passes <= max_passes:
-        raise InputError(f"prefill_passes={passes} is out of range; accepted: 0 <= prefill_passes <= {max_passes} "
-                         f"(a prompt is exact after as many passes as it has tokens)")
-    if name != "standard" and not has_feedback:
-        raise InputError(f"feedback_mode={name!r} needs feedback weights; this model has fusion='none' "
-                         "(accepted: 'standard')")
-    return DecodeMode(name, passes if name == "fused" else 1)
+    limits = SimpleNamespace(has_feedback=has_feedback, max_seq_len=max_passes)
+    return DecodeMode.of(name, passes, field="feedback_mode").check(limits)
 
 
 def served_default(feedback_mode: Any, prefill_passes: Any, *, has_feedback: bool) -> DecodeMode:

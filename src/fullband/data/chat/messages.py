@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fullband.errors import DataError
+from fullband.files import jsonl_values
 
 ROLES = ("system", "user", "assistant")
 
@@ -64,16 +65,5 @@ def as_message(m: Any, where: str) -> Message:
 
 
 def _numbered(path: Path) -> Iterator[tuple[str, Any]]:
-    """(file:line, object) of each non-blank JSON line of a file."""
-    try:
-        handle = path.open(encoding="utf-8-sig")
-    except OSError as err:
-        raise DataError(f"{path}: cannot be read: {err.strerror or err}") from None
-    with handle:
-        for lineno, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+    """(file:line, object) of each non-blank JSON line of a file (a regular UTF-8 file, read line by line)."""
+    return jsonl_values(path, "chat data", error=DataError)

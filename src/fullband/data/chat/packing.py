@@ -54,7 +54,8 @@ class PackedChat:
         return ", ".join(parts)
 
 
-def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, too_long: str = "drop") -> PackedChat:
+def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, too_long: str = "drop",
+               what: str = "the data") -> PackedChat:
     """Pack conversations in order into windows of `seq_len` positions: a conversation goes into the first of the
     last OPEN_WINDOWS windows with room for it, else it starts a new one. Longer ones are dropped, or
     (too_long="truncate") cut to one window (kept when a response token survives)."""
@@ -85,6 +86,8 @@ def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, 
         for part, new in zip(row, (ids, targets, fed)):
             part.extend(new)
         count += 1
+    if not rows and not dropped:
+        raise DataError(f"{what} holds no conversation")
     if not rows:
         raise DataError(f"no conversation fits a window of seq_len={seq_len} tokens ({dropped} dropped); raise "
                         "train.seq_len or set data.chat_too_long = \"truncate\"")

@@ -11,9 +11,13 @@ from typing import Any
 from fullband.data.chat.arithmetic import arithmetic_chats
 from fullband.data.chat.messages import Message, _numbered, check_messages
 from fullband.errors import DataError
+from fullband.data.corpus import regular_files
+from fullband.files import regular_file
+from fullband.validate import parse_int
 
 SYNTHETIC = "arithmetic"  # "arithmetic" or "arithmetic:N": arithmetic_chats(N, seed=0), generated in memory
 SYNTHETIC_SIZE = 20000
+SYNTHETIC_MAX = 10**6  # conversations of arithmetic:N (generated in memory, ~0.5 KB each)
 CHAT_ACCEPTED = "a .jsonl file, a folder or glob of .jsonl files, 'hf:<dataset>' with a 'messages' column, or " \
                 "'arithmetic[:N]' (the built-in synthetic set)"
 
@@ -39,9 +43,11 @@ def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
 
     name, _, count = spec.partition(":")
     if name == SYNTHETIC:
-        if count and not count.isdigit() or count == "0":
-            raise DataError(f"chat corpus {spec!r}: accepted 'arithmetic' or 'arithmetic:N' with N >= 1")
-        for i, obj in enumerate(arithmetic_chats(int(count) if count else SYNTHETIC_SIZE, seed=0)):
+        try:  # the set is generated in memory: a size far beyond any corpus is refused
+            n = parse_int("N", count, 1, below=SYNTHETIC_MAX + 1, error=DataError) if count else SYNTHETIC_SIZE
+        except DataError as err:
+            raise DataError(f"chat corpus {spec!r}: {err}") from None
+        for i, obj in enumerate(arithmetic_chats(n, seed=0)):
             yield f"{SYNTHETIC} conversation {i}", obj
         return
     if spec.startswith("hf:"):
@@ -52,12 +58,13 @@ def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
             yield f"{spec} row {i}", row
         return
     path = Path(spec).expanduser()
-    if path.is_dir():
-        files = sorted(path.rglob("*.jsonl"))
-    elif path.is_file():
-        files = [path]
+    if path.is_dir():  # a FIFO named like a .jsonl file is skipped (reading it would block), with a warning
+        files = regular_files(sorted(path.rglob("*.jsonl")), spec)
+    elif path.exists() or path.is_symlink():
+        files = [regular_file(path, "chat corpus", error=DataError)]
     elif any(c in spec for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
+        files = regular_files(sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True)
+                                      if not Path(p).is_dir()), spec)
     else:
         raise DataError(f"chat corpus not found: {spec!r}; accepted: {CHAT_ACCEPTED}")
     if not files:
