@@ -35,6 +35,8 @@ class Step:
     logits: Tensor  # (B, V) the logits it was sampled from
     finished: Tensor  # (B,) bool: the row had already emitted a stop token (its token here is filler)
     prefill_passes: int = 1  # Jacobi passes the prompt got (1 + fused passes; fewer than the cap under tol)
+    state: Tensor | None = None  # (B, D) the fed-back state of the position the logits came from: what the token
+    #                              reads when the mode feeds it (a rollout's record, fullband.rl.logprob)
 
 
 @dataclass
@@ -134,7 +136,7 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
            sampling: Sampling | None = None, stop_tokens: Sequence[int] | None = None, compile: bool = False,
            forced_tokens=None, prefill_passes: int | str | None = None, prefill_tol: float | None = None,
            max_prefill_passes: int | None = None, temperature: float | None = None, top_k: int | None = None,
-           top_p: float | None = None, seed: int | None = None) -> Iterator[Step]:
+           top_p: float | None = None, seed: int | None = None, grad: bool = False) -> Iterator[Step]:
     """Yield one Step per generated position of `prompts` (a list of token-id lists of any lengths, or a (B, T) /
     (T,) tensor) decoded by `model` (any FeedbackModel) in `mode`. Arguments are checked now, before the first step.
 
@@ -143,7 +145,8 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
     seed spell the same settings one by one. `compile=True` runs the decode step through torch.compile (the first
     call compiles for a while; later ones are faster than eager, on CPU mostly at batch 1). `forced_tokens`
     (B, max_new_tokens) feeds the given tokens instead of sampled ones (teacher forcing): each Step's logits then
-    score the forced token, exactly as decoding in `mode` would see it."""
+    score the forced token, exactly as decoding in `mode` would see it. `grad=True` keeps the autograd graph
+    (logits differentiable in the weights: the exact log-probability of a response, fullband.rl.logprob)."""
     if not isinstance(model, FeedbackModel):
         raise InputError(f"{type(model).__name__} is not a fullband model; fullband.generate / stream / score decode a "
                          "FeedbackModel: a FullbandLM, a model wrapped with fullband.hf.add_latent_feedback, or a "
@@ -167,7 +170,9 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
                              f"({ids.shape[0]}, {max_new_tokens}); got shape {tuple(forced.shape)}, dtype {forced.dtype}")
         if forced.numel() and (int(forced.min()) < 0 or int(forced.max()) >= cfg.vocab_size):
             raise InputError(f"forced_tokens hold ids outside 0 <= id < vocab_size={cfg.vocab_size}")
-    return _run(model, ids, lengths, longest, max_new_tokens, dm, sampler, stops, bool(compile), forced)
+    if grad and compile:
+        raise InputError("grad=True decodes eagerly; compile=True is for inference")
+    return _run(model, ids, lengths, longest, max_new_tokens, dm, sampler, stops, bool(compile), forced, bool(grad))
 
 
 def generate(model: FeedbackModel, prompts, max_new_tokens: int, **options) -> list[list[int]]:
@@ -188,7 +193,8 @@ def collect(steps: Iterator[Step]) -> list[list[int]]:
 
 
 def _run(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_new: int, mode: DecodeMode,
-         sampling: Sampling, stops: Tensor | None, compile: bool, forced: Tensor | None) -> Iterator[Step]:
+         sampling: Sampling, stops: Tensor | None, compile: bool, forced: Tensor | None,
+         grad: bool = False) -> Iterator[Step]:
     device = next(model.parameters()).device
     ids, lengths = ids.to(device), lengths.to(device)
     forced = None if forced is None else forced.to(device)
@@ -197,24 +203,29 @@ def _run(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_n
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.enable_grad() if grad else torch.inference_mode():
             state, out = prefill(model, ids, lengths, mode, room=max_new, longest=longest)
             rows = torch.arange(B, device=device)
             logits = model.head(out.top[rows, lengths - 1])  # (B, V)
             used = out.passes_used
             del out
+            if grad and not hasattr(state.cache, "fork"):
+                raise InputError(f"grad=True needs fullband's KV cache; {type(model).__name__} keeps another")
             stepper = make_stepper(model, state, compile=compile)
             finished = torch.zeros(B, dtype=torch.bool, device=device)
             stops = None if stops is None else stops.to(device)
             for s in range(max_new):
                 tokens = sampling(logits, generator) if forced is None else forced[:, s]
-                yield Step(tokens=tokens, logits=logits, finished=finished.clone(), prefill_passes=used)
+                yield Step(tokens=tokens, logits=logits, finished=finished.clone(), prefill_passes=used,
+                           state=state.state)
                 if stops is not None:
                     finished |= torch.isin(tokens, stops)
                     if bool(finished.all()):
                         return
                 if s == max_new - 1:
                     return
+                if grad:  # the step writes the cache in place: keep the tensors autograd saved as they were
+                    state.cache.fork()
                 logits = advance(model, state, tokens, feed=mode.feeds_state, stepper=stepper)
     finally:
         model.train(was_training)

@@ -46,6 +46,10 @@ class KVCache:
         keys = torch.arange(kv_len, device=positions.device)
         return (keys[None, :] <= positions[:, None])[:, None, None, :]
 
+    def fork(self) -> None:
+        """Fresh copies of every layer: a later write leaves the tensors an autograd graph saved untouched."""
+        self.k, self.v = [k.clone() for k in self.k], [v.clone() for v in self.v]
+
     def select(self, rows: Tensor) -> None:
         """Keep (and reorder, or repeat) the batch rows `rows` (R,): each layer becomes (R, max_len, H_kv, Dh)."""
         rows = rows.to(self.k[0].device)

@@ -203,14 +203,15 @@ class FeedbackModel(nn.Module):
 
     # ---------------------------------------------------------------- a prompt as a mode reads it
     def read(self, input_ids: Tensor, mode: DecodeMode, *, cache=None, plain_mask: Tensor | None = None,
-             return_logits: bool = False) -> ModelOutput:
+             return_logits: bool = False, each_pass: EachPass | None = None) -> ModelOutput:
         """Prompts input_ids (B, T) as `mode` reads them: EXACT runs the recurrence; the others min(mode.passes, T)
         Jacobi passes (STANDARD / SOFT one; a T-token prompt is exact after T passes, so more would recompute it
-        unchanged), FUSED with `tol` stopping early. A `cache` receives the keys and values."""
+        unchanged), FUSED with `tol` stopping early. A `cache` receives the keys and values; `each_pass` sees every
+        Jacobi pass (as in iterate)."""
         if mode.exact:
             return self.recurrent_forward(input_ids, plain_mask=plain_mask, cache=cache, return_logits=return_logits)
         return self(input_ids, passes=min(mode.passes, input_ids.shape[1]), plain_mask=plain_mask, cache=cache,
-                    tol=mode.tolerance, return_logits=return_logits)
+                    tol=mode.tolerance, return_logits=return_logits, each_pass=each_pass)
 
     # ---------------------------------------------------------------- checks
     def check_ids(self, input_ids: Tensor) -> None:

@@ -20,8 +20,8 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """RMSNorm over the last dim, in float32 when x is in a lower precision."""
-    if x.dtype == torch.float32:
+    """RMSNorm over the last dim, in float32 when x is in a lower precision (float64 stays float64)."""
+    if x.dtype in (torch.float32, torch.float64):
         return F.rms_norm(x, x.shape[-1:], weight, eps)
     w = None if weight is None else weight.float()
     return F.rms_norm(x.float(), x.shape[-1:], w, eps).to(x.dtype)

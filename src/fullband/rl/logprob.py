@@ -1,0 +1,187 @@
+"""The log-probability of sampled responses under latent feedback, three ways (docs/method.md, post-training).
+
+A response's probability depends on the states fed back while it was sampled, and each of those on everything
+sampled before it. log pi(y | x) and its gradient come from:
+
+- `exact`: the decode engine itself, teacher-forced with gradients (fullband.decode.stream(grad=True)): the
+  prompt read as the mode reads it, then one fed step per response token. Values and gradients exact;
+  sequential over the response.
+- `jacobi:K`: K Jacobi passes over prompt + response in parallel, the prompt kept as the mode read it (SOFT and
+  STANDARD: plain; FUSED k: its 1 + k passes). Equal to exact, values and gradients, once K >= the response
+  length (+ k for FUSED k): position t is exact after t passes of its own.
+- `replay`: one parallel pass fed the states recorded at sampling time (a Rollout's). Values exact; the gradient
+  is cut at the states (they are constants).
+
+Log-probabilities are of the model's own distribution (log_softmax of the logits, temperature 1), whatever the
+sampling settings were; each is the row's per-token value, 0 past the row's response."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fullband.decode.generate import stream
+from fullband.decode.sampling import Sampling
+from fullband.errors import InputError
+from fullband.model.core import FeedbackModel, shift_right
+from fullband.model.mode import DecodeMode
+from fullband.validate import parse_int
+
+RL_MODES = ("standard", "soft", "fused")  # EXACT reads its prompt without gradients: not a policy to train
+
+
+@dataclass
+class Rollout:
+    """Sampled responses and what sampling saw: prompts (B lists), responses (B lists, up to and including a stop
+    token), the engine's log-probability of each response token (B, R) and the state each one read (B, R, D), in
+    the mode they were sampled in."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    logprobs: Tensor
+    states: Tensor
+    mode: DecodeMode
+
+    @property
+    def mask(self) -> Tensor:
+        """(B, R) True on each row's response tokens."""
+        lengths = torch.tensor([len(r) for r in self.responses])
+        return torch.arange(self.logprobs.shape[1])[None, :] < lengths[:, None]
+
+
+def rl_mode(mode: str | DecodeMode) -> DecodeMode:
+    dm = DecodeMode.parse(mode) if isinstance(mode, str) else DecodeMode.of(mode)
+    if dm.name not in RL_MODES or dm.adaptive:
+        raise InputError(f"mode {dm.label!r} cannot be trained on-policy; accepted: standard, soft, fused:K")
+    return dm
+
+
+@torch.no_grad()
+def rollout(model: FeedbackModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+            mode: str | DecodeMode = "soft", sampling: Sampling | None = None,
+            stop_tokens: Sequence[int] | None = None) -> Rollout:
+    """Sample a response to each prompt with the decode engine, recording its log-probabilities and fed states."""
+    dm = rl_mode(mode)
+    tokens, logps, states, finished = [], [], [], []
+    for step in stream(model, prompts, max_new_tokens, mode=dm, sampling=sampling, stop_tokens=stop_tokens):
+        logp = log_softmax(step.logits)
+        tokens.append(step.tokens)
+        logps.append(logp.gather(1, step.tokens[:, None])[:, 0])
+        states.append(step.state)
+        finished.append(step.finished)
+    live = ~torch.stack(finished, 1).cpu()  # (B, R)
+    ids = torch.stack(tokens, 1).cpu()
+    responses = [row[keep].tolist() for row, keep in zip(ids, live)]
+    logprobs = torch.where(live, torch.stack(logps, 1).cpu(), 0.0)
+    return Rollout([list(map(int, p)) for p in prompts], responses, logprobs, torch.stack(states, 1), dm)
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    """Log-probabilities over the last dim, in float32 at least (float64 logits stay float64)."""
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
+def parse_path(path: str) -> tuple[str, int | None]:
+    """'exact' | 'replay' | 'jacobi:K' -> (name, K)."""
+    name, _, k = path.partition(":")
+    if name in ("exact", "replay") and not k:
+        return name, None
+    if name == "jacobi" and k:
+        return name, parse_int("jacobi passes K", k, 1, error=InputError)
+    raise InputError(f"logprob path {path!r} is unknown; accepted: exact, jacobi:K (K >= 1 passes), replay")
+
+
+def logprobs(model: FeedbackModel, r: Rollout, path: str = "exact") -> Tensor:
+    """(B, R) log pi(response token | everything before it) by `path`, differentiable in the model's weights."""
+    name, k = parse_path(path)
+    if name == "exact":
+        return _exact(model, r)
+    return _parallel(model, r, passes=k)
+
+
+def _exact(model: FeedbackModel, r: Rollout) -> Tensor:
+    R = r.logprobs.shape[1]
+    device = next(model.parameters()).device
+    forced = torch.nn.utils.rnn.pad_sequence([torch.tensor(y + [0] * (R - len(y))) for y in r.responses],
+                                             batch_first=True).to(device)
+    out = []
+    for s, step in enumerate(stream(model, r.prompts, R, mode=r.mode, forced_tokens=forced, grad=True)):
+        out.append(log_softmax(step.logits).gather(1, forced[:, s, None])[:, 0])
+    return torch.where(r.mask.to(device), torch.stack(out, 1), 0.0)
+
+
+def _sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompt + response right-padded (B, T), the prompt lengths (B,) and each row's prompt mask (B, T)."""
+    device = next(model.parameters()).device
+    rows = [p + y for p, y in zip(r.prompts, r.responses)]
+    T = max(map(len, rows))
+    ids = torch.tensor([row + [0] * (T - len(row)) for row in rows], device=device)
+    plen = torch.tensor([len(p) for p in r.prompts], device=device)
+    return ids, plen, torch.arange(T, device=device)[None, :] < plen[:, None]
+
+
+def _gather(model: FeedbackModel, r: Rollout, top: Tensor, plen: Tensor) -> Tensor:
+    """Each response token's log-probability from the final-norm outputs top (B, T, D): token at position q is
+    scored by the logits at q - 1."""
+    R = r.logprobs.shape[1]
+    B, T = top.shape[:2]
+    q = (plen[:, None] + torch.arange(R, device=top.device)[None, :]).clamp(max=T - 1)  # (B, R)
+    ids, _, _ = _sequences(model, r)
+    logits = model.head(top.gather(1, (q - 1)[..., None].expand(B, R, top.shape[-1])))
+    logp = log_softmax(logits).gather(2, ids.gather(1, q)[..., None])[..., 0]
+    return torch.where(r.mask.to(top.device), logp, 0.0)
+
+
+def _parallel(model: FeedbackModel, r: Rollout, passes: int | None) -> Tensor:
+    """jacobi:K (passes=K) or replay (passes None) over the whole sequences."""
+    ids, plen, prompt = _sequences(model, r)
+    dm = r.mode
+    if dm.name == "standard":  # nothing is fed: one plain pass is the exact reading
+        return _gather(model, r, model(ids, passes=1, return_logits=False).top, plen)
+    # the prompt read by one plain pass (SOFT, FUSED k=0) stays plain; FUSED k > 0 keeps only position 0 / BOS plain
+    plain_prompt = prompt if dm.fused_passes == 0 else None
+    if passes is None:
+        return _gather(model, r, _replay(model, r, ids, plen, prompt, plain_prompt), plen)
+    k = dm.fused_passes
+    frozen: list[Tensor] = []
+    # FUSED k: from pass 1 + k on, prompt positions keep reading what they read in pass 1 + k (their states stay as
+    # the mode read them); position t reads prev[t - 1], so prev is held for positions t - 1 < prompt length - 1
+    hold = torch.arange(ids.shape[1], device=ids.device)[None, :] < (plen - 1)[:, None]
+
+    def feed(j: int, state: Tensor, plain: Tensor) -> tuple[Tensor, Tensor]:
+        if j < k:
+            return state, plain
+        if j == k:
+            frozen.append(state)
+        return torch.where(hold[..., None], frozen[0], state), plain
+
+    out = model(ids, passes=passes, plain_mask=plain_prompt, feed=None if k == 0 else feed, return_logits=False)
+    return _gather(model, r, out.top, plen)
+
+
+def _replay(model: FeedbackModel, r: Rollout, ids: Tensor, plen: Tensor, prompt: Tensor,
+            plain_prompt: Tensor | None) -> Tensor:
+    """One pass: every position fed the state it read at sampling time -> final-norm outputs (B, T, D)."""
+    B, T = ids.shape
+    D = r.states.shape[-1]
+    fed = torch.zeros(B, T, D, dtype=r.states.dtype, device=ids.device)
+    if plain_prompt is None:  # FUSED: the prompt's last pass read the pass before it (recomputed: deterministic)
+        seen: list[Tensor] = []
+        prompt_ids = ids[:, : int(plen.max())]
+        with torch.no_grad():
+            model.read(prompt_ids, r.mode, each_pass=lambda j, state, top: seen.append(state))
+        if len(seen) > 1:
+            fed[:, : prompt_ids.shape[1]] = shift_right(seen[-2])
+    R = r.states.shape[1]
+    q = (plen[:, None] + torch.arange(R, device=ids.device)[None, :]).clamp(max=T - 1)
+    live = r.mask.to(ids.device)
+    rows = torch.arange(B, device=ids.device)[:, None].expand(B, R)
+    fed[rows[live], q[live]] = r.states.to(ids.device)[live]
+    plain = model.plain_of(ids, mask=plain_prompt)
+    e = model.embed_inputs(ids)
+    _, top = model.stack(model.pass_inputs(e, fed.detach(), plain))
+    return top
+
