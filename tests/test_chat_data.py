@@ -130,3 +130,26 @@ def test_final_answer_reads_the_last_answer_line():
     assert final_answer("Answer: 4\nAnswer: 5\nmore text") == "5"
     assert final_answer("no answer here") is None
     assert final_answer("Answer: ") is None
+
+
+def test_the_mixed_arithmetic_set_has_the_same_problems_at_three_lengths():
+    from fullband.data.chat.arithmetic import STYLES, arithmetic_chats, final_answer
+    from fullband.data.chat.sources import chat_conversations
+
+    plain = arithmetic_chats(300, seed=4)
+    assert plain == arithmetic_chats(300, seed=4, styles=("full",))  # the default set is unchanged
+    mixed = arithmetic_chats(300, seed=4, styles=STYLES)
+    lengths = {}
+    for a, b in zip(plain, mixed):
+        assert a["messages"][0] == b["messages"][0]  # the same question
+        answer = b["messages"][1]["content"]
+        assert final_answer(answer) == final_answer(a["messages"][1]["content"])
+        style = "direct" if answer.startswith("Answer: ") else "full" if answer == a["messages"][1]["content"] \
+            else "partial"
+        lengths.setdefault(style, []).append(len(answer))
+    mean = {s: sum(v) / len(v) for s, v in lengths.items()}
+    assert set(mean) == set(STYLES) and mean["direct"] < mean["partial"] < mean["full"], mean
+    assert min(len(v) for v in lengths.values()) > 60  # each style about a third
+    assert sum(1 for _ in chat_conversations("arithmetic-mixed:50", "train", 2.0)) >= 45
+    with pytest.raises(ValueError, match="accepted: a non-empty choice of full, partial, direct"):
+        arithmetic_chats(2, styles=("short",))

@@ -42,26 +42,41 @@ def _steps(rng, start: int, ops: int) -> tuple[str, list[str], int]:
     return ", then ".join(words), steps, value
 
 
-def arithmetic_chats(n: int, *, seed: int = 0, max_ops: int = 3, follow_up: float = 0.3) -> list[dict]:
-    """`n` conversations of word problems answered with worked steps and a final 'Answer: N' (a `follow_up`
-    share of them two turns long: the second question continues the first), deterministic from `seed`; each is
-    a {"messages": [...]} object as the chat JSONL holds it."""
+STYLES = ("full", "partial", "direct")  # every worked step; the last step only; the answer alone
+
+
+def _reply(style: str, steps: list[str], value: int, opening: list[str]) -> str:
+    shown = {"full": [*opening, *steps], "partial": steps[-1:], "direct": []}[style]
+    return " ".join([*shown, f"{ANSWER}{value}"])
+
+
+def arithmetic_chats(n: int, *, seed: int = 0, max_ops: int = 3, follow_up: float = 0.3,
+                     styles: Sequence[str] = ("full",)) -> list[dict]:
+    """`n` conversations of word problems answered with a final 'Answer: N' (a `follow_up` share of them two turns
+    long: the second question continues the first), deterministic from `seed`; each is a {"messages": [...]} object
+    as the chat JSONL holds it. Each reply is written in one of `styles` (STYLES: worked steps, the last step, the
+    answer alone), drawn per conversation by a generator of its own: the problems are the same whatever the styles,
+    so a mixed set holds the same kind of problem at several lengths."""
     import random
 
-    rng = random.Random(seed)
+    unknown = [s for s in styles if s not in STYLES]
+    if unknown or not styles:
+        raise ValueError(f"styles={tuple(styles)!r}; accepted: a non-empty choice of {', '.join(STYLES)}")
+    rng, style_rng = random.Random(seed), random.Random(f"{seed} styles")  # the problems do not depend on the styles
     out = []
     for _ in range(n):
         name, item = rng.choice(NAMES), rng.choice(ITEMS)
         start = rng.randint(1, 30)
         wording, steps, value = _steps(rng, start, rng.randint(1, max_ops))
+        style = style_rng.choice(list(styles))
         messages = [
             {"role": "user", "content": f"{name} has {start} {item}, {wording}. How many {item} does {name} have?"},
-            {"role": "assistant", "content": " ".join([f"{name} starts with {start}.", *steps, f"{ANSWER}{value}"])},
+            {"role": "assistant", "content": _reply(style, steps, value, [f"{name} starts with {start}."])},
         ]
         if rng.random() < follow_up:
             wording, steps, value = _steps(rng, value, rng.randint(1, max_ops))
             messages += [{"role": "user", "content": f"Then {name} {wording}. How many now?"},
-                         {"role": "assistant", "content": " ".join([*steps, f"{ANSWER}{value}"])}]
+                         {"role": "assistant", "content": _reply(style, steps, value, [])}]
         out.append({"messages": messages})
     return out
 

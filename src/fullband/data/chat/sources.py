@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fullband.data.chat.arithmetic import arithmetic_chats
+from fullband.data.chat.arithmetic import STYLES, arithmetic_chats
 from fullband.data.chat.messages import Message, _numbered, check_messages
 from fullband.errors import DataError
 from fullband.data.corpus import regular_files
@@ -16,10 +16,12 @@ from fullband.files import regular_file
 from fullband.validate import parse_int
 
 SYNTHETIC = "arithmetic"  # "arithmetic" or "arithmetic:N": arithmetic_chats(N, seed=0), generated in memory
+SYNTHETIC_MIXED = "arithmetic-mixed"  # the same problems, each reply worked fully, partly or not at all
 SYNTHETIC_SIZE = 20000
 SYNTHETIC_MAX = 10**6  # conversations of arithmetic:N (generated in memory, ~0.5 KB each)
-CHAT_ACCEPTED = "a .jsonl file, a folder or glob of .jsonl files, 'hf:<dataset>' with a 'messages' column, or " \
-                "'arithmetic[:N]' (the built-in synthetic set)"
+CHAT_ACCEPTED = ("a .jsonl file, a folder or glob of .jsonl files, 'hf:<dataset>' with a 'messages' column, or "
+                 "'arithmetic[:N]' / 'arithmetic-mixed[:N]' (the built-in synthetic set; -mixed: replies of three "
+                 "lengths)")
 
 
 def chat_conversations(spec: str | Sequence[str], split: str, val_percent: float) -> Iterator[list[Message]]:
@@ -42,13 +44,14 @@ def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
     import os
 
     name, _, count = spec.partition(":")
-    if name == SYNTHETIC:
+    if name in (SYNTHETIC, SYNTHETIC_MIXED):
         try:  # the set is generated in memory: a size far beyond any corpus is refused
             n = parse_int("N", count, 1, below=SYNTHETIC_MAX + 1, error=DataError) if count else SYNTHETIC_SIZE
         except DataError as err:
             raise DataError(f"chat corpus {spec!r}: {err}") from None
-        for i, obj in enumerate(arithmetic_chats(n, seed=0)):
-            yield f"{SYNTHETIC} conversation {i}", obj
+        styles = STYLES if name == SYNTHETIC_MIXED else ("full",)
+        for i, obj in enumerate(arithmetic_chats(n, seed=0, styles=styles)):
+            yield f"{name} conversation {i}", obj
         return
     if spec.startswith("hf:"):
         from fullband.data.corpus import _hf_part

@@ -1,0 +1,100 @@
+"""Policy-gradient pieces (fullband.rl.objective, rewards, step) against direct computations, and a micro run whose
+reward is trivially learnable."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from fullband.errors import ConfigError, DataError, InputError
+from fullband.rl.objective import group_advantages, policy_loss
+from fullband.rl.rewards import exact_answer, load_reward
+from fullband.rl.step import RLSettings, rl_step
+
+
+def test_advantages_are_standardised_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 3.0, 1.0, 2.0, 2.0])
+    got = group_advantages(rewards, 4)
+    for g in range(3):
+        r = rewards[4 * g: 4 * g + 4].tolist()
+        mean = sum(r) / 4
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / 3)  # the unbiased estimate, as torch.std
+        for i, x in enumerate(r):
+            assert got[4 * g + i] == pytest.approx((x - mean) / (std + 1e-6), abs=1e-6)
+    assert (got[4:8] == 0).all()  # equal rewards: nothing to learn from that group
+    with pytest.raises(InputError, match="G >= 2"):
+        group_advantages(rewards, 1)
+    with pytest.raises(InputError, match="G >= 2"):
+        group_advantages(rewards, 5)
+
+
+def test_the_clipped_token_level_loss_equals_a_direct_computation():
+    torch.manual_seed(0)
+    B, R = 4, 5
+    logp = torch.randn(B, R, requires_grad=True)
+    old = logp.detach() + 0.4 * torch.randn(B, R)
+    ref = logp.detach() + 0.3 * torch.randn(B, R)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    out = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, ref=ref, kl_coef=0.1)
+    total, clipped, n = 0.0, 0, 0
+    for b in range(B):
+        for t in range(R):
+            if not mask[b, t]:
+                continue
+            ratio = math.exp(float(logp[b, t].detach() - old[b, t]))
+            c = min(max(ratio, 0.8), 1.28)
+            d = float(ref[b, t] - logp[b, t].detach())
+            total += min(ratio * float(adv[b]), c * float(adv[b])) - 0.1 * (math.exp(d) - d - 1)
+            clipped += c != ratio
+            n += 1
+    assert float(out.loss.detach()) == pytest.approx(-total / n, rel=1e-5)
+    assert out.clip_fraction == pytest.approx(clipped / n) and 0 < out.clip_fraction < 1
+    out.loss.backward()
+    assert (logp.grad[~mask] == 0).all() and logp.grad[mask].abs().sum() > 0  # padding gets no gradient
+
+
+def test_the_built_in_reward_and_user_functions(tmp_path):
+    assert exact_answer("q", "so 3 + 4 = 7. Answer: 7", {"answer": 7}) == 1.0
+    assert exact_answer("q", "Answer: 8", {"answer": "7"}) == 0.0 and exact_answer("q", "7", {"answer": 7}) == 0.0
+    (tmp_path / "mine.py").write_text("def r(p, y, e): return len(y) / 10\n"
+                                      "def nan(p, y, e): return float('nan')\n"
+                                      "def boom(p, y, e): raise KeyError('answer')\n"
+                                      "def text(p, y, e): return 'yes'\n")
+    mine = str(tmp_path / "mine.py")
+    assert load_reward(f"{mine}:r")("p", "abcde", {}) == 0.5
+    with pytest.raises(DataError, match=r"returned nan; accepted: a finite number"):
+        load_reward(f"{mine}:nan")("p", "y", {})
+    with pytest.raises(DataError, match=r"raised KeyError: 'answer'"):
+        load_reward(f"{mine}:boom")("p", "y", {})
+    with pytest.raises(DataError, match=r"returned 'yes'"):
+        load_reward(f"{mine}:text")("p", "y", {})
+    with pytest.raises(ConfigError, match="has no function 'missing'"):
+        load_reward(f"{mine}:missing")
+    with pytest.raises(ConfigError, match="cannot import 'no_such_module_here'"):
+        load_reward("no_such_module_here:f")
+    with pytest.raises(ConfigError, match="accepted: answer, or 'module:function'"):
+        load_reward("answr")
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(InputError, match="rl.group=1 is invalid"):
+        RLSettings(group=1)
+    with pytest.raises(InputError, match="logprob path 'jacobi' is unknown"):
+        RLSettings(logprob="jacobi")
+
+
+@pytest.mark.parametrize("path", ["exact", "replay"])
+def test_a_trivially_learnable_reward_is_learned(path):
+    """Reward: the share of a reply's tokens that are id 3, of 16. From ~1/16 to > 0.9 within 20 steps."""
+    torch.manual_seed(0)
+    model = tiny_model(seed=1, vocab_size=16, bos_token_id=15)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
+    settings = RLSettings(mode="soft", group=8, max_new_tokens=3, logprob=path)
+    prompts = [[15, 4], [15, 7, 9], [15, 1], [15, 12, 2, 5]]
+    rewards = [rl_step(model, optimizer, prompts, lambda i, y: sum(t == 3 for t in y) / len(y), settings,
+                       seed=step)["reward"] for step in range(20)]
+    assert rewards[0] < 0.2 and min(rewards[-5:]) > 0.9, [round(r, 2) for r in rewards]
