@@ -70,6 +70,11 @@ def writes(args: list[str]) -> list[Path]:
         sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
         cfg = load_run_config(ROOT / args[1], sets)
         return [Path(cfg.log.run_dir) / f"step_{cfg.train.steps:06d}"]
+    if args[:1] == ["rl"] and "--resume" not in args:
+        from fullband.rl.run import load_rl_recipe
+
+        rl = load_rl_recipe(ROOT / args[1]).rl
+        return [Path(rl.run_dir) / f"step_{rl.steps:06d}"]
     return []
 
 
@@ -84,8 +89,9 @@ def test_every_checkpoint_the_readme_reads_is_written_before_it():
             assert Path(ref) in written, f"{text!r} reads {ref}, which no command before it writes; written: " \
                                          f"{sorted(map(str, written))}"
         written.update(writes(args))
-    init_from = re.search(r'init_from = "([^"]+)"', (ROOT / "configs" / "sft-tiny.toml").read_text()).group(1)
-    assert Path(init_from) in written, f"configs/sft-tiny.toml starts from {init_from}, which the README never writes"
+    for recipe in ("sft-tiny", "rl-tiny"):
+        init_from = re.search(r'init_from = "([^"]+)"', (ROOT / "configs" / f"{recipe}.toml").read_text()).group(1)
+        assert Path(init_from) in written, f"configs/{recipe}.toml starts from {init_from}, which no README step writes"
 
 
 SMALL = {  # small settings per command: what the walk-through appends (or, for the demo, runs instead)
@@ -100,6 +106,8 @@ SMALL = {  # small settings per command: what the walk-through appends (or, for 
     "eval stability": ["--windows", "2", "--seq-len", "16", "--ks", "1", "2", "3"],
     "eval chat": ["--limit", "3", "--max-new-tokens", "8"],
     "generate": ["--max-new-tokens", "8"],
+    "rl": ["--set", "rl.steps=2", "--set", "rl.eval_every=0", "--set", "rl.eval_prompts=2", "--set", "rl.group=2",
+           "--set", "rl.prompts_per_step=2", "--set", "rl.max_new_tokens=8", "--set", "rl.ckpt_every=2"],
 }
 
 
@@ -139,10 +147,10 @@ def test_the_readme_walk_through_runs_in_order(tmp_path, monkeypatch, corpus, ca
             continue
         if args[0] == "train" and "configs/small.toml" in args:
             continue  # its BPE tokenizer trains on the corpus: tests/test_data.py covers it
-        if args[0] == "train":  # a warm start from a README checkpoint: the small walk-through's
+        if args[0] in ("train", "rl"):  # a warm start from a README checkpoint: the small walk-through's
             found = re.search(r'init_from = "([^"]+)"', (tmp_path / args[1]).read_text())
             if found:
-                args += ["--set", f'train.init_from="{_latest(found.group(1))}"']
+                args += ["--set", f'{args[0]}.init_from="{_latest(found.group(1))}"']
         assert main(args) == 0, f"README step failed: {shlex.join(args)}"
         ran.append(args[0] if args[0] != "eval" else " ".join(args[:2]))
-    assert {"demo", "train", "eval chat", "doctor", "eval loss", "generate", "init", "convert"} <= set(ran), ran
+    assert {"demo", "train", "rl", "eval chat", "doctor", "eval loss", "generate", "init", "convert"} <= set(ran), ran

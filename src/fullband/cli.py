@@ -298,6 +298,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rl(args: argparse.Namespace) -> int:
+    """On-policy RL with verifiable rewards from a recipe's [rl] table; --resume continues a run exactly."""
+    from fullband.rl.run import load_rl_recipe, rl_train
+
+    run_dir = rl_train(load_rl_recipe(args.config, args.set), resume=args.resume)
+    print(f"done: {run_dir} (metrics.jsonl, rl.png, step_NNNNNN/)")
+    return 0
+
+
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from fullband.data.tokenizer import train_tokenizer_cli
 
@@ -454,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting (repeatable)")
     s.add_argument("--resume", metavar="DIR", help="a run directory (its latest checkpoint) or a step_NNNNNN folder")
     s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("rl", help="on-policy RL with verifiable rewards from a chat model (a recipe's [rl] table)")
+    s.add_argument("config", help="recipe TOML, e.g. configs/rl-tiny.toml")
+    s.add_argument("--set", action="append", metavar="rl.KEY=VALUE", help="override a setting (repeatable)")
+    s.add_argument("--resume", metavar="DIR", help="a run directory (its latest checkpoint) or a step_NNNNNN folder")
+    s.set_defaults(func=cmd_rl)
 
     t = sub.add_parser("tokenizer", help="tokenizers").add_subparsers(dest="tokenizer", required=True, metavar="CMD")
     s = t.add_parser("train", help="train a byte-level BPE (Hugging Face tokenizers) on a corpus")
@@ -624,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fit_threads(command: str) -> int | None:
     """Torch's threads to the free cores (fullband.machine), saying so once; -> the count to restore after."""
-    if command not in ("train", "generate", "chat", "eval", "bench", "demo", "reproduce"):  # the ones that compute
+    computing = ("train", "rl", "generate", "chat", "eval", "bench", "demo", "reproduce")
+    if command not in computing:
         return None
     import torch
 

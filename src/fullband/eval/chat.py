@@ -19,15 +19,16 @@ from fullband.model.mode import DecodeMode
 from fullband.errors import DataError
 
 
-def held_out_items(path: str | Path, *, limit: int | None = None,
-                   val_percent: float = 2.0) -> list[tuple[list[Message], str]]:
+def held_out_items(path: str | Path, *, limit: int | None = None, val_percent: float = 2.0,
+                   split: str = "val") -> list[tuple[list[Message], str]]:
     """(conversation up to its last assistant turn, that turn's reference answer) of each line of a chat JSONL file,
-    or of the held-out split (`val_percent`, by a hash of each conversation, as training splits it) of any other chat
-    corpus spec, e.g. 'arithmetic'; conversations whose last reply has no 'Answer: ...' line are refused."""
+    or of the held-out split (`val_percent`, by a hash of each conversation, as training splits it; `split`="train":
+    the other side) of any other chat corpus spec, e.g. 'arithmetic'; conversations whose last reply has no
+    'Answer: ...' line are refused."""
     from fullband.data.chat.sources import chat_conversations
 
     items = []
-    chats = read_chat_jsonl(path) if Path(path).is_file() else chat_conversations(str(path), "val", val_percent)
+    chats = read_chat_jsonl(path) if Path(path).is_file() else chat_conversations(str(path), split, val_percent)
     for i, messages in islice(enumerate(chats), limit):
         last = max(j for j, m in enumerate(messages) if m.role == "assistant")
         reference = final_answer(messages[last].content)

@@ -93,10 +93,10 @@ def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
 _UNSET = object()
 
 
-def resume_differences(saved: dict, now: dict) -> list[str]:
-    """'key: run has A, config has B' for every setting a resume needs equal (MUST_MATCH) that differs between two
+def resume_differences(saved: dict, now: dict, keys: tuple[str, ...] = MUST_MATCH) -> list[str]:
+    """'key: run has A, config has B' for every setting a resume needs equal (`keys`, dotted) that differs between two
     resolved run configs (as dicts)."""
-    return [d for key in MUST_MATCH for d in _differences(_get(saved, key), _get(now, key), key)]
+    return [d for key in keys for d in _differences(_get(saved, key), _get(now, key), key)]
 
 
 def _differences(a, b, key: str, path: str = "") -> list[str]:

@@ -1,0 +1,258 @@
+"""`fullband rl RECIPE.toml`: on-policy reinforcement learning with verifiable rewards from a chat model.
+
+A recipe's [rl] table (RLConfig, `--set rl.KEY=VALUE` overrides) names the starting model, the chat corpus (each
+conversation up to its last assistant turn is a prompt, that turn's final 'Answer: ...' the reference), the reward,
+the decoding mode, G and the log-probability path. Each step samples G responses to `prompts_per_step` prompts
+drawn by (seed, step), takes one policy-gradient step (fullband.rl.step) and logs a metrics.jsonl row; every
+`eval_every` steps the held-out prompts are answered greedily in the mode (fullband.eval.chat: exact match, reply
+length). Checkpoints hold the weights, the optimiser and the step: as everything random is a function of (seed,
+step), a resumed run (`--resume RUN_DIR`) computes what the uninterrupted one would have, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
+from fullband.errors import ConfigError, DataError
+from fullband.files import replace_file, writing
+from fullband.train import checkpoint as ckpt
+from fullband.train.metrics import METRICS_FILE
+from fullband.train.parallel import Dist
+from fullband.train.rundir import RUN_FILE, claim_run_dir, resume_checkpoint, resume_differences, resume_run_dir, \
+    truncate_metrics
+from fullband.validate import integer, number
+
+# settings a resumed run may change (how often it logs and evaluates); every other one must match run.json
+MAY_CHANGE = ("eval_every", "eval_prompts", "ckpt_every", "keep_last", "device")
+
+
+@dataclass
+class RLConfig:
+    init_from: str = ""  # the starting model: a model folder or checkpoint holding a chat tokenizer
+    data: str = "arithmetic"  # a chat corpus (as data.corpus for chat training); train / val split by hash
+    val_percent: float = 2.0
+    reward: str = "answer"  # "answer" (final 'Answer: ...' exact match) or "module:function" / "file.py:function"
+    mode: str = "soft"  # standard | soft | fused:K: how responses are sampled and scored
+    group: int = 8  # G: responses per prompt
+    prompts_per_step: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    logprob: str = "exact"  # exact | jacobi:K | replay (fullband.rl.logprob)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # > 0: a k3 KL penalty to the starting model
+    steps: int = 100
+    lr: float = 1e-5  # AdamW, no weight decay
+    seed: int = 0
+    eval_every: int = 25
+    eval_prompts: int = 64
+    ckpt_every: int = 25
+    keep_last: int = 3
+    run_dir: str = "runs/rl"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        from fullband.rl.logprob import parse_path, rl_mode
+
+        if not self.init_from:
+            raise ConfigError("rl.init_from is empty; accepted: the folder of a chat model (e.g. a step of "
+                              "`fullband train configs/sft-tiny.toml`)")
+        for name in ("group", "prompts_per_step", "max_new_tokens", "steps", "eval_prompts", "keep_last"):
+            integer(f"rl.{name}", getattr(self, name), 2 if name == "group" else 1)
+        for name in ("eval_every", "ckpt_every", "seed"):
+            integer(f"rl.{name}", getattr(self, name), 0)
+        number("rl.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
+        for name in ("temperature", "lr"):
+            number(f"rl.{name}", getattr(self, name), low=0, low_open=True)
+        for name in ("clip_low", "clip_high", "kl_coef"):
+            number(f"rl.{name}", getattr(self, name), low=0)
+        rl_mode(self.mode)
+        parse_path(self.logprob)
+
+
+@dataclass
+class RLRecipe:
+    rl: RLConfig = field(default_factory=RLConfig)
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def load_rl_recipe(path: str | Path, overrides: list[str] | None = None) -> RLRecipe:
+    path = Path(path)
+    data = apply_overrides(read_settings_file(path, "TOML" if path.suffix != ".json" else "JSON"), overrides)
+    try:
+        return from_dict(RLRecipe, data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+@dataclass
+class Items:
+    prompts: list[list[int]]
+    texts: list[str]  # each prompt's last user turn, as the reward reads it
+    answers: list[str]
+
+
+def _items(cfg: RLConfig, tokenizer, room: int) -> Items:
+    """The training prompts: the train split's conversations up to their last assistant turn, rendered."""
+    from fullband.data.chat.templates import chat_prompt, chat_template
+    from fullband.eval.chat import held_out_items
+
+    template = chat_template(tokenizer)
+    out = Items([], [], [])
+    for messages, answer in held_out_items(cfg.data, val_percent=cfg.val_percent, split="train"):
+        ids = chat_prompt(tokenizer, messages, template=template)
+        if len(ids) + cfg.max_new_tokens <= room:  # a prompt that leaves no room for the reply is left out
+            out.prompts.append(ids)
+            out.texts.append(messages[-1].content)
+            out.answers.append(answer)
+    if not out.prompts:
+        raise DataError(f"no training prompt of {cfg.data!r} leaves room for rl.max_new_tokens={cfg.max_new_tokens} "
+                        f"in max_seq_len={room}; lower rl.max_new_tokens")
+    return out
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % 2**63
+
+
+def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bool = True) -> Path:
+    """Run (or resume) the recipe; returns the run directory."""
+    from tqdm.auto import tqdm
+
+    from fullband.chat import check_chat_model
+    from fullband.data.tokenizer import load_tokenizer
+    from fullband.eval.chat import chat_eval, held_out_items
+    from fullband.loader import load_model
+    from fullband.model.mode import DecodeMode
+    from fullband.rl.rewards import load_reward
+    from fullband.rl.step import RLSettings, rl_step
+
+    cfg = recipe.rl
+    run_dir = resume_run_dir(Path(resume)) if resume is not None else Path(cfg.run_dir)
+    lock, created = claim_run_dir(run_dir, resume=resume is not None)
+    try:
+        # everything that can fail on the user's input, before the run directory is written to
+        d = Dist(device=torch.device(cfg.device))
+        model = load_model(cfg.init_from, device=d.device)
+        tokenizer = load_tokenizer(cfg.init_from)
+        check_chat_model(model, tokenizer)
+        reward = load_reward(cfg.reward)
+        train_items = _items(cfg, tokenizer, model.config.max_seq_len)
+        val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent)
+        settings = RLSettings(mode=cfg.mode, group=cfg.group, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, logprob=cfg.logprob, clip_low=cfg.clip_low,
+                              clip_high=cfg.clip_high, kl_coef=cfg.kl_coef)
+        reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        stops = list(tokenizer.stop_ids)
+        step, elapsed, tokens = 0, 0.0, 0
+        if resume is not None:
+            _check_resume(run_dir, recipe)
+            found = resume_checkpoint(Path(resume), run_dir)
+            if found is not None:
+                state = ckpt.load_checkpoint(found, model, optimizer, d=d)
+                step, elapsed, tokens = state["step"], state["elapsed"], state["tokens"]
+                print(f"resumed from {found} at step {step}", flush=True)
+            truncate_metrics(run_dir / METRICS_FILE, step)
+        else:
+            with writing(run_dir, "write the run's settings"):
+                replace_file(run_dir / RUN_FILE, json.dumps(recipe.to_dict(), indent=2) + "\n")
+        mode = DecodeMode.parse(cfg.mode)
+        bar = tqdm(total=cfg.steps, initial=step, desc="rl", disable=not progress, dynamic_ncols=True)
+
+        def score(items: Items, idx: list[int]):
+            def one(i: int, response: list[int]) -> float:
+                j = idx[i]
+                text = tokenizer.decode([t for t in response if t not in stops])
+                return reward(items.texts[j], text, {"answer": items.answers[j]})
+            return one
+
+        with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as log:
+            while step < cfg.steps:
+                t0 = time.perf_counter()
+                rng = random.Random(step_seed(cfg.seed, step))
+                idx = rng.sample(range(len(train_items.prompts)), min(cfg.prompts_per_step, len(train_items.prompts)))
+                row = rl_step(model, optimizer, [train_items.prompts[i] for i in idx], score(train_items, idx),
+                              settings, seed=step_seed(cfg.seed, step), stop_tokens=stops, reference=reference)
+                step += 1
+                elapsed += time.perf_counter() - t0
+                tokens += row["tokens"]
+                row = {"step": step, **row, "time": elapsed}
+                if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                    result = chat_eval(model, tokenizer, val_items, [mode], max_new_tokens=cfg.max_new_tokens,
+                                       progress=False)["rows"][0]
+                    row["eval"] = {"accuracy": result["accuracy"], "length": result["tokens"]}
+                    bar.write(f"step {step}: held-out accuracy {result['accuracy']:.3f}, reply length "
+                              f"{result['tokens']:.1f} tokens ({mode.label}, greedy)")
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                bar.set_postfix(reward=f"{row['reward']:.3f}", length=f"{row['length']:.1f}")
+                bar.update(1)
+                if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
+                    state = {"tokens": tokens, "compute_tokens": tokens, "elapsed": elapsed, "sampler": {},
+                             "config": recipe.to_dict()}
+                    ckpt.save_checkpoint(run_dir, step, model, optimizer, state, d=d, tokenizer=tokenizer,
+                                         keep_last=cfg.keep_last)
+        bar.close()
+        plot_rl(run_dir / METRICS_FILE, run_dir / "rl.png")
+        return run_dir
+    except BaseException:
+        if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        raise
+    finally:
+        lock.release()
+
+
+def plot_rl(metrics: Path, out: Path) -> Path | None:
+    """Reward and reply length per step (and the held-out accuracy where it was measured), as a PNG."""
+    from fullband.eval.report import plt, save_figure
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    fig, (top, bottom) = plt().subplots(2, 1, figsize=(8, 6), sharex=True)
+    steps = [r["step"] for r in rows]
+    top.plot(steps, [r["reward"] for r in rows], label="reward (sampled)", lw=1)
+    evals = [r for r in rows if "eval" in r]
+    if evals:
+        top.plot([r["step"] for r in evals], [r["eval"]["accuracy"] for r in evals], "o--",
+                 label="held-out exact match (greedy)")
+    top.set(ylabel="reward / accuracy")
+    top.legend(fontsize=8)
+    bottom.plot(steps, [r["length"] for r in rows], label="sampled replies", lw=1)
+    if evals:
+        bottom.plot([r["step"] for r in evals], [r["eval"]["length"] for r in evals], "o--", label="held-out (greedy)")
+    bottom.set(xlabel="step", ylabel="reply length (tokens)")
+    bottom.legend(fontsize=8)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    save_figure(fig, out)
+    return out
+
+
+def _check_resume(run_dir: Path, recipe: RLRecipe) -> None:
+    """Refuse a resume whose settings differ from run.json's in anything but MAY_CHANGE."""
+    from fullband.files import read_json_file
+
+    saved_file = run_dir / RUN_FILE
+    if not saved_file.is_file():
+        return
+    saved = read_json_file(saved_file, "the run's settings", error=ConfigError)
+    now = recipe.to_dict()
+    for key in MAY_CHANGE:
+        saved.get("rl", {}).pop(key, None)
+        now["rl"].pop(key, None)
+    diffs = resume_differences(saved, now, ("rl",))
+    if diffs:
+        raise ConfigError(f"--resume {run_dir}: the settings differ from the run's ({'; '.join(diffs[:4])}); resume "
+                          f"with the run's own settings, or start a new run (rl.run_dir)")

@@ -1,0 +1,104 @@
+"""`fullband rl`: a run end to end, a resume after SIGKILL that equals the uninterrupted run bit for bit, and
+one-line errors for bad recipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_model
+from fullband import ByteTokenizer
+
+CLI = [sys.executable, "-m", "fullband.cli"]
+RECIPE = """[rl]
+init_from = "{model}"
+data = "arithmetic:300"
+group = 2
+prompts_per_step = 2
+max_new_tokens = 8
+steps = {steps}
+eval_every = 3
+eval_prompts = 4
+ckpt_every = 2
+run_dir = "{run}"
+lr = 1e-3
+reward = "{reward}"
+"""
+# a learnable reward: the share of reply characters that are digits
+REWARD = "def digits(prompt, response, example):\n    return sum(c.isdigit() for c in response) / max(1, len(response))\n"
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    chat = ByteTokenizer(chat=True)
+    return tiny_model(vocab_size=chat.vocab_size, max_seq_len=256).save(tmp_path_factory.mktemp("rl") / "m",
+                                                                        tokenizer=chat)
+
+
+def recipe(tmp_path: Path, model: Path, run_dir: str, *, steps: int = 6) -> Path:
+    (tmp_path / "reward.py").write_text(REWARD)
+    path = tmp_path / f"{run_dir}.toml"
+    path.write_text(RECIPE.format(model=model, steps=steps, run=tmp_path / run_dir,
+                                  reward=f"{tmp_path / 'reward.py'}:digits"))
+    return path
+
+
+def test_a_run_logs_evaluates_checkpoints_and_plots(tmp_path, model):
+    done = run("rl", str(recipe(tmp_path, model, "a")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(0 <= r["reward"] <= 1 and 1 <= r["length"] <= 8 and r["tokens"] > 0 for r in rows)
+    assert [r["step"] for r in rows if "eval" in r] == [3, 6] and "held-out accuracy" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["metrics.jsonl", "rl.png", "run.json",
+                                                                   "step_000002", "step_000004", "step_000006"]
+    assert run("doctor", str(tmp_path / "a" / "step_000006")).returncode == 0  # a checkpoint like train's
+
+
+def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
+    assert run("rl", str(recipe(tmp_path, model, "whole"))).returncode == 0
+    config = recipe(tmp_path, model, "cut")
+    proc = subprocess.Popen([*CLI, "rl", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "cut" / "step_000002").is_dir() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    done = run("rl", str(config), "--resume", str(tmp_path / "cut"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = (load_file(tmp_path / name / "step_000006" / "model.safetensors") for name in ("whole", "cut"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [(tmp_path / name / "metrics.jsonl").read_text().splitlines() for name in ("whole", "cut")]
+    strip = [[{k: v for k, v in json.loads(line).items() if k not in ("seconds", "time")} for line in r] for r in rows]
+    assert strip[0] == strip[1]
+
+
+@pytest.mark.parametrize("override,words", [
+    ("rl.group=1", "rl.group=1 is invalid"),
+    ("rl.logprob='jacobi'", "logprob path 'jacobi' is unknown"),
+    ("rl.reward='no_such_module:f'", "cannot import 'no_such_module'"),
+    ("rl.max_new_tokens=250", "leaves room for rl.max_new_tokens=250"),
+    ("rl.mode='exact'", "cannot be trained on-policy"),
+    ("rl.grup=2", "unknown key 'rl.grup' (did you mean 'group'?)"),
+])
+def test_bad_recipes_are_one_line(tmp_path, model, override, words):
+    done = run("rl", str(recipe(tmp_path, model, "bad")), "--set", override)
+    lines = [line for line in done.stderr.strip().splitlines() if "cores are busy" not in line]
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-2000:]
+    assert words in lines[0], lines[0]
+    assert not (tmp_path / "bad").exists()  # nothing of the run was written
