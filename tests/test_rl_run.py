@@ -95,6 +95,7 @@ def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
     ("rl.max_new_tokens=250", "leaves room for rl.max_new_tokens=250"),
     ("rl.mode='exact'", "cannot be trained on-policy"),
     ("rl.grup=2", "unknown key 'rl.grup' (did you mean 'group'?)"),
+    ("rl.device='tpu'", "rl.device='tpu' is invalid; accepted: 'cpu', 'cuda' or 'cuda:N'"),
 ])
 def test_bad_recipes_are_one_line(tmp_path, model, override, words):
     done = run("rl", str(recipe(tmp_path, model, "bad")), "--set", override)

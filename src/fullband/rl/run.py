@@ -75,6 +75,8 @@ class RLConfig:
             number(f"rl.{name}", getattr(self, name), low=0)
         rl_mode(self.mode)
         parse_path(self.logprob)
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"rl.device={self.device!r} is invalid; accepted: 'cpu', 'cuda' or 'cuda:N'")
 
 
 @dataclass
