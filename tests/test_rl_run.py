@@ -61,9 +61,9 @@ def test_a_run_logs_evaluates_checkpoints_and_plots(tmp_path, model):
     done = run("rl", str(recipe(tmp_path, model, "a")))
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert all(0 <= r["reward"] <= 1 and 1 <= r["length"] <= 8 and r["tokens"] > 0 for r in rows)
-    assert [r["step"] for r in rows if "eval" in r] == [3, 6] and "held-out accuracy" in done.stdout
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # step 0: the starting model, evaluated
+    assert all(0 <= r["reward"] <= 1 and 1 <= r["length"] <= 8 and r["tokens"] > 0 for r in rows[1:])
+    assert [r["step"] for r in rows if "eval" in r] == [0, 3, 6] and "held-out accuracy" in done.stdout
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["metrics.jsonl", "rl.png", "run.json",
                                                                    "step_000002", "step_000004", "step_000006"]
     assert run("doctor", str(tmp_path / "a" / "step_000006")).returncode == 0  # a checkpoint like train's

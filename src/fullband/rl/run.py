@@ -164,7 +164,7 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
                 state = ckpt.load_checkpoint(found, model, optimizer, d=d)
                 step, elapsed, tokens = state["step"], state["elapsed"], state["tokens"]
                 print(f"resumed from {found} at step {step}", flush=True)
-            truncate_metrics(run_dir / METRICS_FILE, step)
+            truncate_metrics(run_dir / METRICS_FILE, step if step else -1)  # from step 0: its evaluation again
         else:
             with writing(run_dir, "write the run's settings"):
                 replace_file(run_dir / RUN_FILE, json.dumps(recipe.to_dict(), indent=2) + "\n")
@@ -178,7 +178,18 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
                 return reward(items.texts[j], text, {"answer": items.answers[j]})
             return one
 
+        def evaluate(row: dict) -> None:
+            result = chat_eval(model, tokenizer, val_items, [mode], max_new_tokens=cfg.max_new_tokens,
+                               progress=False)["rows"][0]
+            row["eval"] = {"accuracy": result["accuracy"], "length": result["tokens"]}
+            bar.write(f"step {row['step']}: held-out accuracy {result['accuracy']:.3f}, reply length "
+                      f"{result['tokens']:.1f} tokens ({mode.label}, greedy)")
+
         with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as log:
+            if step == 0 and cfg.eval_every:  # the starting model, for the curve to start from
+                row = {"step": 0}
+                evaluate(row)
+                log.write(json.dumps(row) + "\n")
             while step < cfg.steps:
                 t0 = time.perf_counter()
                 rng = random.Random(step_seed(cfg.seed, step))
@@ -190,11 +201,7 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
                 tokens += row["tokens"]
                 row = {"step": step, **row, "time": elapsed}
                 if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                    result = chat_eval(model, tokenizer, val_items, [mode], max_new_tokens=cfg.max_new_tokens,
-                                       progress=False)["rows"][0]
-                    row["eval"] = {"accuracy": result["accuracy"], "length": result["tokens"]}
-                    bar.write(f"step {step}: held-out accuracy {result['accuracy']:.3f}, reply length "
-                              f"{result['tokens']:.1f} tokens ({mode.label}, greedy)")
+                    evaluate(row)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 bar.set_postfix(reward=f"{row['reward']:.3f}", length=f"{row['length']:.1f}")
@@ -223,15 +230,16 @@ def plot_rl(metrics: Path, out: Path) -> Path | None:
     if not rows:
         return None
     fig, (top, bottom) = plt().subplots(2, 1, figsize=(8, 6), sharex=True)
-    steps = [r["step"] for r in rows]
-    top.plot(steps, [r["reward"] for r in rows], label="reward (sampled)", lw=1)
+    sampled = [r for r in rows if "reward" in r]  # step 0: the starting model's evaluation only
+    steps = [r["step"] for r in sampled]
+    top.plot(steps, [r["reward"] for r in sampled], label="reward (sampled)", lw=1)
     evals = [r for r in rows if "eval" in r]
     if evals:
         top.plot([r["step"] for r in evals], [r["eval"]["accuracy"] for r in evals], "o--",
                  label="held-out exact match (greedy)")
     top.set(ylabel="reward / accuracy")
     top.legend(fontsize=8)
-    bottom.plot(steps, [r["length"] for r in rows], label="sampled replies", lw=1)
+    bottom.plot(steps, [r["length"] for r in sampled], label="sampled replies", lw=1)
     if evals:
         bottom.plot([r["step"] for r in evals], [r["eval"]["length"] for r in evals], "o--", label="held-out (greedy)")
     bottom.set(xlabel="step", ylabel="reply length (tokens)")
