@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--prompt-chars", type=int, default=48)
     p.add_argument("--new", type=int, default=32, help="response tokens sampled per prompt")
     p.add_argument("--modes", nargs="+", default=["soft", "fused:2"])
-    p.add_argument("--paths", nargs="+", default=["jacobi:1", "jacobi:2", "jacobi:3", "jacobi:8", "jacobi:34",
+    p.add_argument("--paths", nargs="+", default=["exact", "jacobi:1", "jacobi:2", "jacobi:3", "jacobi:8", "jacobi:34",
                                                     "replay"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
