@@ -34,7 +34,8 @@ lr = 1e-3
 reward = "{reward}"
 """
 # a learnable reward: the share of reply characters that are digits
-REWARD = "def digits(prompt, response, example):\n    return sum(c.isdigit() for c in response) / max(1, len(response))\n"
+REWARD = ("def digits(prompt, response, example):\n"
+          "    return sum(c.isdigit() for c in response) / max(1, len(response))\n")
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -84,7 +85,8 @@ def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
     a, b = (load_file(tmp_path / name / "step_000006" / "model.safetensors") for name in ("whole", "cut"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [(tmp_path / name / "metrics.jsonl").read_text().splitlines() for name in ("whole", "cut")]
-    strip = [[{k: v for k, v in json.loads(line).items() if k not in ("seconds", "time")} for line in r] for r in rows]
+    timing = ("seconds", "time", "tok_per_s")
+    strip = [[{k: v for k, v in json.loads(line).items() if k not in timing} for line in r] for r in rows]
     assert strip[0] == strip[1]
 
 

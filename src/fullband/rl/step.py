@@ -63,4 +63,4 @@ def rl_step(model: FeedbackModel, optimizer: torch.optim.Optimizer, prompts: Seq
     return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "length": float(lengths.mean()),
             "loss": float(out.loss.detach()), "kl": out.kl, "clip_fraction": out.clip_fraction,
             "logprob_error": float((logp.detach() - r.logprobs.to(logp.device)).abs()[mask].mean()),
-            "tokens": int(mask.sum()), "seconds": time.perf_counter() - t0}
+            "tokens": int(mask.sum()), "seconds": (dt := time.perf_counter() - t0), "tok_per_s": int(mask.sum()) / dt}
