@@ -5,6 +5,8 @@ memory, nothing prints a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -16,15 +18,30 @@ import pytest
 
 from conftest import tiny_model
 from fullband import ByteTokenizer
+from fullband.cli import main
 
 CLI = [sys.executable, "-m", "fullband.cli"]
 CHAT = {"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "Answer: 4"}]}
 
 
-def run(*args: str, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """The CLI in a child process, bounded in time: a hang fails the test instead of blocking the suite."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+def run(*args: str, timeout: float = 60, child: bool = False) -> subprocess.CompletedProcess:
+    """The CLI in this process (its exit status and what it printed), or with child=True in a child process bounded
+    in time, for the cases that once hung (FIFOs): a hang then fails the test instead of blocking the suite."""
+    if child:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return in_process(main, list(args))
+
+
+def in_process(entry, argv: list[str]) -> subprocess.CompletedProcess:
+    """entry(argv) with stdout and stderr captured; SystemExit (argparse, sys.exit) read as the exit status."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = entry(argv)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
@@ -53,13 +70,14 @@ def chats(tmp_path) -> Path:
 def test_a_fifo_given_as_chat_data_is_refused(tmp_path, ckpt):
     os.mkfifo(tmp_path / "chats.jsonl")
     one_line_error(run("eval", "chat", "--checkpoint", str(ckpt), "--data", str(tmp_path / "chats.jsonl"),
-                       "--out", str(tmp_path / "out")), "is a FIFO, not a regular file")
+                       "--out", str(tmp_path / "out"), child=True), "is a FIFO, not a regular file")
 
 
 def test_a_fifo_named_like_an_output_is_refused_before_the_work(tmp_path, ckpt, chats):
     (tmp_path / "out").mkdir()
     os.mkfifo(tmp_path / "out" / "chat.json")
-    one_line_error(run("eval", "chat", "--checkpoint", str(ckpt), "--data", str(chats), "--out", str(tmp_path / "out")),
+    one_line_error(run("eval", "chat", "--checkpoint", str(ckpt), "--data", str(chats), "--out", str(tmp_path / "out"),
+                       child=True),
                    "chat.json", "not written by fullband eval")
 
 
@@ -116,7 +134,7 @@ def test_a_hostile_config_json_is_one_line_at_once(tmp_path, make, words, comman
     args = {"doctor": [str(folder)], "convert": [str(folder), str(tmp_path / "out")],
             "generate": ["--checkpoint", str(folder), "--prompt", "x"],
             "init": ["--config", "tiny", "--out", str(folder), "--overwrite"]}[command]
-    done = run(command, *args, timeout=60)
+    done = run(command, *args, timeout=60, child=make is os.mkfifo)
     if command == "doctor":  # doctor reports findings: a FAIL line and exit status 1, never a hang or a traceback
         assert done.returncode == 1 and "Traceback" not in done.stderr and "FAIL" in done.stdout, done.stdout
         assert any(w in done.stdout for w in words), done.stdout
@@ -148,7 +166,7 @@ def test_a_destination_that_is_a_symlink_loop_is_one_line(tmp_path):
 
 def test_json_output_onto_a_fifo_is_refused(tmp_path, ckpt):
     os.mkfifo(tmp_path / "out.json")
-    one_line_error(run("doctor", str(ckpt), "--json", str(tmp_path / "out.json")), "out.json")
+    one_line_error(run("doctor", str(ckpt), "--json", str(tmp_path / "out.json"), child=True), "out.json")
 
 
 # ---------------------------------------------------------------------- hostile sizes
@@ -213,6 +231,9 @@ def test_a_numpy_seed_is_accepted():
 
 def test_lmeval_cli_errors_are_one_line(ckpt, tmp_path):
     pytest.importorskip("lm_eval")
+    from unittest import mock
+
+    from fullband.lmeval import main as lmeval_main
     (tmp_path / "t.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')
     (tmp_path / "fb_t.yaml").write_text(f"task: fb_t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                         f"    test: {tmp_path / 't.jsonl'}\ntest_split: test\noutput_type: "
@@ -223,9 +244,9 @@ def test_lmeval_cli_errors_are_one_line(ckpt, tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     for model_args, words in ((f"chekpoint={ckpt}", "unknown model arg 'chekpoint'"), ("mode=soft", "checkpoint=DIR"),
                               (f"checkpoint={truncated}", "model.safetensors")):
-        done = subprocess.run([sys.executable, "-m", "fullband.lmeval", "--model", "fullband", "--model_args",
-                               model_args, "--tasks", "fb_t", "--include_path", str(tmp_path)],
-                              capture_output=True, text=True, timeout=120)
+        argv = ["--model", "fullband", "--model_args", model_args, "--tasks", "fb_t", "--include_path", str(tmp_path)]
+        with mock.patch.object(sys, "argv", ["fullband.lmeval", *argv]):
+            done = in_process(lambda _: lmeval_main(), argv)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert words in done.stderr.strip().splitlines()[-1], done.stderr[-500:]
 
@@ -306,7 +327,7 @@ def test_a_llama_config_that_does_not_describe_its_weights_is_refused_before_all
 def test_output_into_a_full_device_names_the_device(tmp_path):
     folder = tiny_model().save(tmp_path / "m", tokenizer=ByteTokenizer())
     with open("/dev/full", "w") as full:
-        done = subprocess.run([*CLI, "generate", "--checkpoint", str(folder), "--prompt", "ab", "--max-new-tokens", "4"],
-                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+        done = subprocess.run([*CLI, "generate", "--checkpoint", str(folder), "--prompt", "ab", "--max-new-tokens",
+                               "4"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     one_line_error(done, "could not write the output: no space left on '/dev/full'")
