@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from fullband.errors import FullbandError, FullbandWarning, InputError
-from fullband.validate import DTYPES, dtype as _dtype_of
+from fullband.validate import DTYPES, ascii_int, dtype as _dtype_of
 
 
 def _dtype(name: str):
@@ -56,10 +56,7 @@ def _count(minimum: int, below: int | None = None, accepted: str | None = None):
     accepted = accepted or f"an integer >= {minimum}"
 
     def parse(text: str) -> int:
-        try:
-            value = int(text) if text.isascii() else None  # int() alone also reads other scripts' digits
-        except ValueError:
-            value = None
+        value = ascii_int(text)
         if value is None:
             raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}")
         if value < minimum or (below is not None and value >= below):

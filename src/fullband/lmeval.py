@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fullband.errors import ConfigError, DataError, FullbandError, closest
+from fullband.validate import ascii_int
 
 try:
     from lm_eval.api.model import LM
@@ -246,8 +247,8 @@ class FullbandHarnessLM(LM):
 
 def _int_arg(name: str, value: Any, minimum: int, accepted: str | None = None) -> int:
     """An integer model arg or generation setting (the harness passes ints, or strings from --model_args)."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
+    if isinstance(value, str) and (parsed := ascii_int(value.strip())) is not None:
+        value = parsed
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name}={value!r} is invalid; accepted: {accepted or f'an integer >= {minimum}'}")
     return value

@@ -20,14 +20,21 @@ def integer(name: str, value: Any, minimum: int | None = None, *, below: int | N
     return int(value)
 
 
+def ascii_int(text: Any) -> int | None:
+    """What int() reads from the string `text`, in ASCII only (int() also reads other scripts' digits, and
+    str.isdigit() accepts '²', which int() refuses); None for anything else."""
+    if not isinstance(text, str) or not text.isascii():
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
 def parse_int(name: str, text: str, minimum: int | None = None, *, below: int | None = None,
               error: type[FullbandError] = ConfigError) -> int:
-    """An integer written as text: what int() reads, in ASCII only (int() also reads other scripts' digits, and
-    str.isdigit() accepts '²', which int() refuses), within the range of `integer`."""
-    try:
-        value = int(text) if isinstance(text, str) and text.isascii() else None
-    except ValueError:
-        value = None
+    """An integer written as text (ascii_int), within the range of `integer`."""
+    value = ascii_int(text)
     if value is None:
         raise error(f"{name}={text!r} is not an integer; accepted: {_int_range(name, minimum, below)}")
     return integer(name, value, minimum, below=below, error=error)

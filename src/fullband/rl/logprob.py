@@ -113,38 +113,36 @@ def _exact(model: FeedbackModel, r: Rollout) -> Tensor:
     return torch.where(r.mask.to(device), torch.stack(out, 1), 0.0)
 
 
-def _sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor]:
-    """Prompt + response right-padded (B, T), the prompt lengths (B,) and each row's prompt mask (B, T)."""
+def _sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Prompt + response right-padded (B, T), the prompt lengths (B,), each row's prompt mask (B, T) and the
+    position of each response token (B, R; clamped into the row past its end)."""
     device = next(model.parameters()).device
     rows = [p + y for p, y in zip(r.prompts, r.responses)]
     T = max(map(len, rows))
     ids = torch.tensor([row + [0] * (T - len(row)) for row in rows], device=device)
     plen = torch.tensor([len(p) for p in r.prompts], device=device)
-    return ids, plen, torch.arange(T, device=device)[None, :] < plen[:, None]
+    at = (plen[:, None] + torch.arange(r.logprobs.shape[1], device=device)[None, :]).clamp(max=T - 1)
+    return ids, plen, torch.arange(T, device=device)[None, :] < plen[:, None], at
 
 
-def _gather(model: FeedbackModel, r: Rollout, top: Tensor, plen: Tensor) -> Tensor:
-    """Each response token's log-probability from the final-norm outputs top (B, T, D): token at position q is
+def _gather(model: FeedbackModel, r: Rollout, top: Tensor, ids: Tensor, at: Tensor) -> Tensor:
+    """Each response token's log-probability from the final-norm outputs top (B, T, D): the token at position q is
     scored by the logits at q - 1."""
-    R = r.logprobs.shape[1]
-    B, T = top.shape[:2]
-    q = (plen[:, None] + torch.arange(R, device=top.device)[None, :]).clamp(max=T - 1)  # (B, R)
-    ids, _, _ = _sequences(model, r)
-    logits = model.head(top.gather(1, (q - 1)[..., None].expand(B, R, top.shape[-1])))
-    logp = log_softmax(logits).gather(2, ids.gather(1, q)[..., None])[..., 0]
+    logits = model.head(top.gather(1, (at - 1)[..., None].expand(*at.shape, top.shape[-1])))
+    logp = log_softmax(logits).gather(2, ids.gather(1, at)[..., None])[..., 0]
     return torch.where(r.mask.to(top.device), logp, 0.0)
 
 
 def _parallel(model: FeedbackModel, r: Rollout, passes: int | None) -> Tensor:
     """jacobi:K (passes=K) or replay (passes None) over the whole sequences."""
-    ids, plen, prompt = _sequences(model, r)
+    ids, plen, prompt, at = _sequences(model, r)
     dm = r.mode
-    if dm.name == "standard":  # nothing is fed: one plain pass is the exact reading
-        return _gather(model, r, model(ids, passes=1, return_logits=False).top, plen)
+    if not dm.feeds_state:  # STANDARD: nothing is fed, one plain pass is the exact reading
+        return _gather(model, r, model(ids, passes=1, return_logits=False).top, ids, at)
     # the prompt read by one plain pass (SOFT, FUSED k=0) stays plain; FUSED k > 0 keeps only position 0 / BOS plain
-    plain_prompt = prompt if dm.fused_passes == 0 else None
+    plain_prompt = prompt if dm.passes == 1 else None
     if passes is None:
-        return _gather(model, r, _replay(model, r, ids, plen, prompt, plain_prompt), plen)
+        return _gather(model, r, _replay(model, r, ids, plen, at, plain_prompt), ids, at)
     k = dm.fused_passes
     frozen: list[Tensor] = []
     # FUSED k: from pass 1 + k on, prompt positions keep reading what they read in pass 1 + k (their states stay as
@@ -159,29 +157,28 @@ def _parallel(model: FeedbackModel, r: Rollout, passes: int | None) -> Tensor:
         return torch.where(hold[..., None], frozen[0], state), plain
 
     out = model(ids, passes=passes, plain_mask=plain_prompt, feed=None if k == 0 else feed, return_logits=False)
-    return _gather(model, r, out.top, plen)
+    return _gather(model, r, out.top, ids, at)
 
 
-def _replay(model: FeedbackModel, r: Rollout, ids: Tensor, plen: Tensor, prompt: Tensor,
+def _replay(model: FeedbackModel, r: Rollout, ids: Tensor, plen: Tensor, at: Tensor,
             plain_prompt: Tensor | None) -> Tensor:
     """One pass: every position fed the state it read at sampling time -> final-norm outputs (B, T, D)."""
     B, T = ids.shape
-    D = r.states.shape[-1]
-    fed = torch.zeros(B, T, D, dtype=r.states.dtype, device=ids.device)
+    fed = torch.zeros(B, T, r.states.shape[-1], dtype=r.states.dtype, device=ids.device)
     if plain_prompt is None:  # FUSED: the prompt's last pass read the pass before it (recomputed: deterministic)
-        seen: list[Tensor] = []
+        last: list[Tensor] = []  # the last two passes' states
+
+        def keep(j: int, state: Tensor, top: Tensor) -> None:
+            last[:] = [*last[-1:], state]
+
         prompt_ids = ids[:, : int(plen.max())]
         with torch.no_grad():
-            model.read(prompt_ids, r.mode, each_pass=lambda j, state, top: seen.append(state))
-        if len(seen) > 1:
-            fed[:, : prompt_ids.shape[1]] = shift_right(seen[-2])
-    R = r.states.shape[1]
-    q = (plen[:, None] + torch.arange(R, device=ids.device)[None, :]).clamp(max=T - 1)
+            model.read(prompt_ids, r.mode, each_pass=keep)
+        if len(last) > 1:
+            fed[:, : prompt_ids.shape[1]] = shift_right(last[0])
     live = r.mask.to(ids.device)
-    rows = torch.arange(B, device=ids.device)[:, None].expand(B, R)
-    fed[rows[live], q[live]] = r.states.to(ids.device)[live]
-    plain = model.plain_of(ids, mask=plain_prompt)
+    rows = torch.arange(B, device=ids.device)[:, None].expand_as(at)
+    fed[rows[live], at[live]] = r.states.to(ids.device)[live]
     e = model.embed_inputs(ids)
-    _, top = model.stack(model.pass_inputs(e, fed.detach(), plain))
+    _, top = model.stack(model.pass_inputs(e, fed.detach(), model.plain_of(ids, mask=plain_prompt)))
     return top
-

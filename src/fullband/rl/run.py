@@ -14,19 +14,20 @@ import copy
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
-from fullband.errors import ConfigError, DataError
+from fullband.errors import ConfigError, DataError, InputError
 from fullband.files import replace_file, writing
 from fullband.train import checkpoint as ckpt
 from fullband.train.metrics import METRICS_FILE
 from fullband.train.parallel import Dist
-from fullband.train.rundir import RUN_FILE, claim_run_dir, resume_checkpoint, resume_differences, resume_run_dir, \
-    truncate_metrics
+from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
+                                   truncate_metrics)
+from fullband.rl.step import RLSettings
 from fullband.validate import integer, number
 
 # settings a resumed run may change (how often it logs and evaluates); every other one must match run.json
@@ -34,20 +35,15 @@ MAY_CHANGE = ("eval_every", "eval_prompts", "ckpt_every", "keep_last", "device")
 
 
 @dataclass
-class RLConfig:
+class RLConfig(RLSettings):
+    """A recipe's [rl] table: the step's settings (RLSettings: mode, group, max_new_tokens, temperature, logprob,
+    clip_low, clip_high, kl_coef) and the run's."""
+
     init_from: str = ""  # the starting model: a model folder or checkpoint holding a chat tokenizer
     data: str = "arithmetic"  # a chat corpus (as data.corpus for chat training); train / val split by hash
     val_percent: float = 2.0
     reward: str = "answer"  # "answer" (final 'Answer: ...' exact match) or "module:function" / "file.py:function"
-    mode: str = "soft"  # standard | soft | fused:K: how responses are sampled and scored
-    group: int = 8  # G: responses per prompt
     prompts_per_step: int = 8
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    logprob: str = "exact"  # exact | jacobi:K | replay (fullband.rl.logprob)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    kl_coef: float = 0.0  # > 0: a k3 KL penalty to the starting model
     steps: int = 100
     lr: float = 1e-5  # AdamW, no weight decay
     seed: int = 0
@@ -59,24 +55,21 @@ class RLConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        from fullband.rl.logprob import parse_path, rl_mode
-
         if not self.init_from:
             raise ConfigError("rl.init_from is empty; accepted: the folder of a chat model (e.g. a step of "
                               "`fullband train configs/sft-tiny.toml`)")
-        for name in ("group", "prompts_per_step", "max_new_tokens", "steps", "eval_prompts", "keep_last"):
-            integer(f"rl.{name}", getattr(self, name), 2 if name == "group" else 1)
+        super().__post_init__()
+        for name in ("prompts_per_step", "steps", "eval_prompts", "keep_last"):
+            integer(f"rl.{name}", getattr(self, name), 1)
         for name in ("eval_every", "ckpt_every", "seed"):
             integer(f"rl.{name}", getattr(self, name), 0)
         number("rl.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
-        for name in ("temperature", "lr"):
-            number(f"rl.{name}", getattr(self, name), low=0, low_open=True)
-        for name in ("clip_low", "clip_high", "kl_coef"):
-            number(f"rl.{name}", getattr(self, name), low=0)
-        rl_mode(self.mode)
-        parse_path(self.logprob)
+        number("rl.lr", self.lr, low=0, low_open=True)
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"rl.device={self.device!r} is invalid; accepted: 'cpu', 'cuda' or 'cuda:N'")
+
+
+MUST_MATCH = tuple(f"rl.{f.name}" for f in fields(RLConfig) if f.name not in MAY_CHANGE)
 
 
 @dataclass
@@ -92,7 +85,7 @@ def load_rl_recipe(path: str | Path, overrides: list[str] | None = None) -> RLRe
     data = apply_overrides(read_settings_file(path, "TOML" if path.suffix != ".json" else "JSON"), overrides)
     try:
         return from_dict(RLRecipe, data)
-    except ConfigError as err:
+    except (ConfigError, InputError) as err:  # the step's settings are checked as rl_step checks them
         raise ConfigError(f"{path}: {err}") from None
 
 
@@ -134,9 +127,9 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
     from fullband.data.tokenizer import load_tokenizer
     from fullband.eval.chat import chat_eval, held_out_items
     from fullband.loader import load_model
-    from fullband.model.mode import DecodeMode
+    from fullband.rl.logprob import rl_mode
     from fullband.rl.rewards import load_reward
-    from fullband.rl.step import RLSettings, rl_step
+    from fullband.rl.step import rl_step
 
     cfg = recipe.rl
     run_dir = resume_run_dir(Path(resume)) if resume is not None else Path(cfg.run_dir)
@@ -150,16 +143,13 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
         reward = load_reward(cfg.reward)
         train_items = _items(cfg, tokenizer, model.config.max_seq_len)
         val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent)
-        settings = RLSettings(mode=cfg.mode, group=cfg.group, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, logprob=cfg.logprob, clip_low=cfg.clip_low,
-                              clip_high=cfg.clip_high, kl_coef=cfg.kl_coef)
         reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         stops = list(tokenizer.stop_ids)
         step, elapsed, tokens = 0, 0.0, 0
         if resume is not None:
-            _check_resume(run_dir, recipe)
             found = resume_checkpoint(Path(resume), run_dir)
+            check_resume_config(run_dir, recipe.to_dict(), MUST_MATCH)
             if found is not None:
                 state = ckpt.load_checkpoint(found, model, optimizer, d=d)
                 step, elapsed, tokens = state["step"], state["elapsed"], state["tokens"]
@@ -168,7 +158,7 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
         else:
             with writing(run_dir, "write the run's settings"):
                 replace_file(run_dir / RUN_FILE, json.dumps(recipe.to_dict(), indent=2) + "\n")
-        mode = DecodeMode.parse(cfg.mode)
+        mode = rl_mode(cfg.mode)
         bar = tqdm(total=cfg.steps, initial=step, desc="rl", disable=not progress, dynamic_ncols=True)
 
         def score(items: Items, idx: list[int]):
@@ -195,7 +185,7 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
                 rng = random.Random(step_seed(cfg.seed, step))
                 idx = rng.sample(range(len(train_items.prompts)), min(cfg.prompts_per_step, len(train_items.prompts)))
                 row = rl_step(model, optimizer, [train_items.prompts[i] for i in idx], score(train_items, idx),
-                              settings, seed=step_seed(cfg.seed, step), stop_tokens=stops, reference=reference)
+                              cfg, seed=step_seed(cfg.seed, step), stop_tokens=stops, reference=reference)
                 step += 1
                 elapsed += time.perf_counter() - t0
                 tokens += row["tokens"]
@@ -248,21 +238,3 @@ def plot_rl(metrics: Path, out: Path) -> Path | None:
         ax.grid(alpha=0.3)
     save_figure(fig, out)
     return out
-
-
-def _check_resume(run_dir: Path, recipe: RLRecipe) -> None:
-    """Refuse a resume whose settings differ from run.json's in anything but MAY_CHANGE."""
-    from fullband.files import read_json_file
-
-    saved_file = run_dir / RUN_FILE
-    if not saved_file.is_file():
-        return
-    saved = read_json_file(saved_file, "the run's settings", error=ConfigError)
-    now = recipe.to_dict()
-    for key in MAY_CHANGE:
-        saved.get("rl", {}).pop(key, None)
-        now["rl"].pop(key, None)
-    diffs = resume_differences(saved, now, ("rl",))
-    if diffs:
-        raise ConfigError(f"--resume {run_dir}: the settings differ from the run's ({'; '.join(diffs[:4])}); resume "
-                          f"with the run's own settings, or start a new run (rl.run_dir)")

@@ -14,26 +14,34 @@ import torch
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.core import FeedbackModel
-from fullband.rl.logprob import logprobs, parse_path, rollout
+from fullband.rl.logprob import logprobs, parse_path, rl_mode, rollout
 from fullband.rl.objective import group_advantages, policy_loss
+from fullband.validate import integer, number
 
 
 @dataclass
 class RLSettings:
-    mode: str = "soft"  # the decoding mode responses are sampled (and their log-probabilities computed) in
+    """How a step samples and what it optimises (the part of a recipe's [rl] table rl_step reads)."""
+
+    mode: str = "soft"  # standard | soft | fused:K: how responses are sampled and scored
     group: int = 8  # G: responses per prompt
-    max_new_tokens: int = 32
+    max_new_tokens: int = 64
     temperature: float = 1.0
-    logprob: str = "exact"  # exact | jacobi:K | replay
+    logprob: str = "exact"  # exact | jacobi:K | replay (fullband.rl.logprob)
     clip_low: float = 0.2
     clip_high: float = 0.28
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # > 0: a k3 KL penalty to the reference (the starting model)
 
     def __post_init__(self) -> None:
+        rl_mode(self.mode)
         parse_path(self.logprob)
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 2:
             raise InputError(f"rl.group={self.group!r} is invalid; accepted: an integer >= 2 (advantages compare "
                              "the responses to one prompt)")
+        integer("rl.max_new_tokens", self.max_new_tokens, 1, error=InputError)
+        number("rl.temperature", self.temperature, low=0, low_open=True, error=InputError)
+        for name in ("clip_low", "clip_high", "kl_coef"):
+            number(f"rl.{name}", getattr(self, name), low=0, error=InputError)
 
 
 def rl_step(model: FeedbackModel, optimizer: torch.optim.Optimizer, prompts: Sequence[Sequence[int]],

@@ -9,7 +9,6 @@ from pathlib import Path
 from fullband.errors import ConfigError
 from fullband.files import FolderLock, describe_entries, lock_folder, make_folder, read_json_file, replace_file, sweep_temps
 from fullband.train import checkpoint as ckpt
-from fullband.train.config import RunConfig
 
 RUN_FILE = "run.json"
 # resuming needs these to be equal; anything else (logging, eval cadence) may change
@@ -70,7 +69,8 @@ def resume_checkpoint(path: Path, run_dir: Path) -> Path | None:
     return None
 
 
-def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
+def check_resume_config(run_dir: Path, now: dict, keys: tuple[str, ...] = MUST_MATCH) -> None:
+    """Refuse a resume whose settings (`now`, a resolved config as a dict) differ from run.json's in one of `keys`."""
     saved_path = run_dir / RUN_FILE
     if not saved_path.is_file():
         raise ConfigError(f"{str(run_dir)!r} has no {RUN_FILE}; it is not a fullband run directory")
@@ -79,12 +79,12 @@ def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     except ConfigError as err:
         raise ConfigError(f"{saved_path} is corrupted ({err}); it holds the run's settings: restore it from a "
                           f"checkpoint's trainer.json ('config') or start a new run") from None
-    sections = [s.split(".")[0] for s in MUST_MATCH]
+    sections = [s.split(".")[0] for s in keys]
     if not isinstance(saved, dict) or any(not isinstance(saved.get(s), dict) for s in sections):
         missing = sorted({s for s in sections if not isinstance(saved, dict) or not isinstance(saved.get(s), dict)})
         raise ConfigError(f"{saved_path} is damaged: it lacks the section(s) {', '.join(missing)}; restore it "
                           "from a checkpoint's trainer.json ('config') or start a new run")
-    diffs = resume_differences(saved, cfg.to_dict())
+    diffs = resume_differences(saved, now, keys)
     if diffs:
         raise ConfigError(f"cannot resume {str(run_dir)!r} with this config; {len(diffs)} setting(s) differ: "
                           + "; ".join(diffs) + ". Use the run's own settings (its run.json) or start a new run")

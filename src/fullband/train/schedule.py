@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fullband.errors import ConfigError, closest
-from fullband.validate import integer, number
+from fullband.validate import ascii_int, integer, number
 
 PROB_TOLERANCE = 1e-6
 
@@ -202,8 +202,8 @@ def _stage_from_data(index: int, item: Any) -> tuple[Any, Any]:
 def _pass_count(stage: int, key: Any) -> int:
     """k from an int or a digit string (TOML keys are strings)."""
     k = key
-    if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
-        k = int(key)
+    if isinstance(key, str) and (parsed := ascii_int(key.strip())) is not None:
+        k = parsed
     if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
         raise ConfigError(f"pass schedule stage {stage}: pass count {key!r} is invalid; accepted: an integer k >= 1")
     return int(k)

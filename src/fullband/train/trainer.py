@@ -79,7 +79,7 @@ class Trainer:
         self.resume_from: Path | None = None
         if resume is not None:
             self.resume_from = resume_checkpoint(Path(resume), self.run_dir)
-            check_resume_config(self.run_dir, cfg)
+            check_resume_config(self.run_dir, cfg.to_dict())
         self.data: RunData = prepare_data(cfg, self.d, source=source)
         built = build(cfg, self.d, warm=resume is None)
         self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
