@@ -98,3 +98,48 @@ def test_a_trivially_learnable_reward_is_learned(path):
     rewards = [rl_step(model, optimizer, prompts, lambda i, y: sum(t == 3 for t in y) / len(y), settings,
                        seed=step)["reward"] for step in range(20)]
     assert rewards[0] < 0.2 and min(rewards[-5:]) > 0.9, [round(r, 2) for r in rewards]
+
+
+def test_rejection_sampling_keeps_what_a_direct_computation_keeps():
+    from fullband.rl.step import kept_rows
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    lengths = [9, 3, 4, 2, 5, 5, 7, 7]
+    assert kept_rows(rewards, lengths, 2, 1.0, "correct") == [0, 2, 6, 7]
+    assert kept_rows(rewards, lengths, 2, 0.5, "correct") == [0, 2, 3, 6, 7]
+    # each group of 4's shortest reply at reward >= accept (the first on a tie)
+    assert kept_rows(rewards, lengths, 4, 1.0, "shortest") == [2, 6]
+    assert kept_rows(rewards, lengths, 4, 0.5, "shortest") == [3, 6]
+    assert kept_rows(rewards, lengths, 4, 2.0, "shortest") == []
+    with pytest.raises(InputError, match="rl.keep='longest' is unknown; accepted: correct, shortest"):
+        RLSettings(keep="longest")
+    with pytest.raises(InputError, match="rl.algorithm='ppo' is unknown; accepted: grpo, rejection-sft"):
+        RLSettings(algorithm="ppo")
+
+
+@pytest.mark.parametrize("mode", ["soft", "fused:1"])
+def test_rejection_sft_learns_a_trivially_learnable_reward(mode):
+    """On-policy SFT on the replies holding a token 3: the share of 3s goes from ~1/16 to > 0.9."""
+    torch.manual_seed(0)
+    model = tiny_model(seed=1, vocab_size=16, bos_token_id=15)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
+    settings = RLSettings(mode=mode, group=8, max_new_tokens=3, algorithm="rejection-sft", accept=1 / 3)
+    prompts = [[15, 4], [15, 7, 9], [15, 1], [15, 12, 2, 5]]
+    rows = [rl_step(model, optimizer, prompts, lambda i, y: sum(t == 3 for t in y) / len(y), settings, seed=step)
+            for step in range(20)]
+    rewards = [r["reward"] for r in rows]
+    assert rewards[0] < 0.2 and min(rewards[-5:]) > 0.9, [round(r, 2) for r in rewards]
+    assert rows[0]["kept"] < rows[-1]["kept"] <= 32, [r["kept"] for r in rows]
+
+
+def test_later_updates_on_one_batch_move_the_ratio_and_the_clip_acts():
+    def clip(updates: int) -> float:
+        torch.manual_seed(0)
+        model = tiny_model(seed=1, vocab_size=16, bos_token_id=15)
+        optimizer = torch.optim.Adam(model.parameters(), lr=5e-2)
+        settings = RLSettings(mode="soft", group=4, max_new_tokens=4, updates=updates, clip_low=0.05, clip_high=0.05)
+        return rl_step(model, optimizer, [[15, 4], [15, 7, 9]], lambda i, y: float(3 in y), settings,
+                       seed=1)["clip_fraction"]
+
+    assert clip(1) == 0.0  # one update: the ratio is 1 everywhere
+    assert clip(4) > 0.0

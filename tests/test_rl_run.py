@@ -108,3 +108,46 @@ def test_bad_recipes_are_one_line(tmp_path, model, override, words, capsys):
     assert code == 2 and len(lines) == 1, err[-2000:]
     assert words in lines[0], lines[0]
     assert not (tmp_path / "bad").exists()  # nothing of the run was written
+
+
+def test_prompt_files_with_an_answer_field_are_split_like_training(tmp_path):
+    from fullband.data.chat.sources import chat_conversations
+    from fullband.errors import DataError
+    from fullband.eval.chat import held_out_items
+
+    lines = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(40)]
+    lines.append({"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "four"}],
+                  "answer": " 4 "})  # a reply after the last user turn is left out of the prompt
+    lines.append({"messages": [{"role": "user", "content": "3 + 3?"}, {"role": "assistant",
+                                                                      "content": "So. Answer: 6"}]})
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    whole = held_out_items(data)  # eval chat: a file is read whole
+    assert len(whole) == 42 and whole[0][1] == "1" and [m.role for m in whole[0][0]] == ["user"]
+    assert [m.content for m in whole[40][0]] == ["2 + 2?"] and whole[40][1] == "4" and whole[41][1] == "6"
+    train, val = (held_out_items(data, split=s, val_percent=20) for s in ("train", "val"))
+    assert len(train) + len(val) == 42 and val and sorted(map(str, train + val)) == sorted(map(str, whole))
+    # the split is the one training uses: an SFT run on the corpus holds out the conversations RL evaluates on
+    held = chat_conversations("arithmetic:300", "val", 20)
+    assert [p for p, _ in held_out_items("arithmetic:300", split="val", val_percent=20)] == \
+        [c[: max(i for i, m in enumerate(c) if m.role == "assistant")] for c in held]
+    for bad, words in [({"messages": [{"role": "user", "content": "x"}], "answer": True}, "'answer' must be"),
+                       ({"messages": [{"role": "system", "content": "x"}], "answer": 1}, "no user turn to answer"),
+                       ({"messages": "x", "answer": 1}, "'messages' must be a list")]:
+        data.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(DataError, match=words):
+            held_out_items(data)
+
+
+def test_rejection_sft_on_a_prompt_file_runs_from_the_cli(tmp_path, model, capsys):
+    from fullband.cli import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i} + {i}?"}], "answer": 2 * i})
+                            + "\n" for i in range(60)))
+    code = main(["rl", str(recipe(tmp_path, model, "rs", steps=2)), "--set", f"rl.data='{data}'", "--set",
+                 "rl.algorithm='rejection-sft'", "--set", "rl.accept=0.01", "--set", "rl.val_percent=20"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "rs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(0 <= r["kept"] <= 4 for r in rows[1:])
+    assert rows[0]["eval"]["accuracy"] == 0.0  # an untrained model answers none of the held-out sums

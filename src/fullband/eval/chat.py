@@ -12,7 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fullband.data.chat.arithmetic import final_answer
-from fullband.data.chat.messages import Message, read_chat_jsonl
+from fullband.data.chat.messages import Message
 from fullband.data.chat.templates import chat_prompt, chat_template
 from fullband.decode.generate import generate
 from fullband.model.mode import DecodeMode
@@ -20,24 +20,18 @@ from fullband.errors import DataError
 
 
 def held_out_items(path: str | Path, *, limit: int | None = None, val_percent: float = 2.0,
-                   split: str = "val") -> list[tuple[list[Message], str]]:
-    """(conversation up to its last assistant turn, that turn's reference answer) of each line of a chat JSONL file,
-    or of the held-out split (`val_percent`, by a hash of each conversation, as training splits it; `split`="train":
-    the other side) of any other chat corpus spec, e.g. 'arithmetic'; conversations whose last reply has no
-    'Answer: ...' line are refused."""
-    from fullband.data.chat.sources import chat_conversations
+                   split: str | None = None) -> list[tuple[list[Message], str]]:
+    """(prompt, reference answer) pairs of a chat corpus (fullband.data.chat.sources.check_prompt: an object's
+    'answer', or its last assistant turn's final 'Answer: ...'), the first `limit` of them. `split` 'train' / 'val':
+    that side of the corpus (by a hash of each conversation, as training splits it); None: a .jsonl file whole, any
+    other corpus spec (e.g. 'arithmetic') its held-out side."""
+    from fullband.data.chat.sources import chat_prompts
 
-    items = []
-    chats = read_chat_jsonl(path) if Path(path).is_file() else chat_conversations(str(path), split, val_percent)
-    for i, messages in islice(enumerate(chats), limit):
-        last = max(j for j, m in enumerate(messages) if m.role == "assistant")
-        reference = final_answer(messages[last].content)
-        if reference is None:
-            raise DataError(f"{path}: conversation {i + 1}: its last assistant turn has no final 'Answer: ...' line "
-                            "to score against")
-        items.append((messages[:last], reference))
+    if split is None:
+        split = None if Path(path).is_file() else "val"
+    items = list(islice(chat_prompts(str(path), split, val_percent), limit))
     if not items:
-        raise DataError(f"{path} holds no conversation")
+        raise DataError(f"{path} holds no conversation" + (f" on its {split!r} side" if split else ""))
     return items
 
 
@@ -80,7 +74,8 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
         length, length_se = _mean_se(lengths)
         per_item[mode.label] = {"correct": correct, "lengths": lengths}
         rows.append({"mode": mode.label, "accuracy": acc, "accuracy_se": acc_se, "tokens": length,
-                     "tokens_se": length_se, "ended": float(np.mean(ended)), "answers": texts})
+                     "tokens_se": length_se, "ended": float(np.mean(ended)), "answers": texts,
+                     "correct": correct, "lengths": lengths})
     base = per_item[modes[0].label]
     for row in rows:
         mine = per_item[row["mode"]]

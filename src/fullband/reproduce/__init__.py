@@ -12,14 +12,14 @@ from pathlib import Path
 
 from fullband.errors import InputError, closest
 from fullband.files import replace_file
-from fullband.reproduce import data_efficiency, fusion_ablation, probe, sft, stability, tracking
+from fullband.reproduce import data_efficiency, fusion_ablation, probe, rl, sft, stability, tracking
 from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware, train_run
 
 __all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "hardware", "reproduce", "train_run"]
 
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
-                                   for m in (stability, probe, data_efficiency, fusion_ablation, sft, tracking)}
+                                   for m in (stability, probe, data_efficiency, fusion_ablation, sft, tracking, rl)}
 EXPERIMENTS = tuple(REGISTRY)
 
 

@@ -46,20 +46,37 @@ class Settings:
 
 def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None = None) -> tuple[Path, float]:
     """Train (or reuse / resume) runs under root/<name>; returns the final checkpoint and the wall time spent."""
-    from fullband.train.checkpoint import list_checkpoints, read_trainer_state
     from fullband.train.config import load_run_config
-    from fullband.train.rundir import RUN_FILE
     from fullband.train.trainer import train
 
     run_dir = root / run.name
     overrides = [*run.overrides, *(extra or []), *settings.extra, f'log.run_dir="{run_dir}"', "log.eval_every=0"]
     cfg = load_run_config(run.config or settings.base, overrides)
+    return _reused(run, run_dir, cfg.train.steps, lambda resume: train(cfg, resume=resume))
+
+
+def rl_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Path, float]:
+    """`fullband rl` (or reuse / resume) for a run whose config is an [rl] recipe, under root/<name>; returns the
+    final checkpoint and the wall time spent."""
+    from fullband.rl.run import load_rl_recipe, rl_train
+
+    run_dir = root / run.name
+    recipe = load_rl_recipe(run.config, [*run.overrides, *(extra or []), f'rl.run_dir="{run_dir}"'])
+    return _reused(run, run_dir, recipe.rl.steps, lambda resume: rl_train(recipe, resume=resume))
+
+
+def _reused(run: Run, run_dir: Path, steps: int, start: Callable[[Path | None], object]) -> tuple[Path, float]:
+    """The run's final checkpoint, after start(resume) when it has not reached `steps` (resume: run_dir when it
+    was begun, with or without a checkpoint), and the wall time its training took (kept in wall.json)."""
+    from fullband.train.checkpoint import list_checkpoints, read_trainer_state
+    from fullband.train.rundir import RUN_FILE
+
     done = list_checkpoints(run_dir)
     t0 = time.perf_counter()
-    if not (done and read_trainer_state(done[-1])["step"] >= cfg.train.steps):
+    if not (done and read_trainer_state(done[-1])["step"] >= steps):
         print(f"== training {run.name}: {' '.join(run.overrides)}", flush=True)
-        started = bool(done) or (run_dir / RUN_FILE).is_file()  # an interrupted run, with or without a checkpoint
-        train(cfg, resume=run_dir if started else None)
+        started = bool(done) or (run_dir / RUN_FILE).is_file()
+        start(run_dir if started else None)
     wall = time.perf_counter() - t0
     meta = run_dir / "wall.json"
     if wall > 5 or not meta.exists():

@@ -142,7 +142,7 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
         check_chat_model(model, tokenizer)
         reward = load_reward(cfg.reward)
         train_items = _items(cfg, tokenizer, model.config.max_seq_len)
-        val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent)
+        val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent, split="val")
         reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         stops = list(tokenizer.stop_ids)

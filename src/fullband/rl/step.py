@@ -1,7 +1,13 @@
-"""One step of group-sampled policy gradient: sample G responses per prompt in a mode, score them, standardise the
-rewards within each group, and take an optimiser step on the clipped objective computed by a log-probability path
-(fullband.rl.logprob). The ratio's denominator is the same path's value, detached (1 on a step's first update):
-on-policy, a path's own error cancels in the ratio and shows in the gradient."""
+"""One step of post-training on a model's own samples: sample G responses per prompt in a mode and score them, then
+
+- `grpo`: standardise the rewards within each group and take `updates` optimiser steps on the clipped objective
+  computed by a log-probability path (fullband.rl.logprob). The ratio's denominator is the same path's value at
+  the first update, detached (1 there; later updates move away from it and the clip acts): on-policy, a path's
+  own error cancels in the ratio and shows in the gradient.
+- `rejection-sft` (on-policy SFT): keep the responses whose reward reaches `accept` (all of them, or each prompt's
+  shortest) and take one optimiser step of the chat training objective (fullband.train.objective: `sft_passes`
+  Jacobi passes, the pass weight, jitter and prefix mixin as the model's config says) on prompt + response,
+  the prompts read as the sampling mode reads them (SOFT: plainly; FUSED: fed)."""
 
 from __future__ import annotations
 
@@ -10,13 +16,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.core import FeedbackModel
-from fullband.rl.logprob import logprobs, parse_path, rl_mode, rollout
+from fullband.rl.logprob import Rollout, logprobs, parse_path, rl_mode, rollout
 from fullband.rl.objective import group_advantages, policy_loss
 from fullband.validate import integer, number
+
+
+ALGORITHMS = ("grpo", "rejection-sft")
+KEEP = ("correct", "shortest")
 
 
 @dataclass
@@ -31,10 +42,22 @@ class RLSettings:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0  # > 0: a k3 KL penalty to the reference (the starting model)
+    updates: int = 1  # optimiser steps per batch of samples (grpo)
+    algorithm: str = "grpo"  # grpo | rejection-sft
+    accept: float = 1.0  # rejection-sft: a response is kept when its reward is at least this
+    keep: str = "correct"  # rejection-sft: "correct" (every kept response) | "shortest" (each prompt's shortest)
+    sft_passes: int = 3  # rejection-sft: Jacobi passes of the training objective (STANDARD sampling: 1)
 
     def __post_init__(self) -> None:
         rl_mode(self.mode)
         parse_path(self.logprob)
+        if self.algorithm not in ALGORITHMS:
+            raise InputError(f"rl.algorithm={self.algorithm!r} is unknown; accepted: {', '.join(ALGORITHMS)}")
+        if self.keep not in KEEP:
+            raise InputError(f"rl.keep={self.keep!r} is unknown; accepted: {', '.join(KEEP)}")
+        integer("rl.updates", self.updates, 1, error=InputError)
+        integer("rl.sft_passes", self.sft_passes, 1, error=InputError)
+        number("rl.accept", self.accept, error=InputError)
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 2:
             raise InputError(f"rl.group={self.group!r} is invalid; accepted: an integer >= 2 (advantages compare "
                              "the responses to one prompt)")
@@ -44,31 +67,95 @@ class RLSettings:
             number(f"rl.{name}", getattr(self, name), low=0, error=InputError)
 
 
-def rl_step(model: FeedbackModel, optimizer: torch.optim.Optimizer, prompts: Sequence[Sequence[int]],
-            score: Callable[[int, list[int]], float], settings: RLSettings, *, seed: int,
-            stop_tokens: Sequence[int] | None = None, reference: FeedbackModel | None = None) -> dict:
-    """One update on `prompts` (each sampled settings.group times); score(prompt index, response ids) -> reward.
-    -> the step's metrics."""
-    t0 = time.perf_counter()
+def sample(model: FeedbackModel, prompts: Sequence[Sequence[int]], score: Callable[[int, list[int]], float],
+           settings: RLSettings, *, seed: int, stop_tokens: Sequence[int] | None = None) -> tuple[Rollout, Tensor]:
+    """settings.group responses to each prompt (consecutive rows) and their rewards (float64)."""
     G = settings.group
     batch = [list(p) for p in prompts for _ in range(G)]
     r = rollout(model, batch, settings.max_new_tokens, mode=settings.mode, stop_tokens=stop_tokens,
                 sampling=Sampling(temperature=settings.temperature, seed=seed))
-    rewards = torch.tensor([score(i // G, y) for i, y in enumerate(r.responses)], dtype=torch.float64)
-    advantages = group_advantages(rewards, G).float()
-    logp = logprobs(model, r, settings.logprob)
+    return r, torch.tensor([score(i // G, y) for i, y in enumerate(r.responses)], dtype=torch.float64)
+
+
+def rl_step(model: FeedbackModel, optimizer: torch.optim.Optimizer, prompts: Sequence[Sequence[int]],
+            score: Callable[[int, list[int]], float], settings: RLSettings, *, seed: int,
+            stop_tokens: Sequence[int] | None = None, reference: FeedbackModel | None = None) -> dict:
+    """One batch of samples on `prompts` (each sampled settings.group times) and the algorithm's update(s) on it;
+    score(prompt index, response ids) -> reward. -> the step's metrics."""
+    t0 = time.perf_counter()
+    r, rewards = sample(model, prompts, score, settings, seed=seed, stop_tokens=stop_tokens)
+    if settings.algorithm == "rejection-sft":
+        row = _rejection_sft(model, optimizer, r, rewards, settings, seed=seed)
+    else:
+        row = _grpo(model, optimizer, r, rewards, settings, reference)
+    lengths = torch.tensor([len(y) for y in r.responses], dtype=torch.float64)
+    tokens = int(r.mask.sum())
+    dt = time.perf_counter() - t0
+    return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "length": float(lengths.mean()),
+            **row, "tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt}
+
+
+def _grpo(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, rewards: Tensor,
+          settings: RLSettings, reference: FeedbackModel | None) -> dict:
+    advantages = group_advantages(rewards, settings.group).float()
     ref = None
     if reference is not None and settings.kl_coef > 0:
         with torch.no_grad():
             ref = logprobs(reference, r, settings.logprob)
-    out = policy_loss(logp, logp.detach(), advantages, r.mask, clip_low=settings.clip_low,
-                      clip_high=settings.clip_high, ref=ref, kl_coef=settings.kl_coef)
+    old = error = None
+    clipped = []
+    for _ in range(settings.updates):
+        logp = logprobs(model, r, settings.logprob)
+        if old is None:
+            old = logp.detach()
+            error = float((old - r.logprobs.to(old.device)).abs()[r.mask].mean())
+        out = policy_loss(logp, old, advantages, r.mask, clip_low=settings.clip_low, clip_high=settings.clip_high,
+                          ref=ref, kl_coef=settings.kl_coef)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        clipped.append(out.clip_fraction)
+    return {"loss": float(out.loss.detach()), "kl": out.kl, "clip_fraction": sum(clipped) / len(clipped),
+            "logprob_error": error}
+
+
+def kept_rows(rewards: Tensor, lengths: Sequence[int], group: int, accept: float, keep: str) -> list[int]:
+    """The rows rejection sampling keeps: reward >= accept; with keep="shortest", each group's shortest of them
+    (the first on a tie)."""
+    good = [i for i, v in enumerate(rewards.tolist()) if v >= accept]
+    if keep == "correct":
+        return good
+    best: dict[int, int] = {}
+    for i in good:
+        g = i // group
+        if g not in best or lengths[i] < lengths[best[g]]:
+            best[g] = i
+    return sorted(best.values())
+
+
+def _rejection_sft(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, rewards: Tensor,
+                   settings: RLSettings, *, seed: int) -> dict:
+    from fullband.train.objective import objective
+
+    keep = kept_rows(rewards, [len(y) for y in r.responses], settings.group, settings.accept, settings.keep)
+    row = {"kept": len(keep), "loss": float("nan")}
+    if not keep:
+        return row
+    device = next(model.parameters()).device
+    rows = [r.prompts[i] + r.responses[i] for i in keep]
+    T = max(map(len, rows))
+    ids = torch.tensor([x + [0] * (T - len(x)) for x in rows], device=device)
+    plen = torch.tensor([len(r.prompts[i]) for i in keep], device=device)
+    end = torch.tensor([len(x) for x in rows], device=device)
+    q = torch.arange(1, T, device=device)[None, :]  # the position each target sits at
+    targets = torch.where((q >= plen[:, None]) & (q < end[:, None]), ids[:, 1:], -100)
+    passes = 1 if not r.mode.feeds_state else settings.sft_passes
+    # prompts as the mode reads them: plainly (SOFT, FUSED k=0) or fed (FUSED k > 0: plain_of keeps BOS plain)
+    plain = (q - 1 < plen[:, None]) if r.mode.passes == 1 else None
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = objective(model, ids[:, :-1], targets, passes, plain_mask=plain, generator=gen, noise=True)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     optimizer.step()
-    mask = r.mask
-    lengths = torch.tensor([len(y) for y in r.responses], dtype=torch.float64)
-    return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "length": float(lengths.mean()),
-            "loss": float(out.loss.detach()), "kl": out.kl, "clip_fraction": out.clip_fraction,
-            "logprob_error": float((logp.detach() - r.logprobs.to(logp.device)).abs()[mask].mean()),
-            "tokens": int(mask.sum()), "seconds": (dt := time.perf_counter() - t0), "tok_per_s": int(mask.sum()) / dt}
+    row["loss"] = float(out.loss.detach())
+    return row

@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fullband.data.chat.arithmetic import STYLES, arithmetic_chats
-from fullband.data.chat.messages import Message, _numbered, check_messages
+from fullband.data.chat.arithmetic import STYLES, arithmetic_chats, final_answer
+from fullband.data.chat.messages import Message, _numbered, as_message, check_messages
 from fullband.errors import DataError
-from fullband.data.corpus import regular_files
+from fullband.data.corpus import in_val, regular_files
 from fullband.files import regular_file
 from fullband.validate import parse_int
 
@@ -27,16 +27,55 @@ CHAT_ACCEPTED = ("a .jsonl file, a folder or glob of .jsonl files, 'hf:<dataset>
 def chat_conversations(spec: str | Sequence[str], split: str, val_percent: float) -> Iterator[list[Message]]:
     """The checked conversations of a chat corpus's `split` ('train' or 'val'). A conversation's split is a hash
     of its messages, so a conversation repeated anywhere in the data is always on the same side."""
-    from fullband.data.corpus import in_val
-
     specs = [spec] if isinstance(spec, str) else list(spec)
-    want_val = split == "val"
     for one in specs:
         for where, obj in _chat_objects(str(one)):
             messages = check_messages(obj, where)
-            key = json.dumps([[m.role, m.content] for m in messages], ensure_ascii=False)
-            if in_val(key, val_percent) == want_val:
+            if in_split(messages, split, val_percent):
                 yield messages
+
+
+def in_split(messages: Sequence[Message], split: str, val_percent: float) -> bool:
+    """Whether a conversation is on the `split` side ('train' or 'val'): a hash of its messages."""
+    key = json.dumps([[m.role, m.content] for m in messages], ensure_ascii=False)
+    return in_val(key, val_percent) == (split == "val")
+
+
+def check_prompt(obj: Any, where: str) -> tuple[list[Message], str, list[Message]]:
+    """A prompt to answer, its reference answer and the object's whole conversation, from a chat object: with an
+    `answer` key, its messages up to the last user turn (a reply after it is left out) and that answer; without
+    one, the conversation up to its last assistant turn and that turn's final 'Answer: ...'. DataError naming
+    `where` otherwise."""
+    if isinstance(obj, dict) and "answer" in obj:
+        answer = obj["answer"]
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
+            raise DataError(f"{where}: 'answer' must be a non-empty string or a number, got {answer!r}")
+        messages = obj.get("messages")
+        if not isinstance(messages, list):
+            raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, got "
+                            f"{type(messages).__name__}")
+        out = [as_message(m, f"{where}: message {i}") for i, m in enumerate(messages)]
+        users = [i for i, m in enumerate(out) if m.role == "user"]
+        if not users:
+            raise DataError(f"{where}: no user turn to answer")
+        return out[: users[-1] + 1], str(answer).strip(), out
+    messages = check_messages(obj, where)
+    last = max(j for j, m in enumerate(messages) if m.role == "assistant")
+    reference = final_answer(messages[last].content)
+    if reference is None:
+        raise DataError(f"{where}: its last assistant turn has no final 'Answer: ...' line to score against (and "
+                        "the object has no 'answer' key)")
+    return messages[:last], reference, messages
+
+
+def chat_prompts(spec: str, split: str | None, val_percent: float) -> Iterator[tuple[list[Message], str]]:
+    """(prompt, reference answer) of each object of a chat corpus (check_prompt), on the `split` side ('train' /
+    'val', by the hash chat_conversations splits with: a conversation trained on is never a held-out prompt), or
+    every one (`split` None)."""
+    for where, obj in _chat_objects(spec):
+        prompt, answer, whole = check_prompt(obj, where)
+        if split is None or in_split(whole, split, val_percent):
+            yield prompt, answer
 
 
 def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
