@@ -246,8 +246,8 @@ def _outcome(table: dict, stage_runs: dict) -> list[str]:
     model's own sampling mode (accuracy and length), and SOFT vs STANDARD on the full-bandwidth model per stage."""
     def said(d: float, se: float, up: str, down: str) -> str:
         if not math.isfinite(se) or d == 0 or abs(d) < 2 * se:
-            return "no difference shown (within 2 standard errors)"
-        return f"{up if d > 0 else down} ({abs(d) / se:.1f} standard errors)" if se > 0 else (up if d > 0 else down)
+            return "within 2 standard errors, no difference shown"
+        return f"{up if d > 0 else down}, {abs(d) / se:.1f} standard errors" if se > 0 else (up if d > 0 else down)
 
     lines = ["**Outcome.**", ""]
     for model, own in (("fbt", "soft"), ("standard", "standard")):

@@ -20,8 +20,9 @@ def final_answer(text: str) -> str | None:
     return None if at < 0 else (text[at + len(ANSWER):].split("\n", 1)[0].strip() or None)
 
 
-def _steps(rng, start: int, ops: int) -> tuple[str, list[str], int]:
-    """`ops` changes to a count: their wording, the worked steps, the result (never negative)."""
+def _steps(rng, start: int, ops: int, numbers: int = 30) -> tuple[str, list[str], int]:
+    """`ops` changes to a count: their wording, the worked steps, the result (never negative); a count grows by
+    1 to min(20, numbers) at a time."""
     words, steps, value = [], [], start
     for _ in range(ops):
         if value > 3 and rng.random() < 0.5:
@@ -35,7 +36,7 @@ def _steps(rng, start: int, ops: int) -> tuple[str, list[str], int]:
             steps.append(f"{value} * {n} = {value * n}.")
             value *= n
         else:
-            n = rng.randint(1, 20)
+            n = rng.randint(1, min(20, numbers))
             words.append(f"gets {n} more")
             steps.append(f"{value} + {n} = {value + n}.")
             value += n
@@ -51,12 +52,13 @@ def _reply(style: str, steps: list[str], value: int, opening: list[str]) -> str:
 
 
 def arithmetic_chats(n: int, *, seed: int = 0, max_ops: int = 3, follow_up: float = 0.3,
-                     styles: Sequence[str] = ("full",)) -> list[dict]:
+                     styles: Sequence[str] = ("full",), numbers: int = 30) -> list[dict]:
     """`n` conversations of word problems answered with a final 'Answer: N' (a `follow_up` share of them two turns
     long: the second question continues the first), deterministic from `seed`; each is a {"messages": [...]} object
     as the chat JSONL holds it. Each reply is written in one of `styles` (STYLES: worked steps, the last step, the
     answer alone), drawn per conversation by a generator of its own: the problems are the same whatever the styles,
-    so a mixed set holds the same kind of problem at several lengths."""
+    so a mixed set holds the same kind of problem at several lengths. A problem has 1 to `max_ops` changes to a
+    count that starts at 1 to `numbers` and grows by 1 to min(20, `numbers`) at a time."""
     import random
 
     unknown = [s for s in styles if s not in STYLES]
@@ -66,15 +68,15 @@ def arithmetic_chats(n: int, *, seed: int = 0, max_ops: int = 3, follow_up: floa
     out = []
     for _ in range(n):
         name, item = rng.choice(NAMES), rng.choice(ITEMS)
-        start = rng.randint(1, 30)
-        wording, steps, value = _steps(rng, start, rng.randint(1, max_ops))
+        start = rng.randint(1, numbers)
+        wording, steps, value = _steps(rng, start, rng.randint(1, max_ops), numbers)
         style = style_rng.choice(list(styles))
         messages = [
             {"role": "user", "content": f"{name} has {start} {item}, {wording}. How many {item} does {name} have?"},
             {"role": "assistant", "content": _reply(style, steps, value, [f"{name} starts with {start}."])},
         ]
         if rng.random() < follow_up:
-            wording, steps, value = _steps(rng, value, rng.randint(1, max_ops))
+            wording, steps, value = _steps(rng, value, rng.randint(1, max_ops), numbers)
             messages += [{"role": "user", "content": f"Then {name} {wording}. How many now?"},
                          {"role": "assistant", "content": _reply(style, steps, value, [])}]
         out.append({"messages": messages})

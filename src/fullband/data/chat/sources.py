@@ -21,7 +21,7 @@ SYNTHETIC_SIZE = 20000
 SYNTHETIC_MAX = 10**6  # conversations of arithmetic:N (generated in memory, ~0.5 KB each)
 CHAT_ACCEPTED = ("a .jsonl file, a folder or glob of .jsonl files, 'hf:<dataset>' with a 'messages' column, or "
                  "'arithmetic[:N]' / 'arithmetic-mixed[:N]' (the built-in synthetic set; -mixed: replies of three "
-                 "lengths)")
+                 "lengths; options ':ops=K:numbers=M:turns=1')")
 
 
 def chat_conversations(spec: str | Sequence[str], split: str, val_percent: float) -> Iterator[list[Message]]:
@@ -78,18 +78,40 @@ def chat_prompts(spec: str, split: str | None, val_percent: float) -> Iterator[t
             yield prompt, answer
 
 
+SYNTHETIC_OPTIONS = {"ops": ("max_ops", 1, 10), "numbers": ("numbers", 1, 10**6), "turns": ("follow_up", 1, 2)}
+
+
+def _synthetic_options(spec: str, rest: str) -> tuple[int, dict]:
+    """'N:ops=K:numbers=M:turns=T' (each part optional) -> (N, arithmetic_chats' keyword arguments): at most K
+    changes per problem, counts from 1 to M, T = 1 for one-turn conversations only (2: the default ~30% two)."""
+    parts = rest.split(":") if rest else []
+    count = parts.pop(0) if parts and "=" not in parts[0] else ""
+    try:  # the set is generated in memory: a size far beyond any corpus is refused
+        n = parse_int("N", count, 1, below=SYNTHETIC_MAX + 1, error=DataError) if count else SYNTHETIC_SIZE
+        options = {}
+        for part in parts:
+            key, eq, value = part.partition("=")
+            if key not in SYNTHETIC_OPTIONS or not eq:
+                raise DataError(f"{part!r} is not an option; accepted: " + ", ".join(f"{k}=INT" for k in
+                                                                                   SYNTHETIC_OPTIONS))
+            arg, low, high = SYNTHETIC_OPTIONS[key]
+            options[arg] = parse_int(key, value, low, below=high + 1, error=DataError)
+    except DataError as err:
+        raise DataError(f"chat corpus {spec!r}: {err}") from None
+    if "follow_up" in options:
+        options["follow_up"] = 0.0 if options["follow_up"] == 1 else 0.3
+    return n, options
+
+
 def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
     import glob
     import os
 
     name, _, count = spec.partition(":")
     if name in (SYNTHETIC, SYNTHETIC_MIXED):
-        try:  # the set is generated in memory: a size far beyond any corpus is refused
-            n = parse_int("N", count, 1, below=SYNTHETIC_MAX + 1, error=DataError) if count else SYNTHETIC_SIZE
-        except DataError as err:
-            raise DataError(f"chat corpus {spec!r}: {err}") from None
+        n, options = _synthetic_options(spec, count)
         styles = STYLES if name == SYNTHETIC_MIXED else ("full",)
-        for i, obj in enumerate(arithmetic_chats(n, seed=0, styles=styles)):
+        for i, obj in enumerate(arithmetic_chats(n, seed=0, styles=styles, **options)):
             yield f"{name} conversation {i}", obj
         return
     if spec.startswith("hf:"):
