@@ -155,8 +155,10 @@ def test_the_hook_returns_the_engines_fed_logprobs(trainers, mode):
         torch.testing.assert_close(logp.detach(), logprobs(native, r, "exact").detach(), rtol=0, atol=1e-10)
         assert (entropy[~r.mask[:, :C]] == 0).all() and (entropy[r.mask[:, :C]] > 0).all()
     t.logprob = "exact"
-    chunked, _, _ = t._get_per_token_logps_and_entropies(t.model, ids, mask, C, batch_size=2)  # TRL's chunks
-    torch.testing.assert_close(chunked, logp, rtol=0, atol=1e-12)
+    with torch.no_grad():  # as TRL scores the old policy and the reference: constants
+        chunked, _, _ = t._get_per_token_logps_and_entropies(t.model, ids, mask, C, batch_size=2)  # TRL's chunks
+    assert logp.requires_grad and not chunked.requires_grad
+    torch.testing.assert_close(chunked, logp.detach(), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["soft", "fused:2"])

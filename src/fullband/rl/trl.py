@@ -73,10 +73,12 @@ class FeedbackGRPOTrainer(GRPOTrainer):
             # exact and jacobi:K read a Rollout's prompts, responses and mode; its logprobs only give the width C
             rollout = Rollout([p for p, _ in chunk], [y for _, y in chunk], torch.zeros(len(chunk), logits_to_keep),
                               torch.zeros(0), self.feedback_mode)
+            grad = torch.is_grad_enabled()  # TRL scores the old policy and the reference under no_grad
             with self.accelerator.autocast():
                 logp, entropy = scores(native, rollout, self.logprob, temperature=self.temperature)
-            logps.append(logp)
-            entropies.append(entropy)
+            # the exact path differentiates whatever the caller's mode: constants stay constants
+            logps.append(logp if grad else logp.detach())
+            entropies.append(entropy if grad else entropy.detach())
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 
