@@ -35,6 +35,16 @@ def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def test_to_native_copies_float64_weights_bitwise():
+    hf = FullbandForCausalLM.from_native(tiny_model(seed=4).double())
+    with torch.no_grad():  # values float32 cannot hold
+        for p in hf.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0), dtype=p.dtype))
+    native = hf.to_native()
+    a, b = hf.model.state_dict(), native.state_dict()
+    assert next(native.parameters()).dtype == torch.float64 and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_forward_is_the_native_model_in_every_mode(pair):
     native, hf = pair
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))

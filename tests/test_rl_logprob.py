@@ -12,7 +12,7 @@ from fullband import generate
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.mode import DecodeMode
-from fullband.rl.logprob import logprobs, rollout
+from fullband.rl.logprob import logprobs, rollout, scores
 
 PROMPTS = [[256, 5, 9, 12, 7], [256, 40], [256, 3, 3, 8, 1, 2, 90, 14]]  # ragged; 256 = BOS
 NEW = 7
@@ -128,3 +128,18 @@ def test_the_study_measures_each_path_against_exact():
     assert by["replay"]["max_error"] < 1e-5 and by["replay"]["grad_cosine"] < 1 - 1e-6
     assert by["jacobi:1"]["mean_error"] > 1e-3 and all(r["saved_mib"] > 0 and r["tokens"] == 15 for r in rows)
     assert by["jacobi:5"]["saved_mib"] > by["jacobi:1"]["saved_mib"]  # five passes' graphs against one
+
+
+@pytest.mark.parametrize("mode", ["soft", "fused:1"])
+def test_scores_at_a_temperature_agree_between_paths(model, rollouts, mode):
+    """scores (what TRL reads): at temperature 1 the log-probs are logprobs'; at another temperature exact and
+    jacobi:R+k still agree, log-probs and entropies, and the log-probs are not those at 1."""
+    r = rollouts[mode]
+    assert torch.equal(scores(model, r, "exact")[0], logprobs(model, r, "exact"))
+    K = max(len(y) for y in r.responses) + r.mode.fused_passes
+    (lp, ent), (lp_j, ent_j) = (scores(model, r, p, temperature=0.5) for p in ("exact", f"jacobi:{K}"))
+    torch.testing.assert_close(lp_j, lp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(ent_j, ent, rtol=0, atol=1e-10)
+    assert (ent[r.mask] > 0).all() and (ent[~r.mask] == 0).all() and (lp - logprobs(model, r)).abs().max() > 1e-2
+    with pytest.raises(InputError, match="temperature"):
+        scores(model, r, temperature=0)

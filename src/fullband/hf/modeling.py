@@ -197,9 +197,9 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
 
     def to_native(self) -> FullbandLM:
         """A native FullbandLM with these weights (copied)."""
-        native = FullbandLM(self.config.to_model_config())
+        native = FullbandLM(self.config.to_model_config()).to(self.dtype)  # in float32 first, float64 would round
         native.load_state_dict(self.model.state_dict())
-        return native.to(self.dtype)
+        return native
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,

@@ -13,7 +13,8 @@ sampled before it. log pi(y | x) and its gradient come from:
   is cut at the states (they are constants).
 
 Log-probabilities are of the model's own distribution (log_softmax of the logits, temperature 1), whatever the
-sampling settings were; each is the row's per-token value, 0 past the row's response."""
+sampling settings were, unless a temperature is asked for (`scores`: TRL scores at its sampling temperature); each is
+the row's per-token value, 0 past the row's response."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.core import FeedbackModel, shift_right
 from fullband.model.mode import DecodeMode
-from fullband.validate import parse_int
+from fullband.validate import number, parse_int
 
 RL_MODES = ("standard", "soft", "fused")  # EXACT reads its prompt without gradients: not a policy to train
 
@@ -96,21 +97,47 @@ def parse_path(path: str) -> tuple[str, int | None]:
 
 def logprobs(model: FeedbackModel, r: Rollout, path: str = "exact") -> Tensor:
     """(B, R) log pi(response token | everything before it) by `path`, differentiable in the model's weights."""
+    return _score(model, r, path, Scoring())[0]
+
+
+def scores(model: FeedbackModel, r: Rollout, path: str = "exact", *,
+           temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(B, R) log-probabilities as `logprobs`, of softmax(logits / temperature), and the entropy of each response
+    token's distribution (B, R); both differentiable, 0 past each response."""
+    number("temperature", temperature, low=0, low_open=True, error=InputError)
+    return _score(model, r, path, Scoring(temperature, entropy=True))
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What is read from each response token's logits: its log-probability at `temperature`, and the entropy."""
+
+    temperature: float = 1.0
+    entropy: bool = False
+
+    def __call__(self, logits: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """logits (..., V), tokens (...) -> log-probabilities (...) and entropies (...) or None."""
+        logp = log_softmax(logits if self.temperature == 1 else logits / self.temperature)
+        picked = logp.gather(-1, tokens[..., None])[..., 0]
+        return picked, (-(logp.exp() * logp).sum(-1) if self.entropy else None)
+
+
+def _score(model: FeedbackModel, r: Rollout, path: str, how: Scoring) -> tuple[Tensor, Tensor | None]:
     name, k = parse_path(path)
-    if name == "exact":
-        return _exact(model, r)
-    return _parallel(model, r, passes=k)
+    logp, entropy = _exact(model, r, how) if name == "exact" else _parallel(model, r, passes=k, how=how)
+    mask = r.mask.to(logp.device)
+    return torch.where(mask, logp, 0.0), None if entropy is None else torch.where(mask, entropy, 0.0)
 
 
-def _exact(model: FeedbackModel, r: Rollout) -> Tensor:
+def _exact(model: FeedbackModel, r: Rollout, how: Scoring) -> tuple[Tensor, Tensor | None]:
     R = r.logprobs.shape[1]
     device = next(model.parameters()).device
     forced = torch.nn.utils.rnn.pad_sequence([torch.tensor(y + [0] * (R - len(y))) for y in r.responses],
                                              batch_first=True).to(device)
-    out = []
-    for s, step in enumerate(stream(model, r.prompts, R, mode=r.mode, forced_tokens=forced, grad=True)):
-        out.append(log_softmax(step.logits).gather(1, forced[:, s, None])[:, 0])
-    return torch.where(r.mask.to(device), torch.stack(out, 1), 0.0)
+    out = [how(step.logits, forced[:, s])
+           for s, step in enumerate(stream(model, r.prompts, R, mode=r.mode, forced_tokens=forced, grad=True))]
+    logp, entropy = zip(*out)
+    return torch.stack(logp, 1), (torch.stack(entropy, 1) if how.entropy else None)
 
 
 def _sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -125,24 +152,24 @@ def _sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor
     return ids, plen, torch.arange(T, device=device)[None, :] < plen[:, None], at
 
 
-def _gather(model: FeedbackModel, r: Rollout, top: Tensor, ids: Tensor, at: Tensor) -> Tensor:
-    """Each response token's log-probability from the final-norm outputs top (B, T, D): the token at position q is
-    scored by the logits at q - 1."""
+def _gather(model: FeedbackModel, top: Tensor, ids: Tensor, at: Tensor,
+            how: Scoring) -> tuple[Tensor, Tensor | None]:
+    """Each response token's scores from the final-norm outputs top (B, T, D): the token at position q is scored by
+    the logits at q - 1."""
     logits = model.head(top.gather(1, (at - 1)[..., None].expand(*at.shape, top.shape[-1])))
-    logp = log_softmax(logits).gather(2, ids.gather(1, at)[..., None])[..., 0]
-    return torch.where(r.mask.to(top.device), logp, 0.0)
+    return how(logits, ids.gather(1, at))
 
 
-def _parallel(model: FeedbackModel, r: Rollout, passes: int | None) -> Tensor:
+def _parallel(model: FeedbackModel, r: Rollout, passes: int | None, how: Scoring) -> tuple[Tensor, Tensor | None]:
     """jacobi:K (passes=K) or replay (passes None) over the whole sequences."""
     ids, plen, prompt, at = _sequences(model, r)
     dm = r.mode
     if not dm.feeds_state:  # STANDARD: nothing is fed, one plain pass is the exact reading
-        return _gather(model, r, model(ids, passes=1, return_logits=False).top, ids, at)
+        return _gather(model, model(ids, passes=1, return_logits=False).top, ids, at, how)
     # the prompt read by one plain pass (SOFT, FUSED k=0) stays plain; FUSED k > 0 keeps only position 0 / BOS plain
     plain_prompt = prompt if dm.passes == 1 else None
     if passes is None:
-        return _gather(model, r, _replay(model, r, ids, plen, at, plain_prompt), ids, at)
+        return _gather(model, _replay(model, r, ids, plen, at, plain_prompt), ids, at, how)
     k = dm.fused_passes
     frozen: list[Tensor] = []
     # FUSED k: from pass 1 + k on, prompt positions keep reading what they read in pass 1 + k (their states stay as
@@ -157,7 +184,7 @@ def _parallel(model: FeedbackModel, r: Rollout, passes: int | None) -> Tensor:
         return torch.where(hold[..., None], frozen[0], state), plain
 
     out = model(ids, passes=passes, plain_mask=plain_prompt, feed=None if k == 0 else feed, return_logits=False)
-    return _gather(model, r, out.top, ids, at)
+    return _gather(model, out.top, ids, at, how)
 
 
 def _replay(model: FeedbackModel, r: Rollout, ids: Tensor, plen: Tensor, at: Tensor,
