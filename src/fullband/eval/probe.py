@@ -8,6 +8,7 @@ prefix), `full` (the exact recurrence over the whole example)."""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import numpy as np
@@ -30,22 +31,23 @@ def final_streams(model, tokenizer, examples: list[Example], mode: str, *, suffi
     device = next(model.parameters()).device
     encoded = [tokenizer.encode(ex.text) for ex in examples]
     out = np.zeros((len(examples), len(model.blocks) + 1, model.config.d_model), dtype=np.float32)
-    captured: list[torch.Tensor] = []
+    captured: dict[int, torch.Tensor] = {}
 
-    def grab(module, args):
-        captured.append(args[0][:, -1].float().cpu())
+    def grab(depth, module, args):
+        captured[depth] = args[0][:, -1].float().cpu()
 
     # depth d < L is the input of block d (its first norm reads it), depth L the final norm's input: both in a
-    # whole-sequence pass and in a decode step
-    hooks = [m.register_forward_pre_hook(grab) for m in [*(b.attn_norm for b in model.blocks), model.norm_out]]
+    # whole-sequence pass and in a decode step; each keeps its last call (blocks below model.feedback_target run
+    # once, the others once per pass)
+    hooks = [m.register_forward_pre_hook(functools.partial(grab, d))
+             for d, m in enumerate([*(b.attn_norm for b in model.blocks), model.norm_out])]
     bar = tqdm(total=len(examples), desc=f"probe prefill {mode}", unit="ex", disable=not progress)
     try:
         for chunk in _same_length_batches(encoded, 16):
             ids = torch.tensor([encoded[i] for i in chunk], device=device)
             captured.clear()
             _run(model, ids, mode, suffix)
-            depth = len(model.blocks) + 1
-            last = torch.stack(captured[-depth:], dim=1)  # the final call of each: (B, L + 1, D)
+            last = torch.stack([captured[d] for d in range(len(model.blocks) + 1)], dim=1)  # (B, L + 1, D)
             out[chunk] = last.numpy()
             bar.update(len(chunk))
     finally:
