@@ -32,7 +32,7 @@ def _uncached_logits(model, prompt: list[int], new: list[int], mode: str, k: int
         elif mode == "exact":
             logits = model(seq, passes=P + n + 1).logits
         else:  # fused: prompt inputs from k Jacobi passes, generated positions iterated to their fixed point
-            e = model.norm_in(model.embed(seq))
+            e = model.embed_inputs(seq)  # the target block's plain inputs
             prompt_state = model(seq[:, :P], passes=k).hidden if k else None
             shift = lambda h: F.pad(h, (0, 0, 1, 0))[:, : h.shape[1]]  # noqa: E731
             plain = model.plain_of(seq)

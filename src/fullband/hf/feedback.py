@@ -24,12 +24,12 @@ from torch import Tensor, nn
 
 from fullband.folder import HF_CONFIG_KEY
 from fullband.errors import CheckpointError, ConfigError
-from fullband.model.config import ModelConfig
+from fullband.model.config import ModelConfig, require_default_layers
 from fullband.decode.generate import generate as generate_ids
 from fullband.model.core import FeedbackModel
 from fullband.model.fusion import FUSION_TYPES, build_fusion, embedding_rms
 from fullband.model.layers import RMSNorm
-from fullband.model.weights import init_fusion_weight_
+from fullband.model.weights import init_parameter_
 
 def config_for(hf_config: Any, base: ModelConfig | None = None, **changes: Any) -> ModelConfig:
     """A ModelConfig describing a HF model: its vocabulary, width, depth, heads and context from `hf_config`,
@@ -104,14 +104,15 @@ class LatentFeedback(FeedbackModel):
             raise ConfigError(f"fusion={fusion!r} is unknown; accepted: {', '.join(FUSION_TYPES)}")
         changes = {k: v for k, v in (("fusion", fusion), ("bos_token_id", bos_token_id)) if v is not None}
         self.config = config_for(hf_cfg, config, **changes)
+        require_default_layers(self.config, "add_latent_feedback (a wrapped Hugging Face model)")
         if not self.config.has_feedback:
             raise ConfigError("add_latent_feedback needs a fusion; accepted: " + ", ".join(FUSION_TYPES))
         self.hf = model
         d_model = emb.weight.shape[1]
         self.fusion = build_fusion(self.config.fusion, d_model)
         self.norm_in = RMSNorm(d_model, getattr(hf_cfg, "rms_norm_eps", None) or getattr(hf_cfg, "layer_norm_epsilon", 1e-6))
-        for p in self.fusion.parameters():
-            init_fusion_weight_(p)
+        for name, p in self.fusion.named_parameters():
+            init_parameter_(f"fusion.{name}", p, self.config)
         with torch.no_grad():
             self.norm_in.weight.fill_(embedding_rms(emb.weight))
         # the base model's KV-cache keyword: `cache` in newer transformers, else past_key_values

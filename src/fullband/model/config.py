@@ -11,7 +11,7 @@ from typing import Any
 from fullband.errors import ConfigError, closest
 from fullband.validate import boolean, choice, integer, number
 
-FUSIONS = ("gated", "additive", "concat", "none")
+FUSIONS = ("gated", "additive", "concat", "t2mlr", "none")
 # RoPE tables cover max_seq_len positions and are built with the model: 2**20 positions is already 1 GiB of tables
 # at head_dim 128. A longer context is refused rather than allocated (a hostile config.json must not ask for TBs).
 MAX_SEQ_LEN = 2**20
@@ -25,7 +25,15 @@ class ModelConfig:
     Fusion variants (docs/method.md, section 2): `gated` (h W_U) * sigmoid(norm_in(e) W_G) (the paper's),
     `additive` norm_in(e) + h W, `concat` [norm_in(e); h] W, and `none` (a standard transformer with no
     feedback weights, usable only with one pass). `feedback` picks which top state is fed back:
-    `final` (after the final RMSNorm, the vector the tied LM head reads) or `residual` (before it).
+    `final` (after the final RMSNorm, the vector the tied LM head reads) or `residual` (before it). `t2mlr` is
+    T2MLR's gated recurrent mixer (fullband.model.fusion.T2MLRFusion), for the rivals comparison.
+
+    Where the state leaves and enters the stack (docs/method.md, section 4): the output of block `feedback_source`
+    (0-based; null: the top block, the state `feedback` picks) at position t - 1 is fused into the input of block
+    `feedback_target` (default 0: the stack input) at position t. Blocks below the target never read the state:
+    they run once per forward, and their output is the plain input the fusion reads. A source below the top feeds
+    its residual-stream output (feedback = "residual"). Defaults: the paper's model; T2MLR-like and LRT-like
+    settings in README.md ("Where the state is taken and where it enters").
 
     `input_norm` (default true): plain positions take norm_in(embedding), as in the paper. False makes the plain
     stack input the raw embedding, as in Llama-style models (so a converted Llama checkpoint computes exactly what
@@ -48,6 +56,8 @@ class ModelConfig:
     init_std: float = 0.02
     fusion: str = "gated"
     feedback: str = "final"
+    feedback_source: int | None = None  # the block whose output is fed back; None: the top
+    feedback_target: int = 0  # the block at whose input the state is fused
     # Positions holding this token are document starts and always take the plain embedding.
     bos_token_id: int | None = None
     input_norm: bool = True
@@ -95,11 +105,37 @@ class ModelConfig:
             boolean(name, getattr(self, name))
         choice("fusion", self.fusion, FUSIONS)
         choice("feedback", self.feedback, FEEDBACKS)
+        self._check_feedback_layers()
         if self.bos_token_id is not None:
             integer("bos_token_id", self.bos_token_id, 0)
             if self.bos_token_id >= self.vocab_size:
                 raise ConfigError(f"bos_token_id={self.bos_token_id} is outside the vocabulary; "
                                   f"accepted: 0 <= bos_token_id < vocab_size={self.vocab_size}, or null")
+
+    def _check_feedback_layers(self) -> None:
+        top = self.n_layers - 1
+        integer("feedback_target", self.feedback_target, 0, below=self.n_layers)
+        if self.feedback_source is None:
+            return
+        integer("feedback_source", self.feedback_source, 0)
+        if not self.feedback_target <= self.feedback_source <= top:
+            raise ConfigError(f"feedback_source={self.feedback_source} is out of range; accepted: feedback_target="
+                              f"{self.feedback_target} <= feedback_source <= {top} (n_layers={self.n_layers}; a "
+                              "source below the target would feed a function of the tokens only), or null (the top)")
+        if self.feedback_source < top and self.feedback == "final":
+            raise ConfigError(f"feedback_source={self.feedback_source} is below the top block ({top}): its state is "
+                              'the residual stream after it; accepted with it: feedback = "residual" ("final" is the '
+                              "top's final-norm output)")
+
+    @property
+    def source_layer(self) -> int:
+        """The block whose output is fed back (feedback_source, or the top)."""
+        return self.n_layers - 1 if self.feedback_source is None else self.feedback_source
+
+    @property
+    def default_layers(self) -> bool:
+        """Whether the state leaves the top block and enters block 0 (the paper's model; every runtime runs it)."""
+        return self.source_layer == self.n_layers - 1 and self.feedback_target == 0
 
     @property
     def head_dim(self) -> int:
@@ -130,6 +166,15 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return ModelConfig.from_dict({**self.to_dict(), **changes})
+
+
+def require_default_layers(cfg: ModelConfig, runtime: str) -> None:
+    """Raise ConfigError unless cfg feeds the top state into block 0: `runtime` runs only that (the native model,
+    FullbandLM, runs any feedback_source / feedback_target)."""
+    if not cfg.default_layers:
+        raise ConfigError(f"{runtime} feeds the top state into block 0 only; got feedback_source="
+                          f"{cfg.feedback_source}, feedback_target={cfg.feedback_target}; accepted: feedback_source = "
+                          "null (or n_layers - 1) and feedback_target = 0 (the native FullbandLM runs any)")
 
 
 def _divisors_hint(n: int) -> str:

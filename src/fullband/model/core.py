@@ -2,9 +2,11 @@
 
 A runtime supplies its stack by subclassing FeedbackModel: the token embedding (`embed_tokens`), the stack over a
 whole sequence (`stack`) or one cached position per row (`stack_step`), the head and a new cache, plus the fusion and
-its input norm (`fusion`, `norm_in`). Every rule of the method lives here, once, on top of that (docs/method.md
-names each one's code): which positions are plain, the stack input of a plain and of a fed position, one Jacobi pass
-and the pass loop, the exact recurrence, and how a decoding mode reads a prompt.
+its input norm (`fusion`, `norm_in`); a runtime that lets the state enter above block 0 (config.feedback_target)
+splits its stack there (`lower`, `lower_step`: the blocks below, which never read the state). Every rule of the
+method lives here, once, on top of that (docs/method.md names each one's code): which positions are plain, the
+input of the target block at a plain and at a fed position, one Jacobi pass and the pass loop, the exact
+recurrence, and how a decoding mode reads a prompt.
 
 The native model (model.decoder), the latent-feedback wrapper of a Hugging Face decoder (hf.feedback) and vLLM's
 model (vllm.model) supply their stacks; the transformers class, the decode engine, the evaluators, chat and the
@@ -79,14 +81,31 @@ class FeedbackModel(nn.Module):
         raise NotImplementedError
 
     def stack(self, x: Tensor, cache=None) -> tuple[Tensor, Tensor]:
-        """The transformer stack over inputs x (B, T, D) at positions 0..T-1 (causal) -> (fed-back state, final-norm
-        output), both (B, T, D). A `cache` receives the keys and values (replacing what it held)."""
+        """The blocks from config.feedback_target (default 0: the whole stack) up over their inputs x (B, T, D) at
+        positions 0..T-1 (causal) -> (fed-back state: the output config.feedback_source picks, final-norm output),
+        both (B, T, D). A `cache` receives their keys and values (replacing what it held)."""
         raise NotImplementedError
 
     def stack_step(self, x: Tensor, positions: Tensor, cache, kv_len: int, mask: Tensor | None = None):
-        """One cached position per row: x (B, 1, D) at positions (B,), attending to the cache's first kv_len slots
-        (under `mask`, from cache.visible, when rows are at different positions) -> (state, top), both (B, 1, D)."""
+        """`stack` at one cached position per row: x (B, 1, D) at positions (B,), attending to the cache's first
+        kv_len slots (under `mask`, from cache.visible, when rows are at different positions) -> (state, top), both
+        (B, 1, D)."""
         raise NotImplementedError
+
+    def lower(self, x: Tensor, cache=None) -> Tensor:
+        """The blocks below config.feedback_target over stack inputs x (B, T, D) -> the target block's input (B, T, D);
+        a `cache` receives their keys and values. None at target 0 (the default): x itself."""
+        return self._no_lower(x)
+
+    def lower_step(self, x: Tensor, positions: Tensor, cache, kv_len: int, mask: Tensor | None = None) -> Tensor:
+        """`lower` at one cached position per row (as stack_step): x (B, 1, D) -> (B, 1, D)."""
+        return self._no_lower(x)
+
+    def _no_lower(self, x: Tensor) -> Tensor:
+        if self.config.feedback_target:  # a runtime's config check refuses this first, by name
+            raise NotImplementedError(f"{type(self).__name__} does not split its stack at feedback_target="
+                                      f"{self.config.feedback_target}")
+        return x
 
     def head(self, top: Tensor) -> Tensor:
         """(..., D) -> logits (..., V)."""
@@ -103,13 +122,17 @@ class FeedbackModel(nn.Module):
         e itself when config.input_norm is false (Llama-style models, so a converted one computes what it did)."""
         return self.norm_in(e) if self.config.input_norm else e
 
-    def embed_inputs(self, input_ids: Tensor) -> Tensor:
-        """The plain stack inputs of ids (...,) -> (..., D)."""
-        return self.plain_input(self.embed_tokens(input_ids))
+    def embed_inputs(self, input_ids: Tensor, cache=None) -> Tensor:
+        """The plain inputs of the target block for ids (B, T) -> (B, T, D): the plain stack input through the blocks
+        below it (`lower`, whose keys and values a `cache` receives), computed once whatever the passes, since those
+        blocks never read the state. At target 0 (the default) any shape (...,) -> (..., D)."""
+        return self.lower(self.plain_input(self.embed_tokens(input_ids)), cache)
 
     def fuse(self, e: Tensor, prev: Tensor) -> Tensor:
-        """norm_in(fuse(e, prev)) for plain inputs e (..., D) and the states they read, prev (..., D)."""
-        return fused_input(self.fusion, self.norm_in, e, prev, normalise_gate=not self.config.input_norm)
+        """norm_in(fuse(e, prev)) for plain inputs e (..., D) and the states they read, prev (..., D). The gate reads
+        a gain-free RMS-normalised e unless e is norm_in's output (input_norm, target block 0)."""
+        normalised = self.config.input_norm and not self.config.feedback_target
+        return fused_input(self.fusion, self.norm_in, e, prev, normalise_gate=not normalised)
 
     def pass_inputs(self, e: Tensor, prev: Tensor | None, plain: Tensor | None) -> Tensor:
         """Stack inputs: each position of e fused with the state it reads (prev, aligned with e), except the `plain`
@@ -165,7 +188,7 @@ class FeedbackModel(nn.Module):
         hooks (see iterate); a `cache` receives the last pass's keys and values."""
         self.check_ids(input_ids)
         passes = self.check_passes(passes)
-        e = self.embed_inputs(input_ids)
+        e = self.embed_inputs(input_ids, cache)
         state, top, used, seen = self.iterate(e, self.plain_of(input_ids, mask=plain_mask), passes, cache=cache,
                                               tol=tol, feed=feed, each_pass=each_pass)
         return ModelOutput(self.head(top) if return_logits else None, state, top, used, seen)
@@ -175,7 +198,8 @@ class FeedbackModel(nn.Module):
              plain: Tensor | None = None, kv_len: int, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One cached position per row: tokens (B,) at positions (B,), fed the states prev (B, D) (None: plain) unless
         the plain rule (or `plain` (B,)) says otherwise -> (state (B, D), final-norm output (B, D))."""
-        e = self.embed_inputs(tokens)
+        e = self.plain_input(self.embed_tokens(tokens))
+        e = self.lower_step(e[:, None], positions, cache, kv_len, mask)[:, 0]
         if prev is not None:
             e = self.pass_inputs(e, prev, self.plain_of(tokens, positions, mask=plain))
         state, top = self.stack_step(e[:, None], positions, cache, kv_len, mask)

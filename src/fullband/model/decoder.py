@@ -89,29 +89,54 @@ class FullbandLM(FeedbackModel):
         return self.embed(input_ids)
 
     def stack(self, x: Tensor, cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
+        return self._out(*self._blocks(x, cache, self.config.feedback_target, self.config.n_layers))
+
+    def stack_step(self, x: Tensor, positions: Tensor, cache: KVCache, kv_len: int,
+                   mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return self._out(*self._blocks_step(x, positions, cache, kv_len, mask, self.config.feedback_target,
+                                            self.config.n_layers))
+
+    def lower(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
+        return self._blocks(x, cache, 0, self.config.feedback_target)[0] if self.config.feedback_target else x
+
+    def lower_step(self, x: Tensor, positions: Tensor, cache: KVCache, kv_len: int,
+                   mask: Tensor | None = None) -> Tensor:
+        if not self.config.feedback_target:
+            return x
+        return self._blocks_step(x, positions, cache, kv_len, mask, 0, self.config.feedback_target)[0]
+
+    def _blocks(self, x: Tensor, cache: KVCache | None, start: int, stop: int) -> tuple[Tensor, Tensor | None]:
+        """Blocks [start, stop) over x (B, T, D) at positions 0..T-1 -> (the last one's output, the source block's
+        output, or None when it is not among them)."""
         T = x.shape[1]
         cos, sin = self.rotary.prefix(T, x.dtype)
         span = torch.arange(T, device=x.device)
         local = self._window_mask(span, span, T)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if cache is None else cache.layer(i), local)
-        return self._out(x)
+        source = None
+        for i in range(start, stop):
+            x = self.blocks[i](x, cos, sin, None if cache is None else cache.layer(i), local)
+            source = x if i == self.config.source_layer else source
+        return x, source
 
-    def stack_step(self, x: Tensor, positions: Tensor, cache: KVCache, kv_len: int,
-                   mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _blocks_step(self, x: Tensor, positions: Tensor, cache: KVCache, kv_len: int, mask: Tensor | None,
+                     start: int, stop: int) -> tuple[Tensor, Tensor | None]:
+        """_blocks at one cached position per row (see Block.step)."""
         cos, sin = self.rotary.at(positions, x.dtype)
         slots = cache.slots(positions)
         local = self._window_mask(positions[:, None], torch.arange(kv_len, device=positions.device), kv_len)
         if local is not None:  # (B, 1, kv_len) -> (B, 1, 1, kv_len)
             local = local[:, None]
-        for i, block in enumerate(self.blocks):
-            x = block.step(x, cos, sin, cache.layer(i), slots, kv_len, mask, local)
-        return self._out(x)
+        source = None
+        for i in range(start, stop):
+            x = self.blocks[i].step(x, cos, sin, cache.layer(i), slots, kv_len, mask, local)
+            source = x if i == self.config.source_layer else source
+        return x, source
 
-    def _out(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The last block's output -> (fed-back state, final-norm output)."""
+    def _out(self, x: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
+        """The last block's output and the source block's -> (fed-back state, final-norm output): the state is the
+        final-norm output under feedback="final" (the source is then the top), else the source's residual stream."""
         top = self.norm_out(x)
-        return (top if self.config.feedback == "final" else x), top
+        return (top if self.config.feedback == "final" else source), top
 
     def head(self, top: Tensor) -> Tensor:
         """LM head (tied to the embedding unless config.tie_embeddings is false): (..., D) -> logits (..., V)."""

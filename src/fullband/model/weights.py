@@ -21,7 +21,8 @@ from fullband.model.config import ModelConfig
 class Weight:
     """One parameter of FullbandLM. "{i}" in a name stands for the block index.
 
-    kind: embedding / head (Adam), gain (Adam, never decayed, initialised at 1), matrix (a hidden matrix: NorMuon),
+    kind: embedding / head (Adam), gain (Adam, never decayed, initialised at 1), offset (a bias or a scale: Adam,
+    never decayed, initialised at 0), matrix (a hidden matrix: NorMuon),
     fusion (the feedback matrices: NorMuon). `residual`: a residual branch's output matrix, initialised at
     init_std / sqrt(2 L) so the top state stays O(1) with depth. `splits`: the row blocks of a fused matrix (SPLITS),
     orthogonalised separately and read from separate Llama tensors. `llama`: the LlamaForCausalLM tensors it is
@@ -58,6 +59,13 @@ WEIGHTS: tuple[Weight, ...] = (
     Weight("fusion.w_g.weight", "fusion"),
     Weight("fusion.w_h.weight", "fusion"),  # additive
     Weight("fusion.w_cat.weight", "fusion"),  # concat
+    Weight("fusion.w_p.weight", "fusion"),  # t2mlr: the state's projection, its gate, the stream's gate
+    Weight("fusion.w_gh.weight", "fusion"),
+    Weight("fusion.w_gx.weight", "fusion"),
+    Weight("fusion.w_gh.bias", "offset"),
+    Weight("fusion.w_gx.bias", "offset"),
+    Weight("fusion.scale_h", "offset"),  # ReZero scales: 0, so an untrained mixer passes its input through
+    Weight("fusion.scale_x", "offset"),
     _block("attn_norm.weight", "gain", llama=("input_layernorm.weight",)),
     _block("mlp_norm.weight", "gain", llama=("post_attention_layernorm.weight",)),
     _block("attn.wqkv.weight", "matrix", splits="qkv", served="attn.qkv_proj.weight",
@@ -103,11 +111,13 @@ def split(w: Weight, tensor: Tensor, cfg: ModelConfig) -> list[Tensor]:
 
 @torch.no_grad()
 def init_parameter_(name: str, p: Tensor, cfg: ModelConfig) -> Tensor:
-    """The initialisation of FullbandLM parameter `name`: gains at 1; fusion matrices as init_fusion_weight_;
-    residual outputs at init_std / sqrt(2 L); everything else Normal(0, init_std)."""
+    """The initialisation of FullbandLM parameter `name`: gains at 1; offsets at 0; fusion matrices as
+    init_fusion_weight_; residual outputs at init_std / sqrt(2 L); everything else Normal(0, init_std)."""
     w, _ = lookup(name)
     if w.kind == "gain":
         return nn.init.ones_(p)
+    if w.kind == "offset":
+        return nn.init.zeros_(p)
     if w.kind == "fusion":
         return init_fusion_weight_(p)
     std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if w.residual else cfg.init_std

@@ -98,12 +98,12 @@ class Route:
 
 def _native_route(w: Weight) -> Route:
     """A weight-table row's route: hidden and fusion matrices on NorMuon (fused matrices split by rows into the
-    logical matrices orthogonalised separately), embedding and head on Adam, gains on Adam and never decayed
-    (decay pulls them toward 0, not toward their init of 1). The embedding decays with adam_weight_decay (0 by
-    default)."""
+    logical matrices orthogonalised separately), embedding and head on Adam, gains and offsets (biases, scales) on
+    Adam and never decayed (decay pulls gains toward 0, not toward their init of 1). The embedding decays with
+    adam_weight_decay (0 by default)."""
     if w.kind in ("matrix", "fusion"):
         return Route(w.pattern, "normuon", splits=w.splits)
-    return Route(w.pattern, "adam", wd_mult=0.0 if w.kind == "gain" else 1.0)
+    return Route(w.pattern, "adam", wd_mult=0.0 if w.kind in ("gain", "offset") else 1.0)
 
 
 NORMUON_ROUTES: tuple[Route, ...] = tuple(_native_route(w) for w in WEIGHTS)
@@ -119,11 +119,11 @@ ROUTES: dict[str, tuple[Route, ...]] = {"normuon": NORMUON_ROUTES, "adamw": ADAM
 
 # A pretrained Hugging Face model wrapped with latent feedback (model.hf_path): its own weights continue on
 # AdamW (adam_lr; their layout differs per architecture, e.g. GPT-2 stores Conv1D weights transposed, so no
-# per-matrix NorMuon split applies); the new fusion matrices take NorMuon as in a native model (AdamW under
+# per-matrix NorMuon split applies); the new fusion weights are routed as in a native model (AdamW under
 # optim.name="adamw"). Norm gains and biases never decay.
 _HF_NORMS = r"^hf\..*(norm|ln_[0-9f]|layernorm)[^.]*\.(weight|bias)$"
 HF_ROUTES: tuple[Route, ...] = (
-    *(Route(w.pattern, "normuon") for w in WEIGHTS if w.kind == "fusion"),
+    *(_native_route(w) for w in WEIGHTS if w.name.startswith("fusion.")),
     Route(r"^norm_in\.weight$", "adam", wd_mult=0.0),
     Route(_HF_NORMS, "adam", wd_mult=0.0),
     Route(r"^hf\..*\.bias$", "adam", wd_mult=0.0),

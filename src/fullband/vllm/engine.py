@@ -12,7 +12,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from fullband.model.mode import DecodeMode
 from fullband.errors import ConfigError
-from fullband.model.config import ModelConfig
+from fullband.model.config import ModelConfig, require_default_layers
 from fullband.vllm.requests import served_default
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ def model_config_of(hf_config: "FullbandConfig") -> ModelConfig:
         raise ConfigError(f"hf_path={cfg.hf_path!r}: a latent-feedback wrapper around another Hugging Face model is "
                           "not served by fullband's vLLM model (only native full-bandwidth models, converted Llamas "
                           "included)")
+    require_default_layers(cfg, "fullband's vLLM model")
     return cfg
 
 
