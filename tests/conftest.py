@@ -112,3 +112,37 @@ def losses(run_dir) -> list[list[float]]:
 
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r["loss_pass"] for r in rows if "loss_pass" in r]
+
+
+def assert_resume_is_bitwise(whole, part, monkeypatch, *, stop_before: int, last: str) -> None:
+    """Train recipe `whole` uninterrupted and recipe `part` (the same, another run_dir) stopped by an exception
+    before its step stop_before + 1, then resumed from its last checkpoint: the per-pass losses and the final
+    checkpoint `last` (e.g. "step_000009") must be bitwise equal."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import Trainer, train
+
+    class Stop(Exception):
+        pass
+
+    step = Trainer.train_step
+
+    def stopping(self, i):
+        if i == stop_before:
+            raise Stop
+        return step(self, i)
+
+    train(load_run_config(whole))
+    monkeypatch.setattr(Trainer, "train_step", stopping)
+    with pytest.raises(Stop):
+        train(load_run_config(part))
+    monkeypatch.setattr(Trainer, "train_step", step)
+    run_dir, ref_dir = (Path(load_run_config(path).log.run_dir) for path in (part, whole))
+    train(load_run_config(part), resume=run_dir)
+    assert losses(run_dir) == losses(ref_dir)
+    a = load_file(str(ref_dir / last / "model.safetensors"))
+    b = load_file(str(run_dir / last / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

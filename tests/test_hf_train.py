@@ -17,7 +17,7 @@ from fullband.errors import CheckpointError, ConfigError
 from fullband.train.config import load_run_config
 from fullband.train.trainer import Trainer, train
 
-from conftest import losses, write_config  # the corpus and cache fixtures live in conftest too
+from conftest import assert_resume_is_bitwise, losses, write_config  # and the corpus and cache fixtures
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,28 +100,8 @@ def test_train_from_a_pretrained_hf_model(tmp_path, corpus, cache, hf_folders, k
 
 def test_hf_run_resumes_bitwise(tmp_path, corpus, cache, hf_folders, monkeypatch):
     hf_path = hf_folders / "gpt2"
-    train(load_run_config(recipe(tmp_path, corpus, cache, hf_path, "whole", steps=9)))
-
-    class Stop(Exception):
-        pass
-
-    step = Trainer.train_step
-
-    def stop_at_5(self, i):
-        if i == 4:
-            raise Stop
-        return step(self, i)
-
-    part = recipe(tmp_path, corpus, cache, hf_path, "part", steps=9)
-    monkeypatch.setattr(Trainer, "train_step", stop_at_5)
-    with pytest.raises(Stop):
-        train(load_run_config(part))
-    monkeypatch.setattr(Trainer, "train_step", step)
-    train(load_run_config(part), resume=tmp_path / "part")  # from step_000003
-    assert losses(tmp_path / "part") == losses(tmp_path / "whole")
-    a = load_file(str(tmp_path / "whole" / "step_000009" / "model.safetensors"))
-    b = load_file(str(tmp_path / "part" / "step_000009" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    whole, part = (recipe(tmp_path, corpus, cache, hf_path, name, steps=9) for name in ("whole", "part"))
+    assert_resume_is_bitwise(whole, part, monkeypatch, stop_before=4, last="step_000009")  # resumes at step 3
 
 
 def test_hf_routes_put_every_weight_in_one_group(hf_folders):
