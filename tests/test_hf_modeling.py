@@ -304,6 +304,9 @@ def test_convert_keeps_a_bpe_tokenizer_usable_by_autotokenizer(tmp_path):
     text = "def g(y):\n    return os.getcwd()\n"
     assert auto(text, add_special_tokens=False)["input_ids"] == tok.encode(text, bos=False)
     assert auto.bos_token_id == tok.bos_id and auto.eos_token_id == tok.eos_id
+    # left padding: a padded batch of prompts ends where each prompt ends, as generate continues it
+    batch = auto(["x", "def f(x):"], padding=True, add_special_tokens=False)
+    assert auto.padding_side == "left" and batch["attention_mask"][0][-1] == 1 and batch["attention_mask"][0][0] == 0
     convert(tmp_path / "hf", tmp_path / "back")
     assert load_tokenizer(tmp_path / "back").encode(text) == tok.encode(text)
 

@@ -347,8 +347,9 @@ def server(tmp_path_factory):
            str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "32",
            "--seed", "0", "--chat-template", str(root / "chat.jinja"), "--served-model-name", "fb"]
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    # no VLLM_CPU_KVCACHE_SPACE: fullband serve sizes the KV cache to the memory free (--kv-cache-memory-bytes)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -362,6 +363,7 @@ def server(tmp_path_factory):
             proc.kill()
             raise RuntimeError(f"vllm serve did not start: {(root / 'server.log').read_text()[-3000:]}")
         time.sleep(1)
+    assert "fullband serve: KV cache " in (root / "server.log").read_text()
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)

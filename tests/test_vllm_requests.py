@@ -103,3 +103,30 @@ def test_a_chat_request_to_a_base_folder_meets_our_sentence(tmp_path, model, mon
     model.save(chat / "native", tokenizer=ByteTokenizer(chat=True))
     convert(chat / "native", chat / "hf", to="hf")
     assert "--chat-template" not in serve.server_command(chat / "hf", ["--port", "8000"])
+
+
+def test_serve_sizes_the_cpu_kv_cache_to_the_memory_free(tmp_path, model, monkeypatch):
+    from fullband.errors import ConfigError
+    from fullband.hf.modeling import FullbandForCausalLM
+    from fullband.vllm.serve import KV_OPTION, kv_cache_option
+
+    FullbandForCausalLM.from_native(model).save_pretrained(tmp_path / "hf")
+    cfg = model.config
+    per_token = cfg.n_layers * 2 * cfg.n_kv_heads * (cfg.d_model // cfg.n_heads) * 4  # float32 keys and values
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    opts = ["--max-model-len", "64", "--max-num-seqs", "8"]
+    mib = 2**20
+    # room for 8 sequences of 64 tokens, rounded up to a MiB
+    assert kv_cache_option(tmp_path / "hf", opts, cpu=True, available=2**34) == \
+        [KV_OPTION, str(-(-per_token * 64 * 8 // mib) * mib)]
+    # at most half of what is free
+    big = ["--max-model-len", "64", "--max-num-seqs", "100000"]
+    assert kv_cache_option(tmp_path / "hf", big, cpu=True, available=2**28) == [KV_OPTION, str(2**27)]
+    # set already, or on a GPU: vLLM's own sizing
+    assert kv_cache_option(tmp_path / "hf", [*opts, f"{KV_OPTION}=1000"], cpu=True, available=2**34) == []
+    assert kv_cache_option(tmp_path / "hf", opts, cpu=False, available=2**34) == []
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert kv_cache_option(tmp_path / "hf", opts, cpu=True, available=2**34) == []
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    with pytest.raises(ConfigError, match=r"the KV cache of one 64-token sequence needs .* half the free memory"):
+        kv_cache_option(tmp_path / "hf", opts, cpu=True, available=per_token * 64)

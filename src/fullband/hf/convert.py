@@ -146,7 +146,10 @@ def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int
     # the byte tokenizer: its transformers equivalent for other tools, and itself for the way back
     file = str(tokenizer_dir / "tokenizer.json")
     source = {"tokenizer_file": file} if bpe else {"tokenizer_object": tokenizer.to_hf()}
-    PreTrainedTokenizerFast(**source, bos_token=bos, eos_token=eos, pad_token=pad, **chat).save_pretrained(out)
+    # left padding: a batch of prompts for generate ends where each prompt ends (right-padded rows would
+    # continue after their padding, silently)
+    PreTrainedTokenizerFast(**source, bos_token=bos, eos_token=eos, pad_token=pad, padding_side="left",
+                            **chat).save_pretrained(out)
     if not bpe:
         shutil.copy2(tokenizer_dir / "tokenizer.json", out / BYTE_TOKENIZER_FILE)
 
