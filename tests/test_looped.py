@@ -103,12 +103,10 @@ def test_a_cache_holds_the_slots_of_its_r():
     assert len(cache.k) == 4 + 2 * 2  # n_layers + (loops - 1) G
     with torch.no_grad(), model.looping(4), pytest.raises(InputError, match="holds 8 layer slots.*loops=4 needs 10"):
         model(random_ids(1, 5), cache=cache)
-    with pytest.raises(InputError, match="loops=0"):
-        with model.looping(0):
-            pass
-    with pytest.raises(InputError, match="loops=2 needs a looped group"):
-        with _model(None).looping(2):
-            pass
+    with pytest.raises(InputError, match="loops=0"), model.looping(0):
+        pass
+    with pytest.raises(InputError, match="loops=2 needs a looped group"), _model(None).looping(2):
+        pass
 
 
 def test_the_cost_of_a_looped_token():
