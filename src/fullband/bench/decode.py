@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fullband.model.cache import KVCache
 from fullband.decode.generate import generate, stream
 from fullband.model.weights import lookup, split as split_rows
 from fullband.model.config import ModelConfig
@@ -84,7 +83,7 @@ def paired_soft_overhead(model: FullbandLM, prompts: torch.Tensor, pairs: int = 
     with torch.inference_mode():
         runs = {}
         for feed in (False, True):
-            cache = KVCache.for_model(model, B, P + pairs + 1)
+            cache = model.new_cache(B, P + pairs + 1)
             out = model(prompts, cache=cache, return_logits=False)
             runs[feed] = [cache, out.hidden[:, -1], out.top[:, -1]]
         tokens = prompts[:, -1]

@@ -10,8 +10,9 @@ from torch import Tensor
 
 
 class KVCache:
-    """Keys and values of every layer: k[i], v[i] are (B, max_len, H_kv, Dh) (position-major, so one decode
-    step writes each row's slot with a single index_copy_ into the flattened (B * max_len, H_kv, Dh) view)."""
+    """Keys and values of every layer slot (a looped model has one per block repetition): k[i], v[i] are
+    (B, max_len, H_kv, Dh) (position-major, so one decode step writes each row's slot with a single index_copy_
+    into the flattened (B * max_len, H_kv, Dh) view)."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -29,10 +30,12 @@ class KVCache:
         return cache
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, batch: int, max_len: int) -> "KVCache":
+    def for_model(cls, model: torch.nn.Module, batch: int, max_len: int, layers: int | None = None) -> "KVCache":
+        """A cache of `layers` slots (default config.n_layers; a looped model has one per block repetition)."""
         cfg = model.config
         param = next(model.parameters())
-        return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype=param.dtype, device=param.device)
+        return cls(cfg.n_layers if layers is None else layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim,
+                   dtype=param.dtype, device=param.device)
 
     def slots(self, positions: Tensor) -> Tensor:
         """Row-major slot of each row's position in the flattened cache: b * max_len + positions[b]."""

@@ -16,6 +16,10 @@ FUSIONS = ("gated", "additive", "concat", "t2mlr", "none")
 # at head_dim 128. A longer context is refused rather than allocated (a hostile config.json must not ask for TBs).
 MAX_SEQ_LEN = 2**20
 FEEDBACKS = ("final", "residual")
+LOOP_TRAINS = ("fixed", "uniform")
+# A looped group runs `loops` times per token and keeps a KV cache per repetition: the cap keeps a hostile
+# config.json from asking for an unbounded forward (Huginn reports up to 64 recurrences at test time).
+MAX_LOOPS = 256
 
 
 @dataclass
@@ -34,6 +38,12 @@ class ModelConfig:
     they run once per forward, and their output is the plain input the fusion reads. A source below the top feeds
     its residual-stream output (feedback = "residual"). Defaults: the paper's model; T2MLR-like and LRT-like
     settings in README.md ("Where the state is taken and where it enters").
+
+    Looped depth (docs/method.md, section 4; a separate option, the Huginn / Ouro rival): blocks [`loop_start`,
+    `loop_stop`) run `loops` times per token (r at inference), each repetition reusing the group's weights with its
+    own KV cache, the group's output fed straight back into its input (a plain repeat: no new weights, and r = 1
+    is the unlooped model). `loop_train` draws r per training step: "fixed" (r = loops) or "uniform"
+    (r ~ U{1..loops}, from (seed, step)). Default: no loop.
 
     `input_norm` (default true): plain positions take norm_in(embedding), as in the paper. False makes the plain
     stack input the raw embedding, as in Llama-style models (so a converted Llama checkpoint computes exactly what
@@ -58,6 +68,10 @@ class ModelConfig:
     feedback: str = "final"
     feedback_source: int | None = None  # the block whose output is fed back; None: the top
     feedback_target: int = 0  # the block at whose input the state is fused
+    loop_start: int | None = None  # the looped group [loop_start, loop_stop); None: no loop
+    loop_stop: int | None = None
+    loops: int = 1  # repetitions of the group per token at inference (r)
+    loop_train: str = "fixed"  # r per training step: "fixed" (= loops) or "uniform" (U{1..loops})
     # Positions holding this token are document starts and always take the plain embedding.
     bos_token_id: int | None = None
     input_norm: bool = True
@@ -106,6 +120,7 @@ class ModelConfig:
         choice("fusion", self.fusion, FUSIONS)
         choice("feedback", self.feedback, FEEDBACKS)
         self._check_feedback_layers()
+        self._check_loop()
         if self.bos_token_id is not None:
             integer("bos_token_id", self.bos_token_id, 0)
             if self.bos_token_id >= self.vocab_size:
@@ -126,6 +141,42 @@ class ModelConfig:
             raise ConfigError(f"feedback_source={self.feedback_source} is below the top block ({top}): its state is "
                               'the residual stream after it; accepted with it: feedback = "residual" ("final" is the '
                               "top's final-norm output)")
+
+    def _check_loop(self) -> None:
+        choice("loop_train", self.loop_train, LOOP_TRAINS)
+        integer("loops", self.loops, 1, below=MAX_LOOPS + 1)
+        if self.loop_start is None and self.loop_stop is None:
+            if self.loops > 1 or self.loop_train != "fixed":
+                raise ConfigError(f"loops={self.loops}, loop_train={self.loop_train!r} need a looped group; accepted "
+                                  "with them: loop_start and loop_stop (blocks [loop_start, loop_stop) repeat)")
+            return
+        if self.loop_start is None or self.loop_stop is None:
+            raise ConfigError(f"loop_start={self.loop_start}, loop_stop={self.loop_stop}: give both (the group is "
+                              "blocks [loop_start, loop_stop)) or neither (no loop)")
+        integer("loop_start", self.loop_start, 0)
+        integer("loop_stop", self.loop_stop, 0)
+        if not self.loop_start < self.loop_stop <= self.n_layers:
+            raise ConfigError(f"loop_start={self.loop_start}, loop_stop={self.loop_stop} is not a group of blocks; "
+                              f"accepted: 0 <= loop_start < loop_stop <= n_layers={self.n_layers}")
+        if self.loop_start < self.feedback_target < self.loop_stop:
+            raise ConfigError(f"the looped group [{self.loop_start}, {self.loop_stop}) straddles feedback_target="
+                              f"{self.feedback_target}; accepted: a group wholly below it (loop_stop <= "
+                              f"{self.feedback_target}) or from it up (loop_start >= {self.feedback_target})")
+
+    @property
+    def has_loop(self) -> bool:
+        """Whether a group of blocks repeats per token (loop_start / loop_stop)."""
+        return self.loop_start is not None
+
+    @property
+    def loop_size(self) -> int:
+        """G, the blocks in the looped group (0 without one)."""
+        return self.loop_stop - self.loop_start if self.has_loop else 0
+
+    def loop_cost(self, loops: int | None = None) -> float:
+        """A token's block compute at r loops (default: loops) over the unlooped model's: (L + (r - 1) G) / L."""
+        r = self.loops if loops is None else loops
+        return (self.n_layers + (r - 1) * self.loop_size) / self.n_layers
 
     @property
     def source_layer(self) -> int:
@@ -169,8 +220,12 @@ class ModelConfig:
 
 
 def require_default_layers(cfg: ModelConfig, runtime: str) -> None:
-    """Raise ConfigError unless cfg feeds the top state into block 0: `runtime` runs only that (the native model,
-    FullbandLM, runs any feedback_source / feedback_target)."""
+    """Raise ConfigError unless cfg feeds the top state into block 0 and loops no group: `runtime` runs only that
+    (the native model, FullbandLM, runs any feedback_source / feedback_target and a looped group)."""
+    if cfg.has_loop:
+        raise ConfigError(f"{runtime} runs every block once per token; got loop_start={cfg.loop_start}, loop_stop="
+                          f"{cfg.loop_stop} (loops={cfg.loops}); accepted: loop_start = loop_stop = null (the native "
+                          "FullbandLM runs a looped group)")
     if not cfg.default_layers:
         raise ConfigError(f"{runtime} feeds the top state into block 0 only; got feedback_source="
                           f"{cfg.feedback_source}, feedback_target={cfg.feedback_target}; accepted: feedback_source = "

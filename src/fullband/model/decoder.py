@@ -1,6 +1,8 @@
 """FullbandLM: the native full-bandwidth model: a pre-norm decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)
-whose input can fuse the previous position's top state. It supplies its transformer stack to the method's core
-(fullband.model.core.FeedbackModel), which runs the Jacobi passes, the exact recurrence and the decode step on it.
+whose input can fuse the previous position's top state, and whose block group [loop_start, loop_stop) may repeat
+per token (looped depth, `loops`; each repetition with its own KV cache slots). It supplies its transformer stack
+to the method's core (fullband.model.core.FeedbackModel), which runs the Jacobi passes, the exact recurrence and
+the decode step on it.
 
 Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules.
 
@@ -8,7 +10,8 @@ Shapes: B batch, T positions, D model width, V vocabulary."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
@@ -18,11 +21,12 @@ from torch import Tensor, nn
 from fullband.errors import InputError
 from fullband.model.attention import Attention, window_mask
 from fullband.model.cache import KVCache
-from fullband.model.config import ModelConfig
+from fullband.model.config import MAX_LOOPS, ModelConfig
 from fullband.model.core import FeedbackModel, ModelOutput, check_ids, plain_positions, shift_right
 from fullband.model.fusion import build_fusion
 from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear
 from fullband.model.weights import init_parameter_
+from fullband.validate import integer
 
 __all__ = ["Block", "FullbandLM", "ModelOutput", "check_ids", "plain_positions", "shift_right"]
 
@@ -75,6 +79,7 @@ class FullbandLM(FeedbackModel):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._has_local = any(cfg.is_local(i) for i in range(cfg.n_layers))
+        self.loops = cfg.loops  # r, the looped group's repetitions now (the trainer's per step: `looping`)
         self.reset_parameters()
 
     # ---------------------------------------------------------------- initialisation
@@ -113,9 +118,9 @@ class FullbandLM(FeedbackModel):
         span = torch.arange(T, device=x.device)
         local = self._window_mask(span, span, T)
         source = None
-        for i in range(start, stop):
-            x = self.blocks[i](x, cos, sin, None if cache is None else cache.layer(i), local)
-            source = x if i == self.config.source_layer else source
+        for i, slot in self._order(start, stop, cache):
+            x = self.blocks[i](x, cos, sin, None if cache is None else cache.layer(slot), local)
+            source = x if i == self.config.source_layer else source  # a looped source: its last repetition
         return x, source
 
     def _blocks_step(self, x: Tensor, positions: Tensor, cache: KVCache, kv_len: int, mask: Tensor | None,
@@ -127,10 +132,43 @@ class FullbandLM(FeedbackModel):
         if local is not None:  # (B, 1, kv_len) -> (B, 1, 1, kv_len)
             local = local[:, None]
         source = None
-        for i in range(start, stop):
-            x = self.blocks[i].step(x, cos, sin, cache.layer(i), slots, kv_len, mask, local)
+        for i, slot in self._order(start, stop, cache):
+            x = self.blocks[i].step(x, cos, sin, cache.layer(slot), slots, kv_len, mask, local)
             source = x if i == self.config.source_layer else source
         return x, source
+
+    def _order(self, start: int, stop: int, cache: KVCache | None) -> list[tuple[int, int]]:
+        """(block, cache slot) of blocks [start, stop) in the order they run: the looped group `self.loops` times,
+        repetition k >= 1 of its block i at slot n_layers + (k - 1) G + (i - loop_start), so repetition 0 keeps
+        the unlooped layout and each repetition attends to its own keys and values at earlier positions."""
+        order = [(i, i) for i in range(start, stop)]
+        cfg, r = self.config, self.loops
+        if r == 1 or not start <= cfg.loop_start < stop:  # the config keeps the group on one side of the target
+            return order
+        if cache is not None and len(cache.k) < self.cache_layers:
+            raise InputError(f"the KV cache holds {len(cache.k)} layer slots; this model at loops={r} needs "
+                             f"{self.cache_layers} (a cache made at another loops: make it with new_cache)")
+        a, b, G = cfg.loop_start, cfg.loop_stop, cfg.loop_size
+        again = [(i, cfg.n_layers + (k - 1) * G + i - a) for k in range(1, r) for i in range(a, b)]
+        return order[: b - start] + again + order[b - start:]
+
+    @property
+    def cache_layers(self) -> int:
+        """KV cache layer slots at the current loops: n_layers + (loops - 1) G."""
+        return self.config.n_layers + (self.loops - 1) * self.config.loop_size
+
+    @contextmanager
+    def looping(self, loops: int) -> Iterator[None]:
+        """Run the looped group `loops` times (r) inside the context instead of config.loops: the trainer's r of a
+        step, or more test-time compute. A KV cache holds the slots of the r it was made at (new_cache)."""
+        integer("loops", loops, 1, below=MAX_LOOPS + 1, error=InputError)
+        if loops != 1 and not self.config.has_loop:
+            raise InputError(f"loops={loops} needs a looped group; this model has loop_start = loop_stop = null")
+        before, self.loops = self.loops, int(loops)
+        try:
+            yield
+        finally:
+            self.loops = before
 
     def _out(self, x: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
         """The last block's output and the source block's -> (fed-back state, final-norm output): the state is the
@@ -144,7 +182,7 @@ class FullbandLM(FeedbackModel):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for `batch` rows of up to `max_len` positions, in this model's dtype and device."""
-        return KVCache.for_model(self, batch, max_len)
+        return KVCache.for_model(self, batch, max_len, self.cache_layers)
 
     def _window_mask(self, q_pos: Tensor, k_pos: Tensor, span: int) -> Tensor | None:
         """Sliding-window visibility for the local layers; None when there are none or the window covers `span`."""

@@ -129,6 +129,10 @@ class RunConfig:
         if self.train.seq_len > self.model.max_seq_len and not self.model.hf_path:  # hf: checked against the model
             raise ConfigError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                               f"lower train.seq_len or raise model.max_seq_len")
+        if self.model.has_loop and not self.model.has_feedback and self.train.schedule.max_passes > 1:
+            raise ConfigError(f"train.passes={self.train.passes!r} draws up to {self.train.schedule.max_passes} "
+                              "passes, but a looped model with model.fusion='none' has no state to feed; accepted: "
+                              'train.passes = "none" (one pass; its depth is model.loops / model.loop_train)')
         if self.train.micro_batch > self.train.global_windows:
             raise ConfigError(f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
                               f"{self.train.global_windows} windows (global_batch_tokens / seq_len)")

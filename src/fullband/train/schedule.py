@@ -1,5 +1,6 @@
-"""Schedules as pure functions of the step: the WSD learning-rate factor and the pass schedule (how many
-Jacobi passes a step trains with, drawn from a generator seeded by (seed, step) so every rank and a resume agree)."""
+"""Schedules as pure functions of the step: the WSD learning-rate factor, the pass schedule (how many Jacobi passes
+a step trains with) and a looped model's r (how often its group repeats), drawn from generators seeded by
+(seed, step) so every rank and a resume agree."""
 
 from __future__ import annotations
 
@@ -53,6 +54,19 @@ def wsd_factor(step: int, total_steps: int, warmup_steps: int, cooldown_fraction
     if n and step >= total_steps - n:
         factor = min(factor, (total_steps - step) / n)
     return factor
+
+
+# ---------------------------------------------------------------- looped depth
+LOOP_STREAM = 1  # appended to (seed, step): r's draws never share the pass count's stream
+
+
+def sample_loops(model_cfg, step: int, seed: int) -> int:
+    """r, the looped group's repetitions at `step` for a ModelConfig: loops under loop_train = "fixed", else
+    r ~ U{1..loops}; a function of (seed, step) only, the same on every rank (they must run one graph)."""
+    integer("seed", seed, 0)
+    if model_cfg.loop_train == "fixed" or model_cfg.loops == 1:
+        return model_cfg.loops
+    return int(np.random.default_rng([seed, step, LOOP_STREAM]).integers(1, model_cfg.loops + 1))
 
 
 # ---------------------------------------------------------------- pass schedule

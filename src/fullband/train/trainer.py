@@ -1,12 +1,13 @@
 """The training loop: the multi-pass objective under a pass schedule, NorMuon + Adam with WSD, periodic
 validation, atomic checkpoints that resume bitwise-exactly, and a divergence guard.
 
-Everything random is a pure function of (seed, step, micro-batch): the pass count, the data, the jitter
-and the prefix mixin. So a resumed run, or the same global batch split over more processes, replays the
-same computation."""
+Everything random is a pure function of (seed, step, micro-batch): the pass count, a looped model's r, the
+data, the jitter and the prefix mixin. So a resumed run, or the same global batch split over more processes,
+replays the same computation."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -26,8 +27,9 @@ from fullband.train.objective import objective
 from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
                                    truncate_metrics)
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
-from fullband.train.parallel import Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync, shutdown
-from fullband.train.schedule import in_cooldown, wsd_factor
+from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync,
+                                     shutdown, unwrap)
+from fullband.train.schedule import in_cooldown, sample_loops, wsd_factor
 
 
 class TrainingDiverged(FullbandError):
@@ -41,6 +43,7 @@ class StepStats:
     pass_losses: list[float]
     grad_norm: float
     state_rms: float
+    loops: int = 1  # r, the looped group's repetitions in this step
 
 
 def noise_seed(seed: int, step: int, block: int) -> int:
@@ -108,6 +111,7 @@ class Trainer:
     def train_step(self, step: int) -> StepStats:
         cfg, d, sampler = self.cfg, self.d, self.data.sampler
         k = self.schedule.sample(step, cfg.train.steps, cfg.train.seed)
+        r = sample_loops(cfg.model, step, cfg.train.seed)  # a looped model's depth: another axis than k
         factor = wsd_factor(step, cfg.train.steps, cfg.train.warmup_steps, cfg.train.cooldown_fraction)
         cooldown = in_cooldown(step, cfg.train.steps, cfg.train.cooldown_fraction)
         for group in self.optimizer.param_groups:
@@ -119,19 +123,20 @@ class Trainer:
         model.train()
         accum = sampler.accum_steps
         sums = torch.zeros(k + 2, device=d.device)  # per-pass NTP, objective, state RMS
-        for micro in range(accum):
-            # text: (inputs, targets); chat: + the positions read plainly (prompts, as decoding reads them)
-            inputs, targets, *plain = (t.to(d.device) for t in sampler.batch(step, micro))
-            block = micro * d.world + d.rank  # global micro-batch index: the same noise for any world size
-            gen = torch.Generator(device=d.device).manual_seed(noise_seed(cfg.train.seed, step, block))
-            with no_sync(model, skip=micro < accum - 1), self.autocast:
-                out = objective(model, inputs, targets, k, plain_mask=plain[0] if plain else None, generator=gen,
-                                z_loss=z_loss)
-                (out.loss / accum).backward()
-            with torch.no_grad():
-                sums[:k] += torch.stack(out.pass_losses).detach().float()
-                sums[k] += out.loss.detach().float()
-                sums[k + 1] += out.state.detach().float().pow(2).mean().sqrt()
+        with unwrap(model).looping(r) if cfg.model.has_loop else contextlib.nullcontext():
+            for micro in range(accum):
+                # text: (inputs, targets); chat: + the positions read plainly (prompts, as decoding reads them)
+                inputs, targets, *plain = (t.to(d.device) for t in sampler.batch(step, micro))
+                block = micro * d.world + d.rank  # global micro-batch index: the same noise for any world size
+                gen = torch.Generator(device=d.device).manual_seed(noise_seed(cfg.train.seed, step, block))
+                with no_sync(model, skip=micro < accum - 1), self.autocast:
+                    out = objective(model, inputs, targets, k, plain_mask=plain[0] if plain else None, generator=gen,
+                                    z_loss=z_loss)
+                    (out.loss / accum).backward()
+                with torch.no_grad():
+                    sums[:k] += torch.stack(out.pass_losses).detach().float()
+                    sums[k] += out.loss.detach().float()
+                    sums[k + 1] += out.state.detach().float().pow(2).mean().sqrt()
         sums = all_reduce_mean(sums / accum, d)
         values = sums.tolist()
         bad = [j + 1 for j, v in enumerate(values[:k]) if not math.isfinite(v)]
@@ -148,7 +153,8 @@ class Trainer:
         grad_norm = self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1])
+        return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1],
+                         loops=r)
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -214,6 +220,8 @@ class Trainer:
                 row = {"step": self.step, "k": stats.k, "loss": stats.loss, "loss_pass": stats.pass_losses, "lr": lr,
                        "grad_norm": stats.grad_norm, "state_rms": stats.state_rms, "tokens": self.tokens,
                        "compute_tokens": self.compute_tokens, "tok_per_s": tokens_per_step / dt, "time": self.elapsed}
+                if cfg.model.has_loop:
+                    row["loops"] = stats.loops
                 if self.loggers:
                     self.loggers.log(row)
                 if bar is not None:
@@ -255,8 +263,6 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
 
 
 def _autocast(dtype: str, device: torch.device):
-    import contextlib
-
     if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
