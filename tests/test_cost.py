@@ -1,7 +1,10 @@
 """The cost counter (fullband.bench.flops) against a hand count, torch's FlopCounterMode and the real model's
-parameters and cache."""
+parameters and cache; `fullband bench cost` end to end on a micro config."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import pytest
 import torch
@@ -10,6 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fullband import FullbandLM, ModelConfig
 from fullband.bench import flops
+from fullband.bench.cost import standard_of
+from fullband.cli import main
 from fullband.model.mode import DecodeMode
 from fullband.train.objective import objective
 
@@ -71,10 +76,59 @@ def test_matches_flop_counter_mode(changes):
 @pytest.mark.parametrize("fusion", ["gated", "additive", "concat", "t2mlr"])
 def test_params_added_and_kv_bytes(fusion):
     cfg = ModelConfig(**{**HAND, "fusion": fusion, "qk_norm": fusion != "concat"})
-    model, standard = FullbandLM(cfg), FullbandLM(cfg.replace(fusion="none"))
+    model, standard = FullbandLM(cfg), FullbandLM(standard_of(cfg))
     assert flops.param_count(cfg) == model.num_params()
     assert flops.fusion_params(cfg) == model.num_params() - standard.num_params()
     for dtype in ("float32", "bfloat16"):
         cache = model.to(getattr(torch, dtype)).new_cache(3, 5)
         held = sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v])
         assert flops.kv_bytes_per_token(cfg, dtype) == held / (3 * 5)
+
+
+MICRO = ["--config", "configs/tiny.toml", "--set", "d_model=32", "--set", "n_layers=2", "--set", "n_heads=2",
+         "--passes", "1", "2", "--batch", "2", "--seq-len", "16", "--prompt-len", "6", "--new-tokens", "3",
+         "--batch-sizes", "1", "2", "--repeats", "1", "--no-progress"]
+
+
+def _ratios(rows):
+    return [r["time_vs_standard"] for r in rows if r["time_vs_standard"] is not None]
+
+
+def test_cli_table_and_json(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert main(["bench", "cost", *MICRO, "--schedule", "three-pass", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for line in ("machine: ", "parameters: standard", "KV cache: ", "training step", "decode per token",
+                 "prefill of the 6-token prompt", "FUSED k=1", "three-pass"):
+        assert line in text
+    result = json.loads(out.read_text())
+    assert result["params_added"] == 2 * 32 * 32
+    assert [r["variant"] for r in result["rows"]] == ["standard model", "k=1", "k=2", "three-pass"]
+    assert len(result["decode"]) == len(result["prefill"]) == 2 * 5  # two batches: baseline + 4 modes
+    ratios = _ratios(result["rows"]) + _ratios(result["decode"]) + _ratios(result["prefill"])
+    assert len(ratios) == 3 + 10 + 10 and all(math.isfinite(r) and r > 0 for r in ratios)
+    assert [round(r["flops_vs_standard"], 2) for r in result["rows"]][1:] == [1.0, 2.05, 3.1]
+    # the same command may replace its own results; a file of anything else is refused, untouched
+    assert main(["bench", "cost", *MICRO, "--json", str(out)]) == 0
+    other = tmp_path / "notes.json"
+    other.write_text('{"notes": 1}')
+    assert main(["bench", "cost", *MICRO, "--json", str(other)]) == 2
+    assert other.read_text() == '{"notes": 1}'
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "fusion=none"], "fusion='none' trains with one pass only"),
+    (["--seq-len", "4096"], "--seq-len = 4096 exceeds max_seq_len=512"),
+    (["--set", "fusion=sum"], "fusion"),
+    (["--config", "nope"], "neither a preset"),
+])
+def test_cli_bad_input(args, message, capsys):
+    assert main(["bench", "cost", *MICRO, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].startswith("fullband bench: error:")
+
+
+def test_cli_bad_counts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "cost", "--passes", "0"])
+    assert exit_.value.code == 2 and "out of range" in capsys.readouterr().err
