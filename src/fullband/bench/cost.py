@@ -44,21 +44,22 @@ def _train_timer(model: FullbandLM, ids: torch.Tensor, passes: int) -> Callable[
 
 
 def interleaved(timers: dict[str, Callable[[], object]], repeats: int, tick: Callable[[], None]) -> dict[str, list]:
-    """Each timer once to warm up, then `repeats` rounds taking turns; -> every timer's results, in order."""
+    """Each timer once to warm up, then `repeats` rounds taking turns, every other round in reverse order (A B C,
+    C B A, ...: no variant always runs first, or after the same one); -> every timer's results, in order."""
     for fn in timers.values():
         fn()
         tick()
     out: dict[str, list] = {name: [] for name in timers}
-    for _ in range(repeats):
-        for name, fn in timers.items():
-            out[name].append(fn())
+    for r in range(repeats):
+        for name in list(timers)[:: -1 if r % 2 else 1]:
+            out[name].append(timers[name]())
             tick()
     return out
 
 
 def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), schedule: str | None = None,
-                   batch: int = 8, seq_len: int = 128, prompt_len: int = 32, new_tokens: int = 16,
-                   decode_batches: Sequence[int] = (1, 8), fused_passes: int = 1, repeats: int = 5,
+                   batch: int = 8, seq_len: int = 128, prompt_len: int = 32, new_tokens: int = 32,
+                   decode_batches: Sequence[int] = (1, 8), fused_passes: int = 1, repeats: int = 7,
                    dtype: str = "float32", seed: int = 0, progress: bool | None = None) -> dict:
     """Counted and measured cost of `cfg` against standard_of(cfg); see format_cost_report for the table."""
     from tqdm.auto import tqdm
