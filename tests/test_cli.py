@@ -65,7 +65,7 @@ def test_bench_decode_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["--help"], ["generate", "--help"], ["bench", "decode", "--help"], ["bench", "train", "--help"],
+    ["--help"], ["generate", "--help"], ["bench", "decode", "--help"], ["bench", "train", "--help"], ["bench", "cost", "--help"],
     ["train", "--help"], ["tokenizer", "train", "--help"], ["eval", "loss", "--help"], ["eval", "probe", "--help"],
     ["reproduce", "--help"], ["demo", "--help"],
 ])

@@ -281,6 +281,19 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     return _report(format_train_report(result), result, args.json)
 
 
+def cmd_bench_cost(args: argparse.Namespace) -> int:
+    from fullband.bench.cost import format_cost_report, run_cost_bench
+    from fullband.presets import load_model_config
+
+    cfg = load_model_config(args.config, args.set)
+    _check_json_out(args.json)
+    result = run_cost_bench(cfg, passes=args.passes, schedule=args.schedule, batch=args.batch, seq_len=args.seq_len,
+                            prompt_len=args.prompt_len, new_tokens=args.new_tokens, decode_batches=args.batch_sizes,
+                            fused_passes=args.prefill_passes, repeats=args.repeats, dtype=args.dtype,
+                            progress=False if args.no_progress else None)
+    return _report(format_cost_report(result), result, args.json)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train from a recipe TOML; --resume continues a run exactly where its last checkpoint left it."""
     from fullband.train.config import load_run_config
@@ -488,6 +501,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rounds", type=int, default=3)
     s.add_argument("--json", help="also write the results to this JSON file")
     s.set_defaults(func=cmd_bench_train)
+
+    s = b.add_parser("cost", help="a method vs its standard counterpart: parameters, FLOPs counted, time measured")
+    s.add_argument("--config", default="configs/tiny.toml", help="a preset name or a .toml/.json file ([model])")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model field (repeatable)")
+    s.add_argument("--vs", choices=["standard"], default="standard",
+                   help="the baseline: the same width and depth with fusion='none'")
+    s.add_argument("--passes", type=_count(1), nargs="+", default=[1, 2, 3], help="training pass counts to cost")
+    s.add_argument("--schedule", help="also count a pass schedule's mean cost (a preset, e.g. three-pass)")
+    s.add_argument("--batch", type=_count(1), default=8, help="training rows per timed step")
+    s.add_argument("--seq-len", type=_count(1), default=128, help="training positions per row")
+    s.add_argument("--batch-sizes", type=_count(1), nargs="+", default=[1, 8], help="decode batch sizes")
+    s.add_argument("--prompt-len", type=_count(1), default=32)
+    s.add_argument("--new-tokens", type=_count(2), default=32)
+    s.add_argument("--prefill-passes", type=_count(1), default=1, help="k of the FUSED mode timed")
+    s.add_argument("--repeats", type=_count(1), default=7, help="alternated repetitions of every variant")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--json", help="also write the results to this JSON file")
+    s.set_defaults(func=cmd_bench_cost)
 
     e = sub.add_parser("eval", help="the paper's diagnostics on a checkpoint").add_subparsers(
         dest="what", required=True, metavar="WHAT")

@@ -33,7 +33,7 @@ class Row:
     note: str = ""
 
 
-def _decode_timer(model, prompts, new_tokens: int, mode: str, prefill_passes: int, compile: bool = False):
+def decode_timer(model, prompts, new_tokens: int, mode: str, prefill_passes: int, compile: bool = False):
     """A callable timing one generation: returns (prefill s, decode s for the new_tokens - 1 decode steps)."""
 
     def run() -> tuple[float, float]:
@@ -147,12 +147,12 @@ def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: l
         model = copy.deepcopy(base).to(getattr(torch, dtype_name))
         for batch in batches:
             prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len))
-            decoders = {"standard": _decode_timer(model, prompts, new_tokens, "standard", 0),
-                        "soft": _decode_timer(model, prompts, new_tokens, "soft", 0),
-                        fused: _decode_timer(model, prompts, new_tokens, "fused", prefill_passes)}
+            decoders = {"standard": decode_timer(model, prompts, new_tokens, "standard", 0),
+                        "soft": decode_timer(model, prompts, new_tokens, "soft", 0),
+                        fused: decode_timer(model, prompts, new_tokens, "fused", prefill_passes)}
             if compile:
-                decoders["standard compiled"] = _decode_timer(model, prompts, new_tokens, "standard", 0, True)
-                decoders["soft compiled"] = _decode_timer(model, prompts, new_tokens, "soft", 0, True)
+                decoders["standard compiled"] = decode_timer(model, prompts, new_tokens, "standard", 0, True)
+                decoders["soft compiled"] = decode_timer(model, prompts, new_tokens, "soft", 0, True)
             chain, chain7 = matmul_chain(model, batch), matmul_chain(model, batch, split=True)
             e2e = (lambda: generate(model, prompts, new_tokens, mode="standard")) if batch == 1 else None
             hf_run = hf_llama_generate(model, prompt_len, new_tokens) if hf and batch == 1 and dtype_name == "float32" else None

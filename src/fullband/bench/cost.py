@@ -1,0 +1,172 @@
+"""Cost of a method against its standard counterpart (fusion = "none", same width and depth): parameters added,
+FLOPs counted (fullband.bench.flops) and time measured, for training, decoding and prefill, in one table.
+
+Every timing is a ratio of two variants measured side by side in this process, taking turns (A B A B ...), the
+median of each; the table gives ratios to standard, never absolute times (the JSON keeps the medians)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fullband.bench import flops
+from fullband.bench.decode import decode_timer
+from fullband.errors import InputError
+from fullband.machine import hardware
+from fullband.model.config import ModelConfig
+from fullband.model.decoder import FullbandLM
+from fullband.model.mode import DecodeMode
+from fullband.train.objective import objective
+
+
+def standard_of(cfg: ModelConfig) -> ModelConfig:
+    """The standard transformer of the same width and depth: no fusion, nothing fed back."""
+    return cfg.replace(fusion="none", feedback_source=None, feedback_target=0)
+
+
+def _train_timer(model: FullbandLM, ids: torch.Tensor, passes: int) -> Callable[[], float]:
+    """A callable timing one training step's forward + backward of the k-pass objective (seconds); the optimizer's
+    update is per parameter, not per token, and left out."""
+    generator = torch.Generator().manual_seed(0)
+    targets = ids.roll(-1, 1)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        objective(model, ids, targets, passes, generator=generator).loss.backward()
+        dt = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        return dt
+
+    return run
+
+
+def interleaved(timers: dict[str, Callable[[], object]], repeats: int, tick: Callable[[], None]) -> dict[str, list]:
+    """Each timer once to warm up, then `repeats` rounds taking turns, every other round in reverse order (A B C,
+    C B A, ...: no variant always runs first, or after the same one); -> every timer's results, in order."""
+    for fn in timers.values():
+        fn()
+        tick()
+    out: dict[str, list] = {name: [] for name in timers}
+    for r in range(repeats):
+        for name in list(timers)[:: -1 if r % 2 else 1]:
+            out[name].append(timers[name]())
+            tick()
+    return out
+
+
+def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), schedule: str | None = None,
+                   batch: int = 8, seq_len: int = 128, prompt_len: int = 32, new_tokens: int = 32,
+                   decode_batches: Sequence[int] = (1, 8), fused_passes: int = 1, repeats: int = 7,
+                   dtype: str = "float32", seed: int = 0, progress: bool | None = None) -> dict:
+    """Counted and measured cost of `cfg` against standard_of(cfg); see format_cost_report for the table."""
+    from tqdm.auto import tqdm
+
+    std_cfg = standard_of(cfg)
+    if not cfg.has_feedback and any(k > 1 for k in passes):
+        raise InputError(f"--passes {' '.join(map(str, passes))}: fusion='none' trains with one pass only; "
+                         "accepted: --passes 1, or a config with a fusion")
+    for name, value, cap in (("--seq-len", seq_len, cfg.max_seq_len),
+                             ("--prompt-len + --new-tokens", prompt_len + new_tokens, cfg.max_seq_len)):
+        if value > cap:
+            raise InputError(f"{name} = {value} exceeds max_seq_len={cap}; accepted: at most {cap}")
+    torch.manual_seed(seed)
+    method = FullbandLM(cfg).to(getattr(torch, dtype))
+    standard = FullbandLM(std_cfg).to(getattr(torch, dtype))
+    modes = [DecodeMode("standard"), DecodeMode("soft"), DecodeMode("fused", fused_passes), DecodeMode("exact")]
+    if not cfg.has_feedback:
+        modes = modes[:1]
+    rounds = repeats + 1
+    total = rounds * (len(passes) + 1 + len(decode_batches) * (1 + len(modes)))
+    bar = tqdm(total=total, desc="bench cost", unit="run", disable=(None if progress is None else not progress),
+               dynamic_ncols=True)
+    tick = bar.update
+
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    timers = {"standard model": _train_timer(standard.train(), ids, 1)}
+    timers.update({f"k={k}": _train_timer(method.train(), ids, k) for k in passes})
+    times = interleaved(timers, repeats, tick)
+    base = statistics.median(times["standard model"])
+    train_rows = [{"variant": "standard model", "passes": 1.0, "flops_per_token": flops.train_flops(std_cfg, 1, seq_len=seq_len),
+                   "step_s": base, "time_vs_standard": 1.0}]
+    for k in passes:
+        t = statistics.median(times[f"k={k}"])
+        train_rows.append({"variant": f"k={k}", "passes": float(k), "step_s": t, "time_vs_standard": t / base,
+                           "flops_per_token": flops.train_flops(cfg, k, seq_len=seq_len)})
+    if schedule:
+        from fullband.train.schedule import PassSchedule
+
+        mean = PassSchedule.parse(schedule).mean_passes()
+        train_rows.append({"variant": schedule, "passes": mean, "step_s": None, "time_vs_standard": None,
+                           "flops_per_token": flops.train_flops(cfg, mean, seq_len=seq_len)})
+    for row in train_rows:
+        row["flops_vs_standard"] = row["flops_per_token"] / train_rows[0]["flops_per_token"]
+
+    context = prompt_len + new_tokens // 2  # the keys a generated token sees, on average over the run
+    decode_rows, prefill_rows = [], []
+    standard.eval(), method.eval()
+    for b in decode_batches:
+        prompts = torch.randint(0, cfg.vocab_size, (b, prompt_len))
+        variants = [("standard model", std_cfg, standard, modes[0]),
+                    *((m.label.replace(m.name, m.name.upper(), 1), cfg, method, m) for m in modes)]
+        timers = {name: decode_timer(model, prompts, new_tokens, m.name, m.prefill_passes)
+                  for name, _, model, m in variants}
+        times = interleaved(timers, repeats, tick)
+        pre = {name: statistics.median(p for p, _ in ts) for name, ts in times.items()}
+        dec = {name: statistics.median(d for _, d in ts) / (new_tokens - 1) for name, ts in times.items()}
+        for name, model_cfg, _, mode in variants:
+            decode_rows.append({"batch": b, "variant": name, "step_s": dec[name],
+                                "flops_per_token": flops.decode_flops(model_cfg, mode, context),
+                                "time_vs_standard": dec[name] / dec["standard model"]})
+            prefill_rows.append({"batch": b, "variant": name, "prefill_s": pre[name],
+                                 "flops_per_token": flops.prefill_flops(model_cfg, mode, prompt_len),
+                                 "time_vs_standard": pre[name] / pre["standard model"]})
+    bar.close()
+    for rows in (decode_rows, prefill_rows):
+        for row in rows:
+            row["flops_vs_standard"] = row["flops_per_token"] / rows[0]["flops_per_token"]
+    return {"hardware": hardware(), "config": cfg.to_dict(), "dtype": dtype, "threads": torch.get_num_threads(),
+            "params": flops.param_count(cfg), "params_standard": flops.param_count(std_cfg),
+            "params_added": flops.fusion_params(cfg), "kv_bytes_per_token": flops.kv_bytes_per_token(cfg, dtype),
+            "kv_bytes_per_token_standard": flops.kv_bytes_per_token(std_cfg, dtype),
+            "state_bytes_per_row": flops.state_bytes_per_row(cfg, dtype), "batch": batch, "seq_len": seq_len,
+            "prompt_len": prompt_len, "new_tokens": new_tokens, "decode_context": context, "repeats": repeats,
+            "rows": train_rows, "decode": decode_rows, "prefill": prefill_rows}
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_cost_report(result: dict) -> str:
+    c = result["config"]
+    where = ("" if c["feedback_source"] is None and c["feedback_target"] == 0
+             else f", state from block {c['feedback_source']} into block {c['feedback_target']}")
+    lines = [f"cost of fusion={c['fusion']!r}{where} vs standard (fusion='none'): D {c['d_model']}, {c['n_layers']} "
+             f"layers, {c['n_heads']} heads ({c['n_kv_heads']} kv), d_ff {c['d_ff']}, vocab {c['vocab_size']}, "
+             f"{result['dtype']}",
+             f"machine: {result['hardware']}",
+             "FLOPs counted (matrix products, multiply-add = 2, backward = 2x forward); times measured, alternated "
+             f"with standard's, median of {result['repeats']}, as ratios",
+             f"parameters: standard {result['params_standard']:,}, method {result['params']:,}, added "
+             f"{result['params_added']:,} (+{100 * result['params_added'] / result['params_standard']:.2f}%)",
+             f"KV cache: {result['kv_bytes_per_token']:,} bytes/token (standard "
+             f"{result['kv_bytes_per_token_standard']:,}); a feedback mode also carries "
+             f"{result['state_bytes_per_row']:,} bytes of state per row",
+             "",
+             f"training step (batch {result['batch']} x {result['seq_len']} tokens, forward + backward)",
+             f"  {'variant':<16} {'passes':>6} {'MFLOP/token':>12} {'FLOPs vs std':>12} {'time vs std':>11}"]
+    for r in result["rows"]:
+        lines.append(f"  {r['variant']:<16} {r['passes']:>6.2f} {r['flops_per_token'] / 1e6:>12.3f} "
+                     f"{r['flops_vs_standard']:>12.2f} {_ratio(r['time_vs_standard']):>11}")
+    for key, title, unit in (("decode", f"decode per token (prompt {result['prompt_len']}, {result['new_tokens']} new; "
+                                        f"FLOPs at {result['decode_context']} keys)", "per token"),
+                             ("prefill", f"prefill of the {result['prompt_len']}-token prompt", "per prompt token")):
+        lines += ["", title, f"  {'batch':>5} {'variant':<16} {'MFLOP ' + unit:>20} {'FLOPs vs std':>12} "
+                             f"{'time vs std':>11}"]
+        for r in result[key]:
+            lines.append(f"  {r['batch']:>5} {r['variant']:<16} {r['flops_per_token'] / 1e6:>20.3f} "
+                         f"{r['flops_vs_standard']:>12.2f} {_ratio(r['time_vs_standard']):>11}")
+    return "\n".join(lines)

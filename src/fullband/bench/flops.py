@@ -1,0 +1,120 @@
+"""Analytic cost of a ModelConfig: parameters, FLOPs per token (one pass, a training step, a decode step, a
+prefill) and KV-cache bytes per token, counted from the config alone (no model is built).
+
+Convention: matrix products only, a multiply-add = 2 FLOPs, so a weight matrix of n entries costs 2 n FLOPs per
+token it is applied to; norms, RoPE, softmax, the gates' sigmoids and elementwise products are not counted (they
+are O(D) per token against the products' O(D^2)). Attention costs 2 * 2 * D * ctx per layer per token (scores
+q.k and the weighted sum of v over ctx keys, all H heads: H * Dh = D). `context="causal"` counts the keys a
+position actually sees (t + 1 at position t, at most the window on a sliding-window layer), averaged over the
+sequence; `context="dense"` counts every query against all T keys, as a dense kernel (and torch's FlopCounterMode)
+does. Training = forward + backward, and backward = 2x forward, so a step costs 3x its forward; activation
+checkpointing recomputes the blocks' forward once more (not counted here).
+
+What runs per token (fullband.model.core, train.objective): the blocks below feedback_target once per forward
+(their output is the plain input every pass reads), the blocks from the target up once per pass, the fusion on
+every pass after the first (over all positions: plain ones are selected afterwards), and the LM head once per
+scored pass (the objective scores every pass's logits; an inference read needs it only for one)."""
+
+from __future__ import annotations
+
+from fullband.model.config import ModelConfig
+from fullband.model.mode import DecodeMode
+
+# Each fusion's weight matrices in units of D^2 (every entry is used once per fed token) and its other parameters
+# in units of D, plus a constant (T2MLR: two gate biases of D and two ReZero scalars).
+FUSION_MATRICES = {"gated": 2, "additive": 1, "concat": 2, "t2mlr": 5, "none": 0}
+FUSION_EXTRA = {"t2mlr": (2, 2)}
+CONTEXTS = ("causal", "dense")
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def fusion_params(cfg: ModelConfig) -> int:
+    """Parameters the fusion adds to a standard model of the same width and depth."""
+    per_d, const = FUSION_EXTRA.get(cfg.fusion, (0, 0))
+    return FUSION_MATRICES[cfg.fusion] * cfg.d_model**2 + per_d * cfg.d_model + const
+
+
+def _block_matrices(cfg: ModelConfig) -> int:
+    """Weight-matrix entries of one block: wqkv, wo, the attention output gates, SwiGLU's w_in and w_down."""
+    D, Dh = cfg.d_model, cfg.head_dim
+    attn = D * (cfg.n_heads + 2 * cfg.n_kv_heads) * Dh + cfg.n_heads * Dh * D
+    gate = D * cfg.n_heads if cfg.attn_gate else 0
+    return attn + gate + 3 * D * cfg.d_ff
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Every parameter of FullbandLM(cfg) (== its num_params())."""
+    D = cfg.d_model
+    block = _block_matrices(cfg) + 2 * D + ((cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm else 0)
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * D
+    return cfg.vocab_size * D + 2 * D + cfg.n_layers * block + head + fusion_params(cfg)  # 2 D: norm_in, norm_out
+
+
+def _block(cfg: ModelConfig, layer: int, keys: float) -> float:
+    """Forward FLOPs of block `layer` for one position attending to `keys` keys (before its window)."""
+    window = cfg.sliding_window if cfg.is_local(layer) else None
+    return 2 * _block_matrices(cfg) + 4 * cfg.d_model * (keys if window is None else min(keys, window))
+
+
+def block_flops(cfg: ModelConfig, layer: int, seq_len: int, context: str = "causal") -> float:
+    """Forward FLOPs per token of block `layer` over a causal sequence of seq_len positions."""
+    if context not in CONTEXTS:
+        raise ValueError(f"context={context!r}; accepted: {', '.join(CONTEXTS)}")
+    if context == "dense":  # a dense kernel scores every key, masked or not, also on a sliding-window layer
+        return 2 * _block_matrices(cfg) + 4 * cfg.d_model * seq_len
+    return sum(_block(cfg, layer, t + 1) for t in range(seq_len)) / seq_len
+
+
+def fusion_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per fed token of the fusion: 2 per weight-matrix entry."""
+    return 2 * FUSION_MATRICES[cfg.fusion] * cfg.d_model**2
+
+
+def head_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the LM head (tied or not: a V x D product)."""
+    return 2 * cfg.vocab_size * cfg.d_model
+
+
+def forward_flops(cfg: ModelConfig, passes: float = 1, *, seq_len: int, heads: float = 1,
+                  context: str = "causal") -> float:
+    """Forward FLOPs per token of `passes` Jacobi passes over seq_len positions: the blocks below feedback_target
+    once, the others `passes` times, the fusion passes - 1 times, the LM head `heads` times. Affine in passes and
+    heads, so a schedule's mean pass count gives its mean cost."""
+    target = cfg.feedback_target
+    lower = sum(block_flops(cfg, i, seq_len, context) for i in range(target))
+    stack = sum(block_flops(cfg, i, seq_len, context) for i in range(target, cfg.n_layers))
+    return lower + passes * stack + (passes - 1) * fusion_flops(cfg) + heads * head_flops(cfg)
+
+
+def train_flops(cfg: ModelConfig, passes: float, *, seq_len: int, context: str = "causal") -> float:
+    """Training FLOPs per token of a k-pass step (or a schedule's mean k): 3x the forward, every pass scored."""
+    return 3 * forward_flops(cfg, passes, seq_len=seq_len, heads=passes, context=context)
+
+
+def prefill_flops(cfg: ModelConfig, mode: DecodeMode, prompt_len: int, context: str = "causal") -> float:
+    """FLOPs per prompt token of reading a prompt in `mode` (its LM head row that picks the first token is
+    counted with the generated tokens): STANDARD / SOFT one pass, FUSED k 1 + k passes (at most, under tol),
+    EXACT the recurrence: one pass's products plus the fusion at every fed position, one position at a
+    time (so causal whatever `context` says)."""
+    if mode.exact:  # positions 1..T-1 are fed; the step at position t attends to its t + 1 keys
+        one = forward_flops(cfg, 1, seq_len=prompt_len, heads=0)
+        return one + fusion_flops(cfg) * (prompt_len - 1) / prompt_len
+    passes = min(mode.passes, prompt_len)
+    return forward_flops(cfg, passes, seq_len=prompt_len, heads=0, context=context)
+
+
+def decode_flops(cfg: ModelConfig, mode: DecodeMode, context: int) -> float:
+    """FLOPs of one generated token attending to `context` keys (its own position included): every block and
+    the head, plus the fusion in a mode that feeds generated positions (all but STANDARD)."""
+    blocks = sum(_block(cfg, i, context) for i in range(cfg.n_layers))
+    return blocks + head_flops(cfg) + (fusion_flops(cfg) if mode.feeds_state else 0)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
+    """KV-cache bytes one position holds: every layer's key and value, n_kv_heads x head_dim each."""
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+
+
+def state_bytes_per_row(cfg: ModelConfig, dtype: str = "float32") -> int:
+    """What a feedback mode carries beside the cache: one D-vector per row (not per position)."""
+    return cfg.d_model * DTYPE_BYTES[dtype] if cfg.has_feedback else 0

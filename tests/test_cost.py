@@ -1,0 +1,134 @@
+"""The cost counter (fullband.bench.flops) against a hand count, torch's FlopCounterMode and the real model's
+parameters and cache; `fullband bench cost` end to end on a micro config."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from fullband import FullbandLM, ModelConfig
+from fullband.bench import flops
+from fullband.bench.cost import standard_of
+from fullband.cli import main
+from fullband.model.mode import DecodeMode
+from fullband.train.objective import objective
+
+HAND = dict(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16, max_seq_len=8)
+
+
+def test_hand_count():
+    """V 16, D 8, L 2, H 2, Hk 1 (Dh 4), F 16, T 4, gated, tied; per token, one layer:
+         wqkv  2 * 8 * (2 + 2*1) * 4 = 256      wo   2 * 8 * 8 = 128
+         attention 2 * 2 * 8 * ctx, causal ctx = (1 + 2 + 3 + 4) / 4 = 2.5 -> 80
+         SwiGLU 2 * (8 * 32 + 16 * 8) = 768                     layer = 1232, two layers 2464
+       head 2 * 16 * 8 = 256; gated fusion 2 * 2 * 8 * 8 = 256.
+       one-pass forward 2464 + 256 = 2720; a 2-pass training step 3 * (2 * 2464 + 256 + 2 * 256) = 17088;
+       FUSED k=1 prefill 2 * 2464 + 256 = 5184 per prompt token; a SOFT decode step at 5 keys
+       2 * (256 + 128 + 2*2*8*5 + 768) + 256 + 256 = 3136; KV 2 * 2 * 1 * 4 * 4 bytes = 64;
+       parameters 16*8 + 2*8 (norm_in, norm_out) + 2 * (8*16 + 8*8 + 2*8 + 3*4 + 3*8*16) + 2*8*8 = 1480."""
+    cfg = ModelConfig(**HAND)
+    assert flops.forward_flops(cfg, 1, seq_len=4) == 2720
+    assert flops.train_flops(cfg, 2, seq_len=4) == 17088
+    assert flops.prefill_flops(cfg, DecodeMode("fused", 1), 4) == 5184
+    assert flops.decode_flops(cfg, DecodeMode("soft"), 5) == 3136
+    assert flops.decode_flops(cfg, DecodeMode("standard"), 5) == 3136 - 256
+    assert flops.kv_bytes_per_token(cfg) == 64
+    assert flops.param_count(cfg) == 1480 == FullbandLM(cfg).num_params()
+
+
+def _torch_flops(fn) -> int:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # the math path: bmm, counted
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"fusion": "t2mlr", "n_kv_heads": 2, "attn_gate": True},
+    {"fusion": "concat", "feedback_target": 1, "feedback_source": 1, "feedback": "residual", "tie_embeddings": False},
+    {"fusion": "additive", "n_layers": 3, "sliding_window": 2, "global_every": 3},
+])
+def test_matches_flop_counter_mode(changes):
+    """Torch counts every matrix product (the fusion runs at all positions of a fed pass: plain ones are picked
+    afterwards) and attention densely: our count with context="dense" agrees exactly, forward and training."""
+    cfg = ModelConfig(**{**HAND, **changes})
+    torch.manual_seed(0)
+    model = FullbandLM(cfg).eval()
+    B, T = 2, 6
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    for passes in (1, 3):
+        got = _torch_flops(lambda: model(ids, passes=passes))
+        assert got == B * T * flops.forward_flops(cfg, passes, seq_len=T, context="dense")
+    model.train()
+    got = _torch_flops(lambda: objective(model, ids, ids, 2).loss.backward())
+    assert got == B * T * flops.train_flops(cfg, 2, seq_len=T, context="dense")
+    # the causal count differs by the masked keys alone: 4 D L (T - (T + 1) / 2) per token and pass
+    one = flops.forward_flops(cfg, 1, seq_len=T, context="dense") - flops.forward_flops(cfg, 1, seq_len=T)
+    window = cfg.sliding_window or T
+    masked = sum(T - min(t + 1, window if cfg.is_local(i) else T) for i in range(cfg.n_layers) for t in range(T)) / T
+    assert one == pytest.approx(4 * cfg.d_model * masked)
+
+
+@pytest.mark.parametrize("fusion", ["gated", "additive", "concat", "t2mlr"])
+def test_params_added_and_kv_bytes(fusion):
+    cfg = ModelConfig(**{**HAND, "fusion": fusion, "qk_norm": fusion != "concat"})
+    model, standard = FullbandLM(cfg), FullbandLM(standard_of(cfg))
+    assert flops.param_count(cfg) == model.num_params()
+    assert flops.fusion_params(cfg) == model.num_params() - standard.num_params()
+    for dtype in ("float32", "bfloat16"):
+        cache = model.to(getattr(torch, dtype)).new_cache(3, 5)
+        held = sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v])
+        assert flops.kv_bytes_per_token(cfg, dtype) == held / (3 * 5)
+
+
+MICRO = ["--config", "configs/tiny.toml", "--set", "d_model=32", "--set", "n_layers=2", "--set", "n_heads=2",
+         "--passes", "1", "2", "--batch", "2", "--seq-len", "16", "--prompt-len", "6", "--new-tokens", "3",
+         "--batch-sizes", "1", "2", "--repeats", "1", "--no-progress"]
+
+
+def _ratios(rows):
+    return [r["time_vs_standard"] for r in rows if r["time_vs_standard"] is not None]
+
+
+def test_cli_table_and_json(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert main(["bench", "cost", *MICRO, "--schedule", "three-pass", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for line in ("machine: ", "parameters: standard", "KV cache: ", "training step", "decode per token",
+                 "prefill of the 6-token prompt", "FUSED k=1", "three-pass"):
+        assert line in text
+    result = json.loads(out.read_text())
+    assert result["params_added"] == 2 * 32 * 32
+    assert [r["variant"] for r in result["rows"]] == ["standard model", "k=1", "k=2", "three-pass"]
+    assert len(result["decode"]) == len(result["prefill"]) == 2 * 5  # two batches: baseline + 4 modes
+    ratios = _ratios(result["rows"]) + _ratios(result["decode"]) + _ratios(result["prefill"])
+    assert len(ratios) == 3 + 10 + 10 and all(math.isfinite(r) and r > 0 for r in ratios)
+    assert [round(r["flops_vs_standard"], 2) for r in result["rows"]][1:] == [1.0, 2.05, 3.1]
+    # the same command may replace its own results; a file of anything else is refused, untouched
+    assert main(["bench", "cost", *MICRO, "--json", str(out)]) == 0
+    other = tmp_path / "notes.json"
+    other.write_text('{"notes": 1}')
+    assert main(["bench", "cost", *MICRO, "--json", str(other)]) == 2
+    assert other.read_text() == '{"notes": 1}'
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "fusion=none"], "fusion='none' trains with one pass only"),
+    (["--seq-len", "4096"], "--seq-len = 4096 exceeds max_seq_len=512"),
+    (["--set", "fusion=sum"], "fusion"),
+    (["--config", "nope"], "neither a preset"),
+])
+def test_cli_bad_input(args, message, capsys):
+    assert main(["bench", "cost", *MICRO, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].startswith("fullband bench: error:")
+
+
+def test_cli_bad_counts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "cost", "--passes", "0"])
+    assert exit_.value.code == 2 and "out of range" in capsys.readouterr().err
