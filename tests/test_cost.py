@@ -51,6 +51,7 @@ def _torch_flops(fn) -> int:
     {}, {"fusion": "t2mlr", "n_kv_heads": 2, "attn_gate": True},
     {"fusion": "concat", "feedback_target": 1, "feedback_source": 1, "feedback": "residual", "tie_embeddings": False},
     {"fusion": "additive", "n_layers": 3, "sliding_window": 2, "global_every": 3},
+    {"n_layers": 3, "loop_start": 1, "loop_stop": 3, "loops": 2},  # a looped group: its blocks run r times
 ])
 def test_matches_flop_counter_mode(changes):
     """Torch counts every matrix product (the fusion runs at all positions of a fed pass: plain ones are picked
@@ -69,7 +70,8 @@ def test_matches_flop_counter_mode(changes):
     # the causal count differs by the masked keys alone: 4 D L (T - (T + 1) / 2) per token and pass
     one = flops.forward_flops(cfg, 1, seq_len=T, context="dense") - flops.forward_flops(cfg, 1, seq_len=T)
     window = cfg.sliding_window or T
-    masked = sum(T - min(t + 1, window if cfg.is_local(i) else T) for i in range(cfg.n_layers) for t in range(T)) / T
+    masked = sum(flops.repeats(cfg, i) * (T - min(t + 1, window if cfg.is_local(i) else T))
+                 for i in range(cfg.n_layers) for t in range(T)) / T
     assert one == pytest.approx(4 * cfg.d_model * masked)
 
 
@@ -132,3 +134,17 @@ def test_cli_bad_counts(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "cost", "--passes", "0"])
     assert exit_.value.code == 2 and "out of range" in capsys.readouterr().err
+
+
+def test_a_looped_model_counts_its_repetitions():
+    cfg = ModelConfig(**{**HAND, "n_layers": 3, "loop_start": 1, "loop_stop": 3, "loops": 3})
+    cache = FullbandLM(cfg).new_cache(2, 5)
+    held = sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v])
+    assert flops.kv_bytes_per_token(cfg) == held / (2 * 5)  # a KV slot per repetition
+    plain = ModelConfig(**{**HAND, "n_layers": 3})
+    per_block = (flops.forward_flops(plain, seq_len=4) - flops.head_flops(plain)) / 3
+    assert flops.forward_flops(cfg, seq_len=4) - flops.head_flops(cfg) == pytest.approx(
+        per_block * 3 * cfg.loop_cost())  # (L + (r - 1) G) / L of the unlooped blocks
+    uniform = ModelConfig(**{**HAND, "n_layers": 3, "loop_start": 1, "loop_stop": 3, "loops": 3,
+                             "loop_train": "uniform"})
+    assert flops.train_loops(uniform) == 2.0 and flops.train_loops(cfg) == 3

@@ -65,6 +65,17 @@ def block_flops(cfg: ModelConfig, layer: int, seq_len: int, context: str = "caus
     return sum(_block(cfg, layer, t + 1) for t in range(seq_len)) / seq_len
 
 
+def repeats(cfg: ModelConfig, layer: int, loops: float | None = None) -> float:
+    """How many times block `layer` runs per pass: `loops` (default config.loops) inside a looped group, else 1."""
+    inside = cfg.has_loop and cfg.loop_start <= layer < cfg.loop_stop
+    return (cfg.loops if loops is None else loops) if inside else 1
+
+
+def train_loops(cfg: ModelConfig) -> float:
+    """The mean r a training step runs a looped group with (loop_train: fixed r = loops, uniform U{1..loops})."""
+    return cfg.loops if cfg.loop_train == "fixed" else (cfg.loops + 1) / 2
+
+
 def fusion_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per fed token of the fusion: 2 per weight-matrix entry."""
     return 2 * FUSION_MATRICES[cfg.fusion] * cfg.d_model**2
@@ -76,19 +87,20 @@ def head_flops(cfg: ModelConfig) -> float:
 
 
 def forward_flops(cfg: ModelConfig, passes: float = 1, *, seq_len: int, heads: float = 1,
-                  context: str = "causal") -> float:
+                  context: str = "causal", loops: float | None = None) -> float:
     """Forward FLOPs per token of `passes` Jacobi passes over seq_len positions: the blocks below feedback_target
-    once, the others `passes` times, the fusion passes - 1 times, the LM head `heads` times. Affine in passes and
-    heads, so a schedule's mean pass count gives its mean cost."""
+    once, the others `passes` times (a looped group's `loops` times each, default config.loops), the fusion
+    passes - 1 times, the LM head `heads` times. Affine in passes and heads, so a schedule's mean pass count gives
+    its mean cost."""
     target = cfg.feedback_target
-    lower = sum(block_flops(cfg, i, seq_len, context) for i in range(target))
-    stack = sum(block_flops(cfg, i, seq_len, context) for i in range(target, cfg.n_layers))
+    lower = sum(repeats(cfg, i, loops) * block_flops(cfg, i, seq_len, context) for i in range(target))
+    stack = sum(repeats(cfg, i, loops) * block_flops(cfg, i, seq_len, context) for i in range(target, cfg.n_layers))
     return lower + passes * stack + (passes - 1) * fusion_flops(cfg) + heads * head_flops(cfg)
 
 
 def train_flops(cfg: ModelConfig, passes: float, *, seq_len: int, context: str = "causal") -> float:
     """Training FLOPs per token of a k-pass step (or a schedule's mean k): 3x the forward, every pass scored."""
-    return 3 * forward_flops(cfg, passes, seq_len=seq_len, heads=passes, context=context)
+    return 3 * forward_flops(cfg, passes, seq_len=seq_len, heads=passes, context=context, loops=train_loops(cfg))
 
 
 def prefill_flops(cfg: ModelConfig, mode: DecodeMode, prompt_len: int, context: str = "causal") -> float:
@@ -106,13 +118,15 @@ def prefill_flops(cfg: ModelConfig, mode: DecodeMode, prompt_len: int, context: 
 def decode_flops(cfg: ModelConfig, mode: DecodeMode, context: int) -> float:
     """FLOPs of one generated token attending to `context` keys (its own position included): every block and
     the head, plus the fusion in a mode that feeds generated positions (all but STANDARD)."""
-    blocks = sum(_block(cfg, i, context) for i in range(cfg.n_layers))
+    blocks = sum(repeats(cfg, i) * _block(cfg, i, context) for i in range(cfg.n_layers))
     return blocks + head_flops(cfg) + (fusion_flops(cfg) if mode.feeds_state else 0)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
-    """KV-cache bytes one position holds: every layer's key and value, n_kv_heads x head_dim each."""
-    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+    """KV-cache bytes one position holds: every block run's key and value (a looped block's per repetition),
+    n_kv_heads x head_dim each."""
+    runs = sum(repeats(cfg, i) for i in range(cfg.n_layers))
+    return int(runs) * 2 * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
 
 
 def state_bytes_per_row(cfg: ModelConfig, dtype: str = "float32") -> int:
