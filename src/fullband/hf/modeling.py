@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from fullband.decode.generate import DecodeState, advance, prefill
 from fullband.errors import ConfigError, InputError
 from fullband.hf.remote import write_shipped
-from fullband.model.config import ModelConfig
+from fullband.model.config import ModelConfig, require_one_slot
 from fullband.model.decoder import FullbandLM
 from fullband.model.layers import Rotary
 from fullband.model.mode import DecodeMode
@@ -137,6 +137,7 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: FullbandConfig) -> None:
         super().__init__(config)
+        require_one_slot(config.to_model_config(), "the transformers class (FullbandForCausalLM)")
         self.model = FullbandLM(config.to_model_config())
         for name, module in self.model.named_modules():
             module._fullband_name = name
