@@ -60,6 +60,7 @@ class FullbandConfig(PretrainedConfig):
             if alias in kwargs:
                 fields.setdefault(name, kwargs.pop(alias))
         resolved = ModelConfig(**fields)  # validates every field, with errors naming it
+        require_one_slot(resolved, "the transformers class (FullbandForCausalLM)")
         for name, value in resolved.to_dict().items():
             if name != "bos_token_id":
                 setattr(self, name, value)
@@ -137,7 +138,6 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: FullbandConfig) -> None:
         super().__init__(config)
-        require_one_slot(config.to_model_config(), "the transformers class (FullbandForCausalLM)")
         self.model = FullbandLM(config.to_model_config())
         for name, module in self.model.named_modules():
             module._fullband_name = name
