@@ -19,6 +19,7 @@ from fullband.data.tokenizer import BYTE_TOKENIZER_FILE
 from fullband.errors import CheckpointError, ConfigError
 from fullband.files import Kind, atomic_folder, check_destination, read_json, read_json_file
 from fullband.folder import HF_INDEX_FILE, HF_MODEL_TYPE, is_transformers_folder, load_transformers_folder
+from fullband.model.config import require_one_slot
 
 TARGETS = ("hf", "native")
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -69,6 +70,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
     # before the (slow) read, and again before the rename
     check_destination(dst, out_kind, overwrite=overwrite, sources=[src], flag=flag, error=CheckpointError)
     native = _read_native(src, kind, fusion)
+    if target == "hf":
+        require_one_slot(native.config, "a transformers folder (convert to='hf')")
     if dtype is not None:
         native = native.to(dtype)
     stops = source_stop_ids(src) if kind == "llama" else _chat_stop_ids(src)

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from fullband.decode.generate import DecodeState, advance, prefill
 from fullband.errors import ConfigError, InputError
 from fullband.hf.remote import write_shipped
-from fullband.model.config import ModelConfig
+from fullband.model.config import ModelConfig, require_one_slot
 from fullband.model.decoder import FullbandLM
 from fullband.model.layers import Rotary
 from fullband.model.mode import DecodeMode
@@ -60,6 +60,7 @@ class FullbandConfig(PretrainedConfig):
             if alias in kwargs:
                 fields.setdefault(name, kwargs.pop(alias))
         resolved = ModelConfig(**fields)  # validates every field, with errors naming it
+        require_one_slot(resolved, "the transformers class (FullbandForCausalLM)")
         for name, value in resolved.to_dict().items():
             if name != "bos_token_id":
                 setattr(self, name, value)

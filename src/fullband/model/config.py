@@ -45,6 +45,13 @@ class ModelConfig:
     is the unlooped model). `loop_train` draws r per training step: "fixed" (r = loops) or "uniform"
     (r ~ U{1..loops}, from (seed, step)). Default: no loop.
 
+    `ponder` (PonderLM-2, docs/method.md section 4; its own mechanism, the rival with interleaved inputs): every
+    token t gets a second position in the sequence, its ponder slot, whose input is the state the token's own slot
+    produced; the sequence is [x_0, z_0, x_1, z_1, ...] (input length and KV cache doubled, both slots at rotary
+    position t) and z_t predicts token t + 1. Pass 1 is the plain model; pass j > 1 runs the interleaved sequence
+    with z_t fed the state of pass j - 1, and only the last pass is trained. It takes no fusion weights and no other
+    mechanism (fusion = "none", default layers, no loop, no sliding window, no jitter or prefix mixin).
+
     `input_norm` (default true): plain positions take norm_in(embedding), as in the paper. False makes the plain
     stack input the raw embedding, as in Llama-style models (so a converted Llama checkpoint computes exactly what
     it did); fused inputs still pass through norm_in, and the gate then reads a gain-free RMS-normalised
@@ -72,6 +79,7 @@ class ModelConfig:
     loop_stop: int | None = None
     loops: int = 1  # repetitions of the group per token at inference (r)
     loop_train: str = "fixed"  # r per training step: "fixed" (= loops) or "uniform" (U{1..loops})
+    ponder: bool = False  # PonderLM-2: each token gets a second (ponder) slot whose input is its own top state
     # Positions holding this token are document starts and always take the plain embedding.
     bos_token_id: int | None = None
     input_norm: bool = True
@@ -115,12 +123,13 @@ class ModelConfig:
         integer("global_every", self.global_every, 0)
         if not isinstance(self.hf_path, str):
             raise ConfigError(f"hf_path={self.hf_path!r} must be a string (a folder or a hub id; empty: none)")
-        for name in ("qk_norm", "attn_gate", "detach_between_passes", "input_norm", "tie_embeddings"):
+        for name in ("qk_norm", "attn_gate", "detach_between_passes", "input_norm", "tie_embeddings", "ponder"):
             boolean(name, getattr(self, name))
         choice("fusion", self.fusion, FUSIONS)
         choice("feedback", self.feedback, FEEDBACKS)
         self._check_feedback_layers()
         self._check_loop()
+        self._check_ponder()
         if self.bos_token_id is not None:
             integer("bos_token_id", self.bos_token_id, 0)
             if self.bos_token_id >= self.vocab_size:
@@ -163,6 +172,19 @@ class ModelConfig:
                               f"{self.feedback_target}; accepted: a group wholly below it (loop_stop <= "
                               f"{self.feedback_target}) or from it up (loop_start >= {self.feedback_target})")
 
+    def _check_ponder(self) -> None:
+        if not self.ponder:
+            return
+        needs = {"fusion": (self.fusion, "none"), "feedback_source": (self.feedback_source, None),
+                 "feedback_target": (self.feedback_target, 0), "loop_start": (self.loop_start, None),
+                 "sliding_window": (self.sliding_window, None), "jitter": (self.jitter, 0),
+                 "prefix_mixin_prob": (self.prefix_mixin_prob, 0), "pass_loss_weight": (self.pass_loss_weight, 1)}
+        bad = [f"{name}={_show(got)}" for name, (got, want) in needs.items() if got != want]
+        if bad:
+            accepted = ", ".join(f"{name} = {_show(want)}" for name, (_, want) in needs.items())
+            raise ConfigError(f"ponder=true (PonderLM-2's ponder slots) is its own mechanism; got {', '.join(bad)}; "
+                              f"accepted with it: {accepted}")
+
     @property
     def has_loop(self) -> bool:
         """Whether a group of blocks repeats per token (loop_start / loop_stop)."""
@@ -198,7 +220,8 @@ class ModelConfig:
 
     @property
     def has_feedback(self) -> bool:
-        return self.fusion != "none"
+        """Whether a pass after the first reads a state: fusion weights, or ponder slots."""
+        return self.fusion != "none" or self.ponder
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -219,9 +242,18 @@ class ModelConfig:
         return ModelConfig.from_dict({**self.to_dict(), **changes})
 
 
+def require_one_slot(cfg: ModelConfig, runtime: str) -> None:
+    """Raise ConfigError if cfg has ponder slots: `runtime` runs one position per token (the native FullbandLM runs
+    PonderLM-2's two)."""
+    if getattr(cfg, "ponder", False):
+        raise ConfigError(f"{runtime} runs one position per token; got ponder=true (PonderLM-2: two per token, a KV "
+                          "cache of 2 T); accepted: ponder = false (the native FullbandLM runs ponder slots)")
+
+
 def require_default_layers(cfg: ModelConfig, runtime: str) -> None:
-    """Raise ConfigError unless cfg feeds the top state into block 0 and loops no group: `runtime` runs only that
-    (the native model, FullbandLM, runs any feedback_source / feedback_target and a looped group)."""
+    """Raise ConfigError unless cfg feeds the top state into block 0, loops no group and has no ponder slots:
+    `runtime` runs only that (the native FullbandLM runs any feedback_source / feedback_target, a loop, ponder)."""
+    require_one_slot(cfg, runtime)
     if cfg.has_loop:
         raise ConfigError(f"{runtime} runs every block once per token; got loop_start={cfg.loop_start}, loop_stop="
                           f"{cfg.loop_stop} (loops={cfg.loops}); accepted: loop_start = loop_stop = null (the native "
@@ -230,6 +262,11 @@ def require_default_layers(cfg: ModelConfig, runtime: str) -> None:
         raise ConfigError(f"{runtime} feeds the top state into block 0 only; got feedback_source="
                           f"{cfg.feedback_source}, feedback_target={cfg.feedback_target}; accepted: feedback_source = "
                           "null (or n_layers - 1) and feedback_target = 0 (the native FullbandLM runs any)")
+
+
+def _show(value: Any) -> str:
+    """A config value as the TOML reader writes it: null, "text", 1.0."""
+    return "null" if value is None else f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 def _divisors_hint(n: int) -> str:

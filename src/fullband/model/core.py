@@ -152,6 +152,10 @@ class FeedbackModel(nn.Module):
         return plain.expand(input_ids.shape)
 
     # ---------------------------------------------------------------- Jacobi passes
+    def exact_passes(self, length: int) -> int:
+        """Jacobi passes after which `length` positions are at the fixed point (position t is final after t + 1)."""
+        return length
+
     def jacobi_pass(self, e: Tensor, prev: Tensor | None = None, plain: Tensor | None = None, *,
                     cache=None) -> tuple[Tensor, Tensor]:
         """One Jacobi pass over all positions: position t reads prev[t - 1], the previous pass's state, unless
@@ -228,14 +232,15 @@ class FeedbackModel(nn.Module):
     # ---------------------------------------------------------------- a prompt as a mode reads it
     def read(self, input_ids: Tensor, mode: DecodeMode, *, cache=None, plain_mask: Tensor | None = None,
              return_logits: bool = False, each_pass: EachPass | None = None) -> ModelOutput:
-        """Prompts input_ids (B, T) as `mode` reads them: EXACT runs the recurrence; the others min(mode.passes, T)
-        Jacobi passes (STANDARD / SOFT one; a T-token prompt is exact after T passes, so more would recompute it
-        unchanged), FUSED with `tol` stopping early. A `cache` receives the keys and values; `each_pass` sees every
-        Jacobi pass (as in iterate)."""
+        """Prompts input_ids (B, T) as `mode` reads them: EXACT runs the recurrence; the others min(mode.passes,
+        exact_passes(T)) Jacobi passes (STANDARD / SOFT one; a T-token prompt is exact after T passes, so more would
+        recompute it unchanged), FUSED with `tol` stopping early. A `cache` receives the keys and values;
+        `each_pass` sees every Jacobi pass (as in iterate)."""
         if mode.exact:
             return self.recurrent_forward(input_ids, plain_mask=plain_mask, cache=cache, return_logits=return_logits)
-        return self(input_ids, passes=min(mode.passes, input_ids.shape[1]), plain_mask=plain_mask, cache=cache,
-                    tol=mode.tolerance, return_logits=return_logits, each_pass=each_pass)
+        passes = min(mode.passes, self.exact_passes(input_ids.shape[1]))
+        return self(input_ids, passes=passes, plain_mask=plain_mask, cache=cache, tol=mode.tolerance,
+                    return_logits=return_logits, each_pass=each_pass)
 
     # ---------------------------------------------------------------- checks
     def check_ids(self, input_ids: Tensor) -> None:

@@ -1,6 +1,7 @@
 """FullbandLM: the native full-bandwidth model: a pre-norm decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)
 whose input can fuse the previous position's top state, and whose block group [loop_start, loop_stop) may repeat
-per token (looped depth, `loops`; each repetition with its own KV cache slots). It supplies its transformer stack
+per token (looped depth, `loops`; each repetition with its own KV cache slots), or which runs PonderLM-2's two
+positions per token (`ponder`: a token slot and a ponder slot). It supplies its transformer stack
 to the method's core (fullband.model.core.FeedbackModel), which runs the Jacobi passes, the exact recurrence and
 the decode step on it.
 
@@ -110,12 +111,16 @@ class FullbandLM(FeedbackModel):
             return x
         return self._blocks_step(x, positions, cache, kv_len, mask, 0, self.config.feedback_target)[0]
 
-    def _blocks(self, x: Tensor, cache: KVCache | None, start: int, stop: int) -> tuple[Tensor, Tensor | None]:
+    def _blocks(self, x: Tensor, cache: KVCache | None, start: int, stop: int,
+                pairs: bool = False) -> tuple[Tensor, Tensor | None]:
         """Blocks [start, stop) over x (B, T, D) at positions 0..T-1 -> (the last one's output, the source block's
-        output, or None when it is not among them)."""
+        output, or None when it is not among them). `pairs`: x is ponder slots' sequence, slot s at rotary s // 2."""
         T = x.shape[1]
-        cos, sin = self.rotary.prefix(T, x.dtype)
         span = torch.arange(T, device=x.device)
+        if pairs:  # (T, 1, 1, Dh) -> (1, T, 1, Dh)
+            cos, sin = (t[None, :, 0] for t in self.rotary.at(span // 2, x.dtype))
+        else:
+            cos, sin = self.rotary.prefix(T, x.dtype)
         local = self._window_mask(span, span, T)
         source = None
         for i, slot in self._order(start, stop, cache):
@@ -124,9 +129,9 @@ class FullbandLM(FeedbackModel):
         return x, source
 
     def _blocks_step(self, x: Tensor, positions: Tensor, cache: KVCache, kv_len: int, mask: Tensor | None,
-                     start: int, stop: int) -> tuple[Tensor, Tensor | None]:
+                     start: int, stop: int, pairs: bool = False) -> tuple[Tensor, Tensor | None]:
         """_blocks at one cached position per row (see Block.step)."""
-        cos, sin = self.rotary.at(positions, x.dtype)
+        cos, sin = self.rotary.at(positions // 2 if pairs else positions, x.dtype)
         slots = cache.slots(positions)
         local = self._window_mask(positions[:, None], torch.arange(kv_len, device=positions.device), kv_len)
         if local is not None:  # (B, 1, kv_len) -> (B, 1, 1, kv_len)
@@ -181,8 +186,42 @@ class FullbandLM(FeedbackModel):
         return linear(top, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `max_len` positions, in this model's dtype and device."""
-        return KVCache.for_model(self, batch, max_len, self.cache_layers)
+        """An empty KV cache for `batch` rows of up to `max_len` positions (2 max_len slots under ponder: two per
+        token), in this model's dtype and device."""
+        return KVCache.for_model(self, batch, max_len * (2 if self.config.ponder else 1), self.cache_layers)
+
+    # ---------------------------------------------------------------- PonderLM-2 (config.ponder)
+    def exact_passes(self, length: int) -> int:
+        """Under ponder, pass j's token slots are exact up to position j - 1 and its ponder slots, which read them
+        from pass j - 1, up to j - 2: length + 1 passes reach the fixed point."""
+        return length + 1 if self.config.ponder else length
+
+    def jacobi_pass(self, e: Tensor, prev: Tensor | None = None, plain: Tensor | None = None, *,
+                    cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
+        """Under ponder, a pass after the plain one runs [e_0, z_0, e_1, z_1, ...] (B, 2T, D): ponder slot z_t is fed
+        prev[t], the state token slot t produced in the previous pass (no shift, no plain positions: every token has
+        its own), both slots at rotary position t. -> (token slots' states, ponder slots' final-norm outputs: z_t's
+        predicts token t + 1), each (B, T, D). Else the core's pass."""
+        if not self.config.ponder or prev is None:
+            return super().jacobi_pass(e, prev, plain, cache=cache)
+        x = torch.stack([e, prev.to(e.dtype)], 2).flatten(1, 2)  # (B, T, 2, D) -> (B, 2T, D)
+        state, top = self._out(*self._blocks(x, cache, 0, self.config.n_layers, pairs=True))
+        return state[:, 0::2], top[:, 1::2]
+
+    def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, *, prev: Tensor | None = None,
+             plain: Tensor | None = None, kv_len: int, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Under ponder, token t's two forward steps: its embedding at cache slot 2t, then that slot's state at slot
+        2t + 1 (`prev` and `plain` take no part: the ponder slot reads its own token's state). -> (token slot's
+        state, ponder slot's final-norm output), each (B, D). Else the core's step."""
+        if not self.config.ponder:
+            return super().step(tokens, positions, cache, prev=prev, plain=plain, kv_len=kv_len, mask=mask)
+        x, token_state = self.plain_input(self.embed_tokens(tokens))[:, None], None
+        for slot in (0, 1):
+            at, seen = 2 * positions + slot, 2 * kv_len - 1 + slot
+            visible = None if mask is None else cache.visible(at, seen)
+            x, top = self._out(*self._blocks_step(x, at, cache, seen, visible, 0, self.config.n_layers, pairs=True))
+            token_state = x if slot == 0 else token_state
+        return token_state[:, 0], top[:, 0]
 
     def _window_mask(self, q_pos: Tensor, k_pos: Tensor, span: int) -> Tensor | None:
         """Sliding-window visibility for the local layers; None when there are none or the window covers `span`."""

@@ -129,9 +129,14 @@ class DecodeMode:
 
     def check(self, config, error: type[FullbandError] = InputError, *, weights: bool = True) -> DecodeMode:
         """Refuse what `config` (a ModelConfig) cannot run: more fused passes than max_seq_len (a prompt is exact
-        after as many passes as it has tokens), and (weights=True) a feedback mode without fusion weights."""
+        after as many passes as it has tokens), (weights=True) a feedback mode without fusion weights, and a ponder
+        model's one-pass prompt (standard, soft, fused:0)."""
         if weights and self.feeds_state and not config.has_feedback:
             raise error(f"mode={self.name!r} needs feedback weights; this model has fusion='none' (use mode='standard')")
+        if getattr(config, "ponder", False) and not (self.exact or self.fused_passes):
+            raise error(f"mode={self.label!r}: a ponder model (PonderLM-2) reads a prompt into two slots per token, "
+                        "which a single plain pass does not write; accepted: fused with prefill_passes >= 1 "
+                        "(PonderLM-2's own prefill is fused:4) or exact")
         name = "max_prefill_passes" if self.adaptive else "prefill_passes"
         if self.fused_passes > config.max_seq_len:
             raise error(f"{name}={self.fused_passes} is above the cap of max_seq_len={config.max_seq_len}: a prompt "

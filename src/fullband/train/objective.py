@@ -1,4 +1,5 @@
-"""The multi-pass training objective, outside the model: NTP(pass 1) + pass_loss_weight * mean(NTP(passes 2..k)),
+"""The multi-pass training objective, outside the model: NTP(pass 1) + pass_loss_weight * mean(NTP(passes 2..k))
+(a ponder model: NTP(pass k) alone, as PonderLM-2 trains),
 each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, and the training-time inputs of the later passes
 (uniform jitter on the fed state, a random plain prefix per sequence, detaching between passes). Called by the
 trainer and the transformers class's labels path; eval.loss scores with the same `ntp`.
@@ -67,7 +68,7 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     net = getattr(model, "module", model)  # DDP: the model inside
     cfg = net.config
     noise = net.training if noise is None else noise
-    run = passes if noise else min(passes, input_ids.shape[1])
+    run = passes if noise else min(passes, net.exact_passes(input_ids.shape[1]))
     ntps: list[Tensor] = []
 
     def each_pass(j: int, state: Tensor, top: Tensor) -> Tensor:
@@ -81,6 +82,8 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     terms = out.per_pass + [out.per_pass[-1]] * (passes - run)
     ntps += [ntps[-1]] * (passes - run)
     loss = terms[0]
-    if len(terms) > 1:
+    if getattr(cfg, "ponder", False):  # PonderLM-2 trains the last pass's ponder slots only
+        loss = terms[-1]
+    elif len(terms) > 1:
         loss = loss + cfg.pass_loss_weight * torch.stack(terms[1:]).mean()
     return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top)
