@@ -148,3 +148,13 @@ def test_a_looped_model_counts_its_repetitions():
     uniform = ModelConfig(**{**HAND, "n_layers": 3, "loop_start": 1, "loop_stop": 3, "loops": 3,
                              "loop_train": "uniform"})
     assert flops.train_loops(uniform) == 2.0 and flops.train_loops(cfg) == 3
+
+
+def test_a_ponder_model_is_refused_by_name_not_miscounted():
+    from fullband.errors import ConfigError
+
+    cfg = ModelConfig(**{**HAND, "ponder": True, "fusion": "none", "jitter": 0.0, "prefix_mixin_prob": 0.0})
+    for count in (lambda: flops.forward_flops(cfg, seq_len=4), lambda: flops.kv_bytes_per_token(cfg),
+                  lambda: flops.decode_flops(cfg, DecodeMode("exact"), 4)):
+        with pytest.raises(ConfigError, match="does not count ponder = true"):
+            count()

@@ -17,6 +17,7 @@ scored pass (the objective scores every pass's logits; an inference read needs i
 
 from __future__ import annotations
 
+from fullband.errors import ConfigError
 from fullband.model.config import ModelConfig
 from fullband.model.mode import DecodeMode
 
@@ -65,6 +66,14 @@ def block_flops(cfg: ModelConfig, layer: int, seq_len: int, context: str = "caus
     return sum(_block(cfg, layer, t + 1) for t in range(seq_len)) / seq_len
 
 
+def check_countable(cfg: ModelConfig) -> ModelConfig:
+    """cfg, or ConfigError for a model this counter does not count yet (PonderLM-2's two slots per token)."""
+    if getattr(cfg, "ponder", False):
+        raise ConfigError("the FLOP counter does not count ponder = true (PonderLM-2: two slots per token, the plain "
+                          "first pass) yet; accepted: any other config")
+    return cfg
+
+
 def repeats(cfg: ModelConfig, layer: int, loops: float | None = None) -> float:
     """How many times block `layer` runs per pass: `loops` (default config.loops) inside a looped group, else 1."""
     inside = cfg.has_loop and cfg.loop_start <= layer < cfg.loop_stop
@@ -92,7 +101,7 @@ def forward_flops(cfg: ModelConfig, passes: float = 1, *, seq_len: int, heads: f
     once, the others `passes` times (a looped group's `loops` times each, default config.loops), the fusion
     passes - 1 times, the LM head `heads` times. Affine in passes and heads, so a schedule's mean pass count gives
     its mean cost."""
-    target = cfg.feedback_target
+    target = check_countable(cfg).feedback_target
     lower = sum(repeats(cfg, i, loops) * block_flops(cfg, i, seq_len, context) for i in range(target))
     stack = sum(repeats(cfg, i, loops) * block_flops(cfg, i, seq_len, context) for i in range(target, cfg.n_layers))
     return lower + passes * stack + (passes - 1) * fusion_flops(cfg) + heads * head_flops(cfg)
@@ -118,14 +127,14 @@ def prefill_flops(cfg: ModelConfig, mode: DecodeMode, prompt_len: int, context: 
 def decode_flops(cfg: ModelConfig, mode: DecodeMode, context: int) -> float:
     """FLOPs of one generated token attending to `context` keys (its own position included): every block and
     the head, plus the fusion in a mode that feeds generated positions (all but STANDARD)."""
-    blocks = sum(repeats(cfg, i) * _block(cfg, i, context) for i in range(cfg.n_layers))
+    blocks = sum(repeats(check_countable(cfg), i) * _block(cfg, i, context) for i in range(cfg.n_layers))
     return blocks + head_flops(cfg) + (fusion_flops(cfg) if mode.feeds_state else 0)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
     """KV-cache bytes one position holds: every block run's key and value (a looped block's per repetition),
     n_kv_heads x head_dim each."""
-    runs = sum(repeats(cfg, i) for i in range(cfg.n_layers))
+    runs = sum(repeats(check_countable(cfg), i) for i in range(cfg.n_layers))
     return int(runs) * 2 * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
 
 
