@@ -21,7 +21,10 @@ from fullband.data.tokenizer import ByteTokenizer
 SUMMARY = re.compile(rb"\[(\d+) tokens, ([^\]\r\n]+?), [\d.]+ tok/s, (end|length|interrupted|context)"
                      rb"(, conversation re-read)?\]")
 # the child takes the pty as its controlling terminal (so ^C and ^D typed there reach it), then runs the CLI
-CTTY = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+# the terminal becomes the chat's controlling terminal, and SIGINT its default action: a test run started in the
+# background (`cmd &` in a script) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
+CTTY = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+        "signal.signal(signal.SIGINT, signal.SIG_DFL); "
         "os.execv(sys.executable, [sys.executable, '-m', 'fullband.cli', 'chat', *sys.argv[1:]])")
 LONG_SEED = 124  # --temperature 1: this model's first answer to "hello" runs ~800 tokens before its end token
 

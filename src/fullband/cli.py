@@ -212,10 +212,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _chat_turn(session, text: str, out) -> None:
     """One turn of `fullband chat`: the streamed answer (Ctrl-C stops it; what was said stays), then its summary."""
-    out.write("assistant> ")
-    out.flush()
+    from fullband.chat import Turn
+
+    before = session.last
     t0 = time.perf_counter()
-    try:
+    try:  # from the moment "assistant> " shows, a Ctrl-C stops this answer (and its summary line follows)
+        out.write("assistant> ")
+        out.flush()
         for piece in session.reply(_utf8(text, "your message")):
             out.write(piece)
             out.flush()
@@ -224,7 +227,7 @@ def _chat_turn(session, text: str, out) -> None:
     except FullbandError as err:
         print(f"\n(error: {err})", flush=True)
         return
-    turn = session.last
+    turn = session.last if session.last is not before else Turn()  # stopped before the answer began: nothing
     dt = time.perf_counter() - t0
     print(f"\n[{len(turn.ids)} tokens, {session.mode.label}, {len(turn.ids) / max(dt, 1e-9):.1f} tok/s, "
           f"{turn.stopped or 'interrupted'}{', conversation re-read' if turn.reread else ''}]", flush=True)
