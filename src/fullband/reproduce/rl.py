@@ -269,7 +269,7 @@ def _outcome(table: dict, stage_runs: dict) -> list[str]:
         d, se = _paired(soft["lengths"], std["lengths"])
         da, sea = _paired(soft["correct"], std["correct"])
         lines.append(f"- fbt {stage}: SOFT vs STANDARD decoding, exact match {da:+.3f} ± {sea:.3f} "
-                     f"({said(da, sea, 'higher', 'lower')}), reply length {d:+.1f} ± {se:.1f} tokens "
+                     f"({said(da, sea, 'higher', 'lower')}), reply length {d:+.2f} ± {se:.2f} tokens "
                      f"({said(d, se, 'longer', 'shorter')}).")
     best = {m: max((r["accuracy"], s, mode) for (mm, s, mode), r in table.items() if mm == m) for m in stage_runs}
     lines.append(f"- best of each model: full-bandwidth {best['fbt'][0]:.3f} ({best['fbt'][1]}, {best['fbt'][2]}), "
@@ -281,17 +281,18 @@ def _figure(table: dict, out: Path) -> None:
     from fullband.eval.report import plt, save_figure
 
     keys = list(table)
-    labels = [f"{m}\n{s}\n{mode}" for m, s, mode in keys]
-    fig, (a, b) = plt().subplots(1, 2, figsize=(max(10, 0.8 * len(keys)), 4))
+    labels = [f"{m} {s} {mode}" for m, s, mode in keys]
+    fig, (a, b) = plt().subplots(1, 2, figsize=(max(10, 0.8 * len(keys)), 5), constrained_layout=True)
     x = np.arange(len(keys))
     colors = ["#3a7" if m == "fbt" else "#888" for m, _, _ in keys]
     a.bar(x, [table[k]["accuracy"] for k in keys], yerr=[table[k]["accuracy_se"] for k in keys], capsize=3,
           color=colors)
     a.set(ylabel="held-out exact match (greedy)")
-    b.bar(x, [np.median(table[k]["lengths"]) for k in keys], color=colors)
-    b.set(ylabel="median reply length (tokens)")
+    b.bar(x, [table[k]["tokens"] for k in keys], yerr=[table[k]["tokens_se"] for k in keys], capsize=3,
+          color=colors)
+    b.set(ylabel="mean reply length (tokens)")
     for ax in (a, b):
-        ax.set_xticks(x, labels, fontsize=6)
+        ax.set_xticks(x, labels, fontsize=7, rotation=60, ha="right")
         ax.grid(alpha=0.3, axis="y")
     save_figure(fig, out)
 
