@@ -87,17 +87,23 @@ def test_bad_settings_are_named():
         RLSettings(logprob="jacobi")
 
 
-@pytest.mark.parametrize("path", ["exact", "replay"])
-def test_a_trivially_learnable_reward_is_learned(path):
-    """Reward: the share of a reply's tokens that are id 3, of 16. From ~1/16 to > 0.9 within 20 steps."""
+@pytest.mark.parametrize("changes", [dict(logprob="exact"), dict(logprob="replay"),
+                                     dict(algorithm="rejection-sft", accept=1 / 3),
+                                     dict(algorithm="rejection-sft", accept=1 / 3, mode="fused:1")])
+def test_a_trivially_learnable_reward_is_learned(changes):
+    """Reward: the share of a reply's tokens that are id 3, of 16. From ~1/16 to > 0.9 within 20 steps, by policy
+    gradient (each log-prob path) and by on-policy SFT on the replies holding a 3 (SOFT and FUSED)."""
     torch.manual_seed(0)
     model = tiny_model(seed=1, vocab_size=16, bos_token_id=15)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
-    settings = RLSettings(mode="soft", group=8, max_new_tokens=3, logprob=path)
+    settings = RLSettings(**{"mode": "soft", "group": 8, "max_new_tokens": 3, **changes})
     prompts = [[15, 4], [15, 7, 9], [15, 1], [15, 12, 2, 5]]
-    rewards = [rl_step(model, optimizer, prompts, lambda i, y: sum(t == 3 for t in y) / len(y), settings,
-                       seed=step)["reward"] for step in range(20)]
+    rows = [rl_step(model, optimizer, prompts, lambda i, y: sum(t == 3 for t in y) / len(y), settings, seed=step)
+            for step in range(20)]
+    rewards = [r["reward"] for r in rows]
     assert rewards[0] < 0.2 and min(rewards[-5:]) > 0.9, [round(r, 2) for r in rewards]
+    if settings.algorithm == "rejection-sft":
+        assert rows[0]["kept"] < rows[-1]["kept"] <= 32, [r["kept"] for r in rows]
 
 
 def test_rejection_sampling_keeps_what_a_direct_computation_keeps():
@@ -115,21 +121,6 @@ def test_rejection_sampling_keeps_what_a_direct_computation_keeps():
         RLSettings(keep="longest")
     with pytest.raises(InputError, match="rl.algorithm='ppo' is unknown; accepted: grpo, rejection-sft"):
         RLSettings(algorithm="ppo")
-
-
-@pytest.mark.parametrize("mode", ["soft", "fused:1"])
-def test_rejection_sft_learns_a_trivially_learnable_reward(mode):
-    """On-policy SFT on the replies holding a token 3: the share of 3s goes from ~1/16 to > 0.9."""
-    torch.manual_seed(0)
-    model = tiny_model(seed=1, vocab_size=16, bos_token_id=15)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
-    settings = RLSettings(mode=mode, group=8, max_new_tokens=3, algorithm="rejection-sft", accept=1 / 3)
-    prompts = [[15, 4], [15, 7, 9], [15, 1], [15, 12, 2, 5]]
-    rows = [rl_step(model, optimizer, prompts, lambda i, y: sum(t == 3 for t in y) / len(y), settings, seed=step)
-            for step in range(20)]
-    rewards = [r["reward"] for r in rows]
-    assert rewards[0] < 0.2 and min(rewards[-5:]) > 0.9, [round(r, 2) for r in rewards]
-    assert rows[0]["kept"] < rows[-1]["kept"] <= 32, [r["kept"] for r in rows]
 
 
 def test_later_updates_on_one_batch_move_the_ratio_and_the_clip_acts():

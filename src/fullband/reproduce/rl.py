@@ -49,6 +49,8 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     from fullband.data.chat.arithmetic import write_chat_jsonl
     from fullband.data.chat.sources import chat_conversations
     from fullband.eval.commands import eval_chat
+    from fullband.files import read_json
+    from fullband.train.checkpoint import read_trainer_state
     from fullband.train.config import load_run_config
 
     base, sft, std_base, std_sft = runs
@@ -57,7 +59,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
         start_ckpt, walls[start.name] = train_run(root, start, settings)
         tuned.overrides = [*tuned.overrides, f'train.init_from="{start_ckpt}"']
         ckpts[tuned.name], walls[tuned.name] = train_run(root, tuned, settings, list(sft_extra))
-        states = [_trainer(c) for c in (start_ckpt, ckpts[tuned.name])]
+        states = [read_trainer_state(c) for c in (start_ckpt, ckpts[tuned.name])]
         spent[tuned.name] = sum(s["compute_tokens"] for s in states)
     post = {"fbt": post_runs("fbt", ckpts[sft.name], "soft", rl_extra),
             "standard": post_runs("standard", ckpts[std_sft.name], "standard", rl_extra)}
@@ -80,7 +82,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
             out = figs / "eval" / name
             cached = out / "chat.json"
             if cached.is_file() and _same_eval(cached, ckpts[name], data_file, held_out, max_new_tokens):
-                results[name] = _read(cached)
+                results[name] = read_json(cached)
                 continue
             results[name] = eval_chat(ckpts[name], data_file, modes=modes if model == "fbt" else ["standard"],
                                       out=out, max_new_tokens=max_new_tokens, progress=False)
@@ -142,23 +144,13 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     return lines
 
 
-def _trainer(ckpt: Path) -> dict:
-    from fullband.train.checkpoint import read_trainer_state
-
-    return read_trainer_state(ckpt)
-
-
-def _read(path: Path) -> dict:
-    import json
-
-    return json.loads(path.read_text())
-
-
 def _same_eval(cached: Path, ckpt: Path, data: Path, n: int, max_new_tokens: int) -> bool:
     """A finished evaluation of this checkpoint on these items, reused by a rerun."""
-    r = _read(cached)
+    from fullband.files import read_json
+
+    r = read_json(cached) or {}
     return r.get("checkpoint") == str(ckpt) and r.get("data") == str(data) and r.get("max_new_tokens") == \
-        max_new_tokens and r.get("n", 0) + r.get("skipped", 0) == n and "lengths" in r["rows"][0]
+        max_new_tokens and r.get("n", 0) + r.get("skipped", 0) == n and "lengths" in (r.get("rows") or [{}])[0]
 
 
 def _paired(a, b) -> tuple[float, float]:
@@ -171,6 +163,7 @@ def _study(ckpt: Path, data_file: Path, prompts: int, tokens: int, out: Path) ->
     import json
 
     from fullband.data.chat.templates import chat_prompt, chat_template
+    from fullband.files import read_json
     from fullband.data.tokenizer import load_tokenizer
     from fullband.decode.sampling import Sampling
     from fullband.eval.chat import held_out_items
@@ -178,7 +171,7 @@ def _study(ckpt: Path, data_file: Path, prompts: int, tokens: int, out: Path) ->
     from fullband.loader import load_model
     from fullband.rl.study import logprob_study
 
-    if out.is_file() and (found := json.loads(out.read_text())).get("checkpoint") == str(ckpt) and \
+    if (found := read_json(out) or {}).get("checkpoint") == str(ckpt) and \
             found.get("prompts") == prompts and found.get("tokens") == tokens:
         return found["rows"]
     model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
@@ -224,14 +217,13 @@ def _study_lines(rows: list[dict], prompts: int, tokens: int) -> list[str]:
 
 def _post_lines(root: Path, post: dict) -> list[str]:
     """Each post-training run's first and last sampled reward and reply length (its metrics.jsonl)."""
-    import json
+    from fullband.rl.run import metric_rows
 
     lines = ["| post-training run | sampling | steps | reward (first 5 steps → last 5) | reply tokens (first 5 → "
              "last 5) | kept / step (on-policy SFT) | s / step |", "|---|---|---|---|---|---|---|"]
     for group in post.values():
         for run in group:
-            rows = [json.loads(x) for x in (root / run.name / "metrics.jsonl").read_text().splitlines() if x.strip()]
-            rows = [r for r in rows if "reward" in r]
+            rows = [r for r in metric_rows(root / run.name / "metrics.jsonl") if "reward" in r]
             head, tail = rows[:5], rows[-5:]
 
             def mean(rs, key):

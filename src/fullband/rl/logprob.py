@@ -140,7 +140,13 @@ def _exact(model: FeedbackModel, r: Rollout, how: Scoring) -> tuple[Tensor, Tens
     return torch.stack(logp, 1), (torch.stack(entropy, 1) if how.entropy else None)
 
 
-def _sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def prompt_plain(mode: DecodeMode, prompt: Tensor) -> Tensor | None:
+    """The positions of prompt + response a mode reads plainly beside the model's own rule, from each row's prompt
+    mask: a prompt read by one plain pass (SOFT, FUSED k=0) stays plain; FUSED k > 0 feeds it (None)."""
+    return prompt if mode.passes == 1 else None
+
+
+def sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Prompt + response right-padded (B, T), the prompt lengths (B,), each row's prompt mask (B, T) and the
     position of each response token (B, R; clamped into the row past its end)."""
     device = next(model.parameters()).device
@@ -162,12 +168,11 @@ def _gather(model: FeedbackModel, top: Tensor, ids: Tensor, at: Tensor,
 
 def _parallel(model: FeedbackModel, r: Rollout, passes: int | None, how: Scoring) -> tuple[Tensor, Tensor | None]:
     """jacobi:K (passes=K) or replay (passes None) over the whole sequences."""
-    ids, plen, prompt, at = _sequences(model, r)
+    ids, plen, prompt, at = sequences(model, r)
     dm = r.mode
     if not dm.feeds_state:  # STANDARD: nothing is fed, one plain pass is the exact reading
         return _gather(model, model(ids, passes=1, return_logits=False).top, ids, at, how)
-    # the prompt read by one plain pass (SOFT, FUSED k=0) stays plain; FUSED k > 0 keeps only position 0 / BOS plain
-    plain_prompt = prompt if dm.passes == 1 else None
+    plain_prompt = prompt_plain(dm, prompt)
     if passes is None:
         return _gather(model, _replay(model, r, ids, plen, at, plain_prompt), ids, at, how)
     k = dm.fused_passes

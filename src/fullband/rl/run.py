@@ -212,11 +212,16 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
         lock.release()
 
 
+def metric_rows(metrics: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
 def plot_rl(metrics: Path, out: Path) -> Path | None:
     """Reward and reply length per step (and the held-out accuracy where it was measured), as a PNG."""
     from fullband.eval.report import plt, save_figure
 
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = metric_rows(metrics)
     if not rows:
         return None
     fig, (top, bottom) = plt().subplots(2, 1, figsize=(8, 6), sharex=True)

@@ -21,7 +21,7 @@ from torch import Tensor
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.core import FeedbackModel
-from fullband.rl.logprob import Rollout, logprobs, parse_path, rl_mode, rollout
+from fullband.rl.logprob import Rollout, logprobs, parse_path, prompt_plain, rl_mode, rollout, sequences
 from fullband.rl.objective import group_advantages, policy_loss
 from fullband.validate import integer, number
 
@@ -141,18 +141,16 @@ def _rejection_sft(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Ro
     row = {"kept": len(keep), "loss": float("nan")}
     if not keep:
         return row
-    device = next(model.parameters()).device
-    rows = [r.prompts[i] + r.responses[i] for i in keep]
-    T = max(map(len, rows))
-    ids = torch.tensor([x + [0] * (T - len(x)) for x in rows], device=device)
-    plen = torch.tensor([len(r.prompts[i]) for i in keep], device=device)
-    end = torch.tensor([len(x) for x in rows], device=device)
-    q = torch.arange(1, T, device=device)[None, :]  # the position each target sits at
+    kept = Rollout([r.prompts[i] for i in keep], [r.responses[i] for i in keep], r.logprobs[keep], r.states[keep],
+                   r.mode)
+    ids, plen, prompt, _ = sequences(model, kept)
+    end = plen + torch.tensor([len(y) for y in kept.responses], device=ids.device)
+    q = torch.arange(1, ids.shape[1], device=ids.device)[None, :]  # the position each target sits at
     targets = torch.where((q >= plen[:, None]) & (q < end[:, None]), ids[:, 1:], -100)
     passes = 1 if not r.mode.feeds_state else settings.sft_passes
-    # prompts as the mode reads them: plainly (SOFT, FUSED k=0) or fed (FUSED k > 0: plain_of keeps BOS plain)
-    plain = (q - 1 < plen[:, None]) if r.mode.passes == 1 else None
-    gen = torch.Generator(device=device).manual_seed(seed)
+    plain = prompt_plain(r.mode, prompt)  # the prompts as the mode reads them (fed under FUSED k > 0)
+    plain = None if plain is None else plain[:, :-1]
+    gen = torch.Generator(device=ids.device).manual_seed(seed)
     out = objective(model, ids[:, :-1], targets, passes, plain_mask=plain, generator=gen, noise=True)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
