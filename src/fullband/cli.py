@@ -364,8 +364,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from fullband.reproduce import REGISTRY, reproduce
 
+    from fullband.errors import InputError
+
+    options = {}
+    if args.scale is not None or args.budget is not None:
+        if args.experiment != "compare":
+            raise InputError(f"--scale / --budget apply to `fullband reproduce compare` only, not to "
+                             f"{args.experiment!r}; accepted: drop them, or run compare")
+        options = {"scale": args.scale or "cpu", "budget": args.budget}
+        if args.budget is not None and not args.budget >= 0:
+            raise InputError(f"--budget {args.budget}: accepted: minutes >= 0 (0 trains nothing new and reports the "
+                             "finished runs)")
     for exp in REGISTRY if args.experiment == "all" else [args.experiment]:
-        reproduce(exp, root=args.root, docs=args.docs)
+        reproduce(exp, root=args.root, docs=args.docs, **options)
     return 0
 
 
@@ -584,6 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("experiment", choices=[*REGISTRY, "all"])
     s.add_argument("--root", default="runs/repro", help="where the runs go (finished ones are reused)")
     s.add_argument("--docs", default="docs/results", help="where the report and figures go")
+    s.add_argument("--scale", default=None, help="compare only: cpu (default, ~6 h on 2 cores), gpu-small "
+                   "(the same study, larger, on a GPU) or micro (a smoke test of the pipeline)")
+    s.add_argument("--budget", type=float, default=None, metavar="MIN",
+                   help="compare only: start no new run after MIN minutes, then report the finished runs and "
+                        "list the rest (a rerun goes on)")
     s.set_defaults(func=cmd_reproduce)
 
     s = sub.add_parser("convert", help="native checkpoint <-> transformers folder (a Llama folder into either)")

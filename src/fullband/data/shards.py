@@ -86,6 +86,13 @@ class TokenStream:
     def dtype(self) -> np.dtype:
         return _dtype(self.manifest["dtype"])
 
+    def head(self, n: int) -> "TokenStream":
+        """The stream's first n tokens, as a stream of their own (same cache and fingerprint; nothing copied)."""
+        if not 0 < n <= len(self):
+            raise DataError(f"{n:,} tokens asked of a stream of {len(self):,}; accepted: 1 <= n <= {len(self):,}")
+        cut = [s[: max(0, min(len(s), n - int(start)))] for s, start in zip(self._shards, self._starts)]
+        return TokenStream(self.path, self.manifest, [s for s in cut if len(s)], cached=self.cached)
+
     @property
     def fingerprint(self) -> str:
         """Identity of the tokens: the cache key of (corpus, tokenizer, split, format)."""

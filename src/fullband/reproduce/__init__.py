@@ -12,14 +12,14 @@ from pathlib import Path
 
 from fullband.errors import InputError, closest
 from fullband.files import replace_file
-from fullband.reproduce import data_efficiency, fusion_ablation, probe, rl, sft, stability, tracking
+from fullband.reproduce import compare, data_efficiency, fusion_ablation, probe, rl, sft, stability, tracking
 from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware, train_run
 
 __all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "hardware", "reproduce", "train_run"]
 
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
-                                   for m in (stability, probe, data_efficiency, fusion_ablation, sft, tracking, rl)}
+                                   for m in (stability, probe, data_efficiency, fusion_ablation, sft, tracking, rl, compare)}
 EXPERIMENTS = tuple(REGISTRY)
 
 
@@ -33,17 +33,20 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
     experiment = REGISTRY[exp]
     runs = experiment.runs()
     settings = Settings(base, tuple(extra or ()))
-    root, docs = Path(root) / exp, Path(docs)
-    figs = docs / exp
+    scale = options.get("scale")
+    name = exp if scale in (None, "cpu") else f"{exp}-{scale}"  # another scale's study is a report of its own
+    root, docs = Path(root) / name, Path(docs)
+    figs = docs / name
     figs.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report = experiment.report(runs, root, figs, settings, **options)
     total = time.perf_counter() - t0
-    header = [f"# Reproduction: {exp}", "",
-              f"Produced by `fullband reproduce {exp}` (runs under `{root}`), {time.strftime('%Y-%m-%d')}.",
+    command = exp + (f" --scale {scale}" if name != exp else "")
+    header = [f"# Reproduction: {name}", "",
+              f"Produced by `fullband reproduce {command}` (runs under `{root}`), {time.strftime('%Y-%m-%d')}.",
               f"Hardware: {hardware()}. Wall time of this invocation: {total / 60:.1f} min "
               "(training time per run is in the tables; reused runs cost nothing here).", ""]
-    out = docs / f"{exp}.md"
+    out = docs / f"{name}.md"
     replace_file(out, "\n".join(header + report) + "\n")
     print(f"wrote {out}")
     return out

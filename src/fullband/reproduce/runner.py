@@ -44,13 +44,16 @@ class Settings:
     extra: tuple[str, ...] = ()
 
 
-def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None = None) -> tuple[Path, float]:
-    """Train (or reuse / resume) runs under root/<name>; returns the final checkpoint and the wall time spent."""
+def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None = None,
+              eval_every: int = 0) -> tuple[Path, float]:
+    """Train (or reuse / resume) runs under root/<name>; returns the final checkpoint and the wall time spent.
+    `eval_every` > 0 logs held-out losses every so many steps (metrics.jsonl, for curves)."""
     from fullband.train.config import load_run_config
     from fullband.train.trainer import train
 
     run_dir = root / run.name
-    overrides = [*run.overrides, *(extra or []), *settings.extra, f'log.run_dir="{run_dir}"', "log.eval_every=0"]
+    overrides = [*run.overrides, *(extra or []), *settings.extra, f'log.run_dir="{run_dir}"',
+                 f"log.eval_every={eval_every}"]
     cfg = load_run_config(run.config or settings.base, overrides)
     return _reused(run, run_dir, cfg.train.steps, lambda resume: train(cfg, resume=resume))
 
@@ -101,7 +104,7 @@ def saved_figure(fig, figs: Path, png: str, alt: str) -> list[str]:
 
 
 def config_line(run: Run, *extra: str) -> str:
-    sets = " ".join(f"--set {o}" for o in [*run.overrides, *extra])
+    sets = " ".join(f"--set '{o}'" if " " in o or "{" in o else f"--set {o}" for o in [*run.overrides, *extra])
     return f"`fullband train {run.config or BASE}{' ' + sets if sets else ''}`"
 
 

@@ -33,6 +33,8 @@ class DataConfig:
     chat_too_long: str = "drop"  # chat: a conversation longer than seq_len is dropped or truncated (counts printed)
     fused_prompts: float = 0.5  # chat: share of windows whose prompts are fed in passes > 1 (as FUSED prefill
     #                             reads them); the others read prompts plainly (as SOFT does)
+    train_tokens: int = 0  # text: > 0 trains on the training split's first N tokens only, repeated for as many
+    #                        epochs as the steps need (a data-constrained run); 0: the whole split. Held-out: unchanged
 
     def __post_init__(self) -> None:
         number("data.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
@@ -40,6 +42,10 @@ class DataConfig:
         choice("data.format", self.format, FORMATS)
         choice("data.chat_too_long", self.chat_too_long, ("drop", "truncate"))
         number("data.fused_prompts", self.fused_prompts, low=0, high=1)
+        integer("data.train_tokens", self.train_tokens, 0)
+        if self.train_tokens and self.format != "text":
+            raise ConfigError(f"data.train_tokens={self.train_tokens} limits a text corpus; accepted for "
+                              f"data.format={self.format!r}: 0 (the whole split)")
         if self.format != "text" and self.tokenizer == "bpe":
             raise ConfigError(f"data.tokenizer='bpe' trains a tokenizer on text, not on {self.format} data; accepted "
                               f"for data.format={self.format!r}: 'byte' or the folder of the base model's tokenizer "

@@ -70,6 +70,13 @@ def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None, source=None) -> R
                 streams[split] = tokenize_corpus(corpus, tokenizer, split, cache / "tokens", progress=d.main)
         barrier(d)
     t = cfg.train
+    if cfg.data.train_tokens:
+        have = len(streams["train"])
+        if not t.seq_len + 1 <= cfg.data.train_tokens <= have:
+            raise ConfigError(f"data.train_tokens={cfg.data.train_tokens:,}: the training split of {cfg.data.corpus!r} "
+                              f"has {have:,} tokens; accepted: {t.seq_len + 1:,} (one window of train.seq_len + 1) to "
+                              f"{have:,}, or 0 for all of them")
+        streams["train"] = streams["train"].head(cfg.data.train_tokens)
     sampler = WindowSampler(streams["train"], t.seq_len, t.global_windows, t.micro_batch, t.seed,
                             rank=d.rank, world_size=d.world)
     val = validation_batches(streams["val"], t.seq_len, cfg.log.eval_windows, t.micro_batch)

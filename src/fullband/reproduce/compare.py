@@ -1,0 +1,668 @@
+"""`fullband reproduce compare`: latent feedback against its rivals in one codebase (the same data, tokenizer,
+optimizer, schedule and evaluation), at the same width and depth, and against standard transformers at the same
+training compute (more steps, or a deeper model).
+
+The methods (docs/method.md, section 4): ours (the top state into block 0, gated), a T2MLR-like setting (a middle
+block's residual stream into an earlier block through their mixer), an LRT-like setting (a high block's stream into
+block 0, additive), looped depth (a block group run r times per token, r random in training), PonderLM-2 (a ponder
+slot per token fed its own state), and the standard transformer. Measured: cost (counted FLOPs, measured step and
+decode times as ratios, KV bytes), held-out loss against tokens and FLOPs in two regimes (fresh data; a fixed unique
+corpus repeated, where the standard model gains little from more steps), and serial state tracking at L..8L.
+
+Every run is resumable and reused; `budget` (minutes) stops starting new runs, and the report then covers the
+finished ones and lists the rest, so the study can be finished over several invocations. Evaluations are kept
+beside the report (newer than their checkpoint: reused)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fullband.reproduce.runner import Experiment, Run, Settings, config_line, train_run
+
+TRACKING = "configs/tracking-tiny.toml"
+TASKS = {"parity": 16, "counter": 16, "s5": 16, "registers": 8}  # task: L, the longest training input
+REGIMES = ("fresh", "repeated")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The sizes of one study: overrides on configs/tiny.toml (language modelling) and configs/tracking-tiny.toml
+    (state tracking), steps, the repeated regime's unique tokens, and the evaluations' sizes."""
+
+    lm: tuple[str, ...]
+    steps: int  # N: both regimes' steps (a method's runs; standard models also train 2N and matched-FLOP steps)
+    unique_tokens: int  # the repeated regime's corpus: the training split's first tokens, repeated
+    tracking: tuple[str, ...]
+    tracking_steps: int
+    windows: int  # held-out windows of every final read
+    examples: int  # state-tracking examples per length
+    cost: dict = field(default_factory=dict)  # fullband.bench.cost.run_cost_bench keywords
+    eval_every: int = 25  # steps between the curves' held-out points
+
+
+MICRO = ("model.d_model=32", "model.n_heads=2", "model.max_seq_len=256", "train.seq_len=32",
+         "train.global_batch_tokens=256", "train.micro_batch=8", "train.warmup_steps=1", "log.eval_windows=4")
+SCALES = {
+    # the default: ~6 h on 2 CPU cores (what each part costs is in the report)
+    "cpu": Scale(lm=(), steps=200, unique_tokens=204_800, tracking=(), tracking_steps=400, windows=256, examples=200,
+                 cost=dict(repeats=7)),
+    # the same study on one GPU, 16x wider batches and a 4x larger model
+    "gpu-small": Scale(lm=("model.d_model=512", "model.n_heads=8", "model.n_layers=8", "train.seq_len=512",
+                           "model.max_seq_len=1024", "train.global_batch_tokens=131072", "train.micro_batch=64",
+                           "train.warmup_steps=100", "log.eval_windows=128"),
+                       steps=2000, unique_tokens=16_777_216,
+                       tracking=("model.d_model=256", "model.n_heads=4", "train.global_batch_tokens=32768",
+                                 "train.micro_batch=64"),
+                       tracking_steps=2000, windows=512, examples=500,
+                       cost=dict(repeats=9, batch=16, seq_len=512, prompt_len=128, new_tokens=64), eval_every=100),
+    # a smoke test of the whole pipeline (a few minutes): the numbers mean nothing
+    "micro": Scale(lm=(*MICRO, "log.ckpt_every=0"), steps=4, unique_tokens=2048,
+                   tracking=(*MICRO[:2], "train.global_batch_tokens=512", "train.micro_batch=4",
+                             "train.warmup_steps=1", "log.eval_windows=4", "log.ckpt_every=0"),
+                   tracking_steps=4, windows=8, examples=8,
+                   cost=dict(repeats=1, batch=2, seq_len=32, prompt_len=8, new_tokens=4), eval_every=2),
+}
+
+
+@dataclass(frozen=True)
+class Read:
+    """One way of reading held-out text: `passes` Jacobi passes (1: STANDARD, k + 1: FUSED k) with the looped group
+    run `loops` times (None: the config's)."""
+
+    label: str
+    passes: int = 1
+    loops: int | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str
+    label: str
+    family: str  # standard | feedback | looped | ponder
+    model: Callable[[int], list[str]]  # n_layers -> model overrides
+    passes: str  # train.passes, as TOML
+
+
+def _feedback(source: Callable[[int], int | None], target: Callable[[int], int], fusion: str,
+              residual: bool) -> Callable[[int], list[str]]:
+    def overrides(n: int) -> list[str]:
+        out = [f'model.fusion="{fusion}"', f"model.feedback_target={target(n)}"]
+        if source(n) is not None:
+            out.append(f"model.feedback_source={source(n)}")
+        return out + (['model.feedback="residual"'] if residual else [])
+
+    return overrides
+
+
+THREE = '"three-pass"'
+PONDER_PASSES = '[{until = 1.0, probs = {"4" = 0.5, "5" = 0.5}}]'  # their 2-3 refinements + the plain and final pass
+METHODS = {m.key: m for m in (
+    Method("standard", "standard transformer", "standard", lambda n: ['model.fusion="none"'], '"none"'),
+    Method("fbt", "full-bandwidth (ours): top state into block 0, gated", "feedback", lambda n: [], THREE),
+    Method("t2mlr", "T2MLR-like: block n/2's stream into block n/4, their mixer", "feedback",
+           _feedback(lambda n: n // 2, lambda n: n // 4, "t2mlr", True), THREE),
+    Method("lrt", "LRT-like: block n-2's stream into block 0, additive", "feedback",
+           _feedback(lambda n: n - 2, lambda n: 0, "additive", True), THREE),
+    Method("looped", "looped depth: blocks [n/4, 3n/4) r times, r ~ U{1..3}", "looped",
+           lambda n: ['model.fusion="none"', f"model.loop_start={n // 4}", f"model.loop_stop={3 * n // 4}",
+                      "model.loops=3", 'model.loop_train="uniform"'], '"none"'),
+    Method("ponder", "PonderLM-2: a ponder slot per token fed its own state", "ponder",
+           lambda n: ['model.fusion="none"', "model.ponder=true", "model.jitter=0", "model.prefix_mixin_prob=0"],
+           PONDER_PASSES),
+)}
+RIVALS = [k for k in METHODS if k != "standard"]
+
+
+def reads(family: str, loops: int = 3) -> list[Read]:
+    """The reads of a method, cheapest first."""
+    if family == "feedback":
+        return [Read("STANDARD"), Read("FUSED k=1", 2), Read("FUSED k=2", 3)]
+    if family == "looped":
+        return [Read(f"r={r}", 1, r) for r in range(1, loops + 1)]
+    if family == "ponder":
+        return [Read("FUSED k=1", 2), Read("FUSED k=4", 5)]
+    return [Read("STANDARD")]
+
+
+def tracking_modes(family: str, loops: int = 3) -> list[tuple[str, str, int | None]]:
+    """(label, mode, r) of a method's state-tracking reads."""
+    if family == "feedback":
+        from fullband.eval.tracking import DEFAULT_MODES
+
+        return [(m, m, None) for m in DEFAULT_MODES]
+    if family == "looped":
+        return [(f"r={r}", "standard", r) for r in (1, loops, 2 * loops)]
+    if family == "ponder":
+        return [(m, m, None) for m in ("fused:1", "fused:4", "fused:auto", "exact")]
+    return [("standard", "standard", None)]
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass
+class Planned:
+    run: Run
+    method: str  # a METHODS key
+    regime: str  # fresh | repeated | a tracking task
+    steps: int
+    role: str = ""  # standard models: "N", "2N", "xF" (matched FLOPs of some rival), "deep"
+    model_cfg: object = None
+
+    @property
+    def name(self) -> str:
+        return self.run.name
+
+
+def _model_cfg(config: str, overrides: list[str]):
+    from fullband.train.config import load_run_config
+
+    return load_run_config(config, overrides).model
+
+
+def _mean_passes(passes: str) -> float:
+    import tomllib
+
+    from fullband.train.schedule import PassSchedule
+
+    return PassSchedule.parse(tomllib.loads(f"v = {passes}")["v"]).mean_passes()
+
+
+def _train_flops(cfg, passes: str, seq_len: int) -> float:
+    from fullband.bench.flops import train_flops
+
+    return train_flops(cfg, _mean_passes(passes), seq_len=seq_len)
+
+
+EVAL_PASSES = {"standard": "[1]", "feedback": "[1, 3]", "looped": "[1]", "ponder": "[2, 5]"}  # the curves' reads
+
+
+def plan(scale: Scale, settings: Settings, lm_extra: tuple[str, ...] = (), tracking_extra: tuple[str, ...] = (),
+         tasks: tuple[str, ...] | None = None) -> list[Planned]:
+    """Every run of the study, in the order they train: per regime each method at N, the standard model at 2N,
+    at each rival's training FLOPs (more steps; near-equal ratios share one run) and deeper with our training FLOPs
+    per token; then the tracking runs, task by task (each method, and the standard model at our FLOPs)."""
+    from fullband.train.config import load_run_config
+
+    out: list[Planned] = []
+
+    def cfg_of(config: str, overrides: list[str]):
+        return _model_cfg(config or settings.base, [*overrides, *settings.extra])
+
+    def add(name: str, method: str, regime: str, steps: int, extra: list[str], config: str, n: int, role: str = ""):
+        m = METHODS[method]
+        overrides = [*extra, *m.model(n), f"train.passes={m.passes}", f"train.steps={steps}",
+                     f"log.eval_passes={EVAL_PASSES[m.family]}"]
+        out.append(Planned(Run(name, overrides, config), method, regime, steps, role, cfg_of(config, overrides)))
+
+    base_lm = [*scale.lm, *lm_extra]
+    lm = load_run_config(settings.base, [*base_lm, *settings.extra])
+    seq, n_layers = lm.train.seq_len, lm.model.n_layers
+
+    def flops_ratio(key: str, extra: list[str], n: int) -> float:
+        m, std = METHODS[key], METHODS["standard"]
+        return (_train_flops(cfg_of("", [*base_lm, *extra, *m.model(n), f"train.passes={m.passes}"]), m.passes, seq)
+                / _train_flops(cfg_of("", [*base_lm, *std.model(n_layers), f"train.passes={std.passes}"]), std.passes,
+                               seq))
+
+    ratios: list[tuple[float, list[str]]] = []  # each rival's training FLOPs / standard's, near-equal ones merged
+    for key in RIVALS:
+        r = flops_ratio(key, [], n_layers)
+        same = next((pair for pair in ratios if abs(pair[0] / r - 1) < 0.03), None)
+        if same:
+            same[1].append(key)
+        else:
+            ratios.append((r, [key]))
+    ratios.sort()
+    ours = next(r for r, keys in ratios if "fbt" in keys)
+    deep = min(range(1, 4 * n_layers + 1),
+               key=lambda n: abs(flops_ratio("standard", [f"model.n_layers={n}"], n) - ours))
+    for regime in REGIMES:
+        extra = [*base_lm, *([f"data.train_tokens={scale.unique_tokens}"] if regime == "repeated" else [])]
+        for key in METHODS:
+            add(f"{regime}-{key}", key, regime, scale.steps, extra, "", n_layers, "N" if key == "standard" else "")
+        add(f"{regime}-standard-2n", "standard", regime, 2 * scale.steps, extra, "", n_layers, "2N")
+        for r, keys in ratios:
+            add(f"{regime}-standard-x{r:.2f}", "standard", regime, round(scale.steps * r), extra, "", n_layers,
+                "x" + "/".join(keys))
+        add(f"{regime}-standard-deep{deep}", "standard", regime, scale.steps, [*extra, f"model.n_layers={deep}"], "",
+            deep, "deep")
+    track = load_run_config(TRACKING, [*scale.tracking, *tracking_extra, *settings.extra])
+    ours_keys = "/".join(next(keys for r, keys in ratios if "fbt" in keys))
+    for task, length in TASKS.items():
+        if tasks is not None and task not in tasks:
+            continue
+        extra = [f'data.corpus="{task}:{length}"', *scale.tracking, *tracking_extra]
+        n = track.model.n_layers
+        for key in METHODS:
+            add(f"{task}-{key}", key, task, scale.tracking_steps, extra, TRACKING, n, "N" if key == "standard" else "")
+        add(f"{task}-standard-x{ours:.2f}", "standard", task, round(scale.tracking_steps * ours), extra, TRACKING, n,
+            "x" + ours_keys)
+    return out
+
+
+def runs() -> list[Run]:
+    return [p.run for p in plan(SCALES["cpu"], Settings())]
+
+
+# ---------------------------------------------------------------------------------------------- evaluations
+def _cached(path: Path, key: dict, checkpoint: Path | None, compute: Callable[[], dict]) -> dict:
+    """compute()'s result, kept at `path` with `key`; reused while the key matches and it is newer than the
+    checkpoint's weights."""
+    from fullband.files import read_json, replace_file
+
+    old = read_json(path)
+    weights = checkpoint / "model.safetensors" if checkpoint is not None else None
+    fresh = weights is None or (weights.is_file() and path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime)
+    if old and old.get("key") == key and fresh:
+        return old["result"]
+    result = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(path, json.dumps({"key": key, "result": result}))
+    return result
+
+
+def _looping(model, loops: int | None):
+    import contextlib
+
+    return model.looping(loops) if loops is not None and model.config.has_loop else contextlib.nullcontext()
+
+
+def lm_reads(p: Planned, ckpt: Path, figs: Path, windows: int) -> dict:
+    """Held-out loss of every read of a language-modelling run, per window (for paired differences)."""
+    from fullband.bench.flops import forward_flops
+    from fullband.eval.loss import validation_loss
+    from fullband.model.decoder import FullbandLM
+    from fullband.reproduce.runner import val_batches
+
+    method = METHODS[p.method]
+    todo = reads(method.family, getattr(p.model_cfg, "loops", 3))
+
+    def compute() -> dict:
+        model = FullbandLM.load(ckpt)
+        batches = val_batches(ckpt, windows=windows)
+        seq = batches[0][0].shape[1]
+        out = {}
+        for read in todo:
+            with _looping(model, read.loops):
+                res = validation_loss(model, batches, read.passes)
+            out[read.label] = {"nats": res.nats, "stderr": res.stderr, "per_window": res.per_window.tolist(),
+                               "flops": forward_flops(model.config, read.passes, seq_len=seq, loops=read.loops)}
+        return out
+
+    key = {"checkpoint": str(ckpt), "windows": windows, "reads": [r.label for r in todo]}
+    return _cached(figs / "eval" / p.name / "loss.json", key, ckpt, compute)
+
+
+def curve(p: Planned, run_dir: Path, cfg) -> list[dict]:
+    """The run's held-out points (metrics.jsonl eval rows) with the tokens and training FLOPs spent by then (FLOPs
+    counted step by step from each step's passes and loops)."""
+    from fullband.bench.flops import train_flops
+    from fullband.rl.run import metric_rows
+
+    rows = metric_rows(run_dir / "metrics.jsonl")
+    spent, flops = 0.0, {}
+    for row in rows:
+        if "eval" not in row:
+            spent += cfg.train.global_batch_tokens * train_flops(p.model_cfg, row["k"], seq_len=cfg.train.seq_len,
+                                                                 loops=row.get("loops"))
+            flops[row["step"]] = spent
+    return [{"step": r["step"], "tokens": r["tokens"], "flops": flops[r["step"]], "eval": r["eval"]}
+            for r in rows if "eval" in r]
+
+
+def tracking_eval(p: Planned, ckpt: Path, figs: Path, n: int) -> dict:
+    from fullband.data.tracking import parse_spec
+    from fullband.eval.report import save_figure
+    from fullband.eval.tracking import accuracy_table, tracking_figure
+    from fullband.eval.commands import load_any
+
+    method = METHODS[p.method]
+    todo = tracking_modes(method.family, getattr(p.model_cfg, "loops", 3))
+    where = figs / "eval" / p.name
+
+    def compute() -> dict:
+        model, tok = load_any(ckpt)
+        task, length = parse_spec(next(o for o in p.run.overrides if o.startswith("data.corpus=")).split("=", 1)[1]
+                                  .strip('"'))
+        result: dict = {}
+        for label, mode, loops in todo:
+            with _looping(model, loops):
+                table = accuracy_table(model, tok, task, length, n=n, modes=[mode], progress=False)
+            row = table["rows"][0]
+            row["mode"] = label
+            result = {**table, "rows": [*result.get("rows", []), row]}
+        where.mkdir(parents=True, exist_ok=True)
+        save_figure(tracking_figure(result), where / "tracking.png")
+        return result
+
+    key = {"checkpoint": str(ckpt), "n": n, "modes": [t[0] for t in todo]}
+    return _cached(where / "tracking.json", key, ckpt, compute)
+
+
+def cost_table(methods: dict[str, object], scale: Scale, figs: Path) -> dict[str, dict]:
+    """fullband bench cost of every method against the standard model of its width and depth (cached by config)."""
+    from fullband.bench.cost import run_cost_bench
+
+    out = {}
+    for key, cfg in methods.items():
+        if key == "standard":
+            continue
+        m = METHODS[key]
+        import tomllib
+
+        from fullband.train.schedule import PassSchedule
+
+        schedule = PassSchedule.parse(tomllib.loads(f"v = {m.passes}")["v"])
+        support = sorted({k for s in schedule.stages for k, p in s.probs.items() if p > 0})
+        kw = {**scale.cost, "passes": tuple(support), "progress": False}
+        out[key] = _cached(figs / "cost" / f"{key}.json", {"config": cfg.to_dict(), **{k: list(v) if isinstance(v, tuple)
+                           else v for k, v in kw.items()}}, None, lambda: run_cost_bench(cfg, **kw))
+        out[key]["probs"] = {str(k): p for s in schedule.stages[-1:] for k, p in s.probs.items()}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def _fmt(x: float, se: float) -> str:
+    return f"{x:.4f} ± {se:.4f}"
+
+
+def _paired(a: dict, b: dict) -> tuple[float, float]:
+    d = [x - y for x, y in zip(a["per_window"], b["per_window"])]
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1)
+    return mean, math.sqrt(var / len(d))
+
+
+def _best(res: dict) -> tuple[str, dict]:
+    return min(res.items(), key=lambda kv: kv[1]["nats"])
+
+
+def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu",
+           budget: float | None = None, lm_extra: tuple[str, ...] = (), tracking_extra: tuple[str, ...] = (),
+           tasks: tuple[str, ...] | None = None) -> list[str]:
+    from fullband.errors import InputError, closest
+    from fullband.train.checkpoint import list_checkpoints, read_trainer_state
+    from fullband.train.config import load_run_config
+
+    if scale not in SCALES:
+        raise InputError(f"--scale {scale!r} is unknown{closest(scale, SCALES)}; accepted: {', '.join(SCALES)}")
+    sc = SCALES[scale]
+    planned = plan(sc, settings, tuple(lm_extra), tuple(tracking_extra), tasks)
+    t0 = time.perf_counter()
+    done: dict[str, tuple[Path, float]] = {}
+    pending: list[Planned] = []
+    for p in planned:
+        run_dir = root / p.name
+        ckpts = list_checkpoints(run_dir)
+        finished = bool(ckpts) and read_trainer_state(ckpts[-1])["step"] >= p.steps
+        if not finished and budget is not None and (time.perf_counter() - t0) / 60 >= budget:
+            pending.append(p)
+            continue
+        done[p.name] = train_run(root, p.run, settings, eval_every=sc.eval_every)
+
+    lines = _intro(sc, scale, planned)
+    lm_cfg = load_run_config(settings.base, [*sc.lm, *lm_extra, *settings.extra])
+    costs = cost_table({k: next(p.model_cfg for p in planned if p.name == f"fresh-{k}") for k in METHODS}, sc, figs)
+    lines += _cost_lines(costs, planned)
+    results: dict[str, dict] = {}
+    curves: dict[str, list[dict]] = {}
+    for p in planned:
+        if p.name not in done or p.regime not in REGIMES:
+            continue
+        ckpt = done[p.name][0]
+        results[p.name] = lm_reads(p, ckpt, figs, sc.windows)
+        curves[p.name] = curve(p, root / p.name, load_run_config(p.run.config or settings.base,
+                                                               [*p.run.overrides, *settings.extra]))
+    for regime in REGIMES:
+        lines += _lm_lines(regime, planned, results, done, sc, lm_cfg)
+    tracking = {p.name: tracking_eval(p, done[p.name][0], figs, sc.examples)
+                for p in planned if p.name in done and p.regime in TASKS}
+    lines += _tracking_lines(planned, tracking, done)
+    lines += _figures(planned, curves, tracking, figs)
+    lines += _implications(planned, results, tracking, costs)
+    total = sum(w for _, w in done.values())
+    lines += ["", f"Training the {len(done)} finished runs took {total / 60:.1f} min (their own wall times, summed; "
+                  f"{_hardware_note()}).", ""]
+    if pending:
+        lines += [f"**Pending ({len(pending)} runs, not started within this invocation's budget of {budget:g} min):** "
+                  + ", ".join(p.name for p in pending) + ". Rerun the same command to go on; finished runs are "
+                  "reused.", ""]
+    lines += [f"Commands (each run also gets `--set log.run_dir=runs/repro/compare/<run>` and `--set "
+              f"log.eval_every={sc.eval_every}`; the tracking runs start from `{TRACKING}`):", ""]
+    lines += [f"- {config_line(p.run)}" for p in planned]
+    return lines
+
+
+def _hardware_note() -> str:
+    from fullband.machine import hardware
+
+    return hardware()
+
+
+def _intro(sc: Scale, scale: str, planned: list[Planned]) -> list[str]:
+    fresh = [p for p in planned if p.regime == "fresh"]
+    lines = [f"Scale `{scale}` (`fullband reproduce compare --scale {scale}`). Every method has the width and depth of "
+             "the standard model and is trained with the same data, tokenizer, optimizer, learning-rate schedule and "
+             "seed; only the mechanism and its pass schedule differ. The methods:", ""]
+    for key, m in METHODS.items():
+        lines.append(f"- **{key}**: {m.label}; train.passes = {m.passes}")
+    lines += ["", "Decisions (the papers are silent or we chose): the three feedback settings train with the same "
+              "three-pass schedule as ours, so that they differ in the mechanism only; looped depth runs a middle "
+              "half of the blocks r times with r ~ U{1..3} per step (mean 2, as a stand-in for Huginn's random "
+              "depth) and reads with r = 1..3; PonderLM-2 trains with their 4 or 5 passes and reads with FUSED k = 1 "
+              "(its cheapest) and k = 4 (their prefill). Standard models are trained for N and 2N steps, for as many "
+              "steps as each rival's training FLOPs buy, and as a deeper model with our training FLOPs per token.",
+              "", f"Language modelling: {len(fresh)} runs per regime, N = {sc.steps} steps. The repeated regime trains "
+              f"on the first {sc.unique_tokens:,} tokens of the training split only (data.train_tokens), repeated for "
+              "as many epochs as the steps need; both regimes are scored on the same held-out windows.", ""]
+    return lines
+
+
+def _cost_lines(costs: dict[str, dict], planned: list[Planned]) -> list[str]:
+    if not costs:
+        return []
+    some = next(iter(costs.values()))
+    lines = ["## Cost", "", f"Counted from the config (fullband.bench.flops) and measured side by side with the standard "
+             f"model of the same width and depth (`fullband bench cost`; {some['hardware']}, {some['threads']} "
+             f"threads; medians of {some['repeats']}, as ratios). Training: the schedule's expected step; decode: "
+             f"per token at {some['decode_context']} keys; prefill: FLOPs per prompt token of the method's best read.",
+             "", "| method | params added | train FLOPs/token (× std) | step time (× std) | decode b=1 (× std) | "
+             "decode b=8 (× std) | prefill b=1: FLOPs, time (× std) | KV bytes/token (std) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, c in costs.items():
+        probs = c["probs"]
+        rows = {r["variant"]: r for r in c["rows"]}
+        flops = sum(p * rows[f"k={k}"]["flops_vs_standard"] for k, p in probs.items())
+        time_ = sum(p * rows[f"k={k}"]["time_vs_standard"] for k, p in probs.items())
+        feeds = [r for r in c["decode"] if r["variant"] not in ("standard model", "STANDARD")]
+        pick = {}
+        for b in (1, 8):
+            at = [r for r in (feeds or c["decode"]) if r["batch"] == b and r["variant"] != "standard model"]
+            pick[b] = f"{at[0]['time_vs_standard']:.2f} ({at[0]['variant']})" if at else "-"
+        fused = [r for r in c["prefill"] if r["batch"] == 1 and r["variant"].startswith("FUSED")]
+        pre = (fused or [r for r in c["prefill"] if r["batch"] == 1])[-1]
+        lines.append(f"| {key} | {c['params_added']:,} (+{100 * c['params_added'] / c['params_standard']:.1f}%) | "
+                     f"{flops:.2f} | {time_:.2f} | {pick[1]} | {pick[8]} | {pre['flops_vs_standard']:.2f}, "
+                     f"{pre['time_vs_standard']:.2f} ({pre['variant']}) | {c['kv_bytes_per_token']:,} "
+                     f"({c['kv_bytes_per_token_standard']:,}) |")
+    deep = next((p for p in planned if p.role == "deep"), None)
+    if deep is not None:
+        from fullband.bench.flops import param_count, train_flops
+
+        std = next(p for p in planned if p.name == "fresh-standard")
+        seq = 256
+        lines += ["", f"The deeper standard model ({deep.model_cfg.n_layers} blocks): {param_count(deep.model_cfg):,} "
+                  f"parameters against {param_count(std.model_cfg):,}, "
+                  f"{train_flops(deep.model_cfg, 1, seq_len=seq) / train_flops(std.model_cfg, 1, seq_len=seq):.2f}x "
+                  "the training FLOPs per token (counted, not timed)."]
+    return lines + [""]
+
+
+def _lm_lines(regime: str, planned: list[Planned], results: dict, done: dict, sc: Scale, lm_cfg) -> list[str]:
+    rows = [p for p in planned if p.regime == regime]
+    title = {"fresh": "fresh data (less than one epoch)",
+             "repeated": f"a fixed corpus of {sc.unique_tokens:,} tokens, repeated"}[regime]
+    lines = [f"## Language modelling: {title}", "",
+             f"Held-out loss (nats/token ± s.e. over {sc.windows} windows) after training; in brackets the paired "
+             "difference to the standard model trained for N steps. Inference FLOPs: per token of the read, as a "
+             "ratio to the standard model's. Cheapest read first, best read last.", "",
+             "| run | steps | tokens | train FLOPs (× std-N) | train time | read | inference FLOPs (× std) | loss | "
+             "vs std-N |", "|---|---|---|---|---|---|---|---|---|"]
+    base = results.get(f"{regime}-standard", {}).get("STANDARD")
+    tokens_per_step = lm_cfg.train.global_batch_tokens
+
+    def spent(p: Planned) -> float:
+        return p.steps * tokens_per_step * _train_flops(p.model_cfg, METHODS[p.method].passes, lm_cfg.train.seq_len)
+
+    std_n = next(p for p in rows if p.name == f"{regime}-standard")
+    for p in rows:
+        if p.name not in results:
+            lines.append(f"| {p.name} | {p.steps} | - | {spent(p) / spent(std_n):.2f} | pending | | | | |")
+            continue
+        res = results[p.name]
+        for i, (label, r) in enumerate(res.items()):
+            diff = "" if base is None or p.name == f"{regime}-standard" else "{:+.4f} ± {:.4f}".format(*_paired(r, base))
+            head = (f"| {p.name} | {p.steps} | {p.steps * tokens_per_step / 1e6:.2f}M | {spent(p) / spent(std_n):.2f} | "
+                    f"{done[p.name][1] / 60:.1f} min" if i == 0 else "| | | | |")
+            ratio = r["flops"] / base["flops"] if base else float("nan")
+            lines.append(f"{head} | {label} | {ratio:.2f} | {_fmt(r['nats'], r['stderr'])} | {diff} |")
+    return lines + [""]
+
+
+def _tracking_lines(planned: list[Planned], tracking: dict, done: dict) -> list[str]:
+    lines = ["## State tracking", "",
+             "Accuracy ± s.e. at L, 2L, 4L, 8L (configs/tracking-tiny.toml, trained on inputs of 1..L steps); every "
+             "read of each method.", ""]
+    for task in TASKS:
+        rows = [p for p in planned if p.regime == task]
+        if not rows:
+            continue
+        lines += [f"### {task}", "", "| run | train time | read | L | 2L | 4L | 8L |", "|---|---|---|---|---|---|---|"]
+        for p in rows:
+            if p.name not in tracking:
+                lines.append(f"| {p.name} | pending | | | | | |")
+                continue
+            for i, row in enumerate(tracking[p.name]["rows"]):
+                cells = " | ".join(f"{a:.3f} ± {e:.3f}" for a, e in zip(row["accuracy"], row["stderr"]))
+                head = f"| {p.name} | {done[p.name][1] / 60:.1f} min" if i == 0 else "| |"
+                lines.append(f"{head} | {row['mode']} | {cells} |")
+        some = next((tracking[p.name] for p in rows if p.name in tracking), None)
+        if some:
+            lines.append(f"\nChance: {some['chance']:.2f}. Lengths: {', '.join(map(str, some['lengths']))}.")
+        lines.append("")
+    return lines
+
+
+LINESTYLE = {"standard": "-", "feedback": "-", "looped": "--", "ponder": ":"}
+
+
+def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path) -> list[str]:
+    from fullband.eval.report import plt as _plt, save_figure
+
+    plt = _plt()
+    lines = ["## Figures", ""]
+    for axis, png, xlabel in (("tokens", "loss_tokens.png", "training tokens"),
+                              ("flops", "loss_flops.png", "training FLOPs (counted)")):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+        for ax, regime in zip(axes, REGIMES):
+            for p in planned:
+                if p.regime != regime or p.name not in curves or not curves[p.name]:
+                    continue
+                pts = curves[p.name]
+                k = max(pts[-1]["eval"], key=int)  # the most passes it was scored with during training
+                ax.plot([q[axis] for q in pts], [q["eval"][k] for q in pts], LINESTYLE[METHODS[p.method].family],
+                        marker="o", ms=2.5, label=f"{p.name.split('-', 1)[1]} ({k} pass{'es' if k != '1' else ''})")
+            ax.set(xlabel=xlabel, title=regime, xscale="log")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("held-out loss (nats/token, 64 windows)")
+        axes[1].legend(fontsize=7)
+        save_figure(fig, figs / png)
+        lines += [f"![loss vs {axis}]({figs.name}/{png})", ""]
+    tasks = [t for t in TASKS if any(p.regime == t and p.name in tracking for p in planned)]
+    if tasks:
+        fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), squeeze=False)
+        for ax, task in zip(axes[0], tasks):
+            for p in planned:
+                if p.regime != task or p.name not in tracking:
+                    continue
+                res = tracking[p.name]
+                row = max(res["rows"], key=lambda r: sum(r["accuracy"]))
+                ax.errorbar(res["lengths"], row["accuracy"], yerr=row["stderr"], capsize=2,
+                            ls=LINESTYLE[METHODS[p.method].family], marker="o", ms=3,
+                            label=f"{p.name.split('-', 1)[1]} ({row['mode']})")
+            ax.axhline(res["chance"], color="grey", lw=0.8)
+            ax.set(xscale="log", xlabel="input length", title=task, ylim=(0, 1.02))
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("accuracy (best read)")
+        axes[0][-1].legend(fontsize=6)
+        save_figure(fig, figs / "tracking.png")
+        lines += [f"![accuracy vs length]({figs.name}/tracking.png)", ""]
+    return lines
+
+
+def _implications(planned: list[Planned], results: dict, tracking: dict, costs: dict) -> list[str]:
+    lines = ["## Summary", "",
+             "Each rival against the standard model of the same width and depth trained for N steps (per token), "
+             "against the standard model trained for the rival's training FLOPs (per training FLOP), and in its "
+             "cheapest read (per inference FLOP: the read's FLOPs as a ratio to the standard model's). Paired "
+             "differences in held-out loss (nats/token ± s.e.); negative: the rival is better.", "",
+             "| regime | method | best read | vs std-N (per token) | vs std at its FLOPs (per train FLOP) | "
+             "cheapest read (inference FLOPs × std) | its vs std-N |", "|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for regime in REGIMES:
+        base = results.get(f"{regime}-standard", {}).get("STANDARD")
+        if base is None:
+            continue
+        for key in RIVALS:
+            res = results.get(f"{regime}-{key}")
+            if res is None:
+                continue
+            label, best = _best(res)
+            matched = next((p for p in planned if p.regime == regime and p.role.startswith("x")
+                            and key in p.role[1:].split("/")), None)
+            mres = results.get(matched.name, {}).get("STANDARD") if matched else None
+            d_tok = _paired(best, base)
+            d_flop = _paired(best, mres) if mres else None
+            cheap_label, cheap = next(iter(res.items()))
+            d_cheap = _paired(cheap, base)
+            lines.append(f"| {regime} | {key} | {label} | {d_tok[0]:+.4f} ± {d_tok[1]:.4f} | "
+                         + (f"{d_flop[0]:+.4f} ± {d_flop[1]:.4f} ({matched.name})" if d_flop else "pending")
+                         + f" | {cheap_label} ({cheap['flops'] / base['flops']:.2f}) | "
+                           f"{d_cheap[0]:+.4f} ± {d_cheap[1]:.4f} |")
+            if d_flop:
+                verdicts.append((regime, key, d_tok, d_flop))
+        n2 = results.get(f"{regime}-standard-2n", {}).get("STANDARD")
+        if n2 is not None:
+            g = _paired(n2, base)
+            lines.append(f"| {regime} | standard 2N | STANDARD | {g[0]:+.4f} ± {g[1]:.4f} | | | |")
+    lines.append("")
+    for regime in REGIMES:
+        rows = [v for v in verdicts if v[0] == regime]
+        if not rows:
+            continue
+        best_tok = min(rows, key=lambda v: v[2][0])
+        best_flop = min(rows, key=lambda v: v[3][0])
+        wins = [v[1] for v in rows if v[3][0] + 2 * v[3][1] < 0]
+        lines.append(f"- **{regime}**: per token the lowest loss is {best_tok[1]}'s ({best_tok[2][0]:+.4f} ± "
+                     f"{best_tok[2][1]:.4f} vs the standard model at N); per training FLOP the best is "
+                     f"{best_flop[1]}'s ({best_flop[3][0]:+.4f} ± {best_flop[3][1]:.4f} vs the standard model given its "
+                     f"FLOPs). Rivals ahead of the FLOP-matched standard model by more than 2 s.e.: "
+                     f"{', '.join(wins) if wins else 'none'}.")
+    for task in TASKS:
+        got = {p.method if not p.role.startswith("x") else "standard-matched": tracking[p.name]
+               for p in planned if p.regime == task and p.name in tracking}
+        if not got:
+            continue
+        parts = []
+        for key, res in got.items():
+            row = max(res["rows"], key=lambda r: sum(r["accuracy"]))
+            parts.append(f"{key} {row['mode']} " + "/".join(f"{a:.2f}" for a in row["accuracy"]))
+        lines.append(f"- **{task}** (best read per method, accuracy at L/2L/4L/8L): " + "; ".join(parts) + ".")
+    return lines + [""]
+
+
+EXPERIMENT = Experiment("compare", runs, report)
