@@ -64,7 +64,7 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
     """Counted and measured cost of `cfg` against standard_of(cfg); see format_cost_report for the table."""
     from tqdm.auto import tqdm
 
-    std_cfg = standard_of(flops.check_countable(cfg))
+    std_cfg = standard_of(cfg)
     if not cfg.has_feedback and any(k > 1 for k in passes):
         raise InputError(f"--passes {' '.join(map(str, passes))}: fusion='none' trains with one pass only; "
                          "accepted: --passes 1, or a config with a fusion")
