@@ -203,3 +203,25 @@ def test_a_ponder_model_matches_flop_counter_mode(changes):
     for passes in (1, 3):
         got = _torch_flops(lambda: objective(model, ids, ids, passes).loss.backward())
         assert got == B * T * flops.train_flops(cfg, passes, seq_len=T, context="dense")
+
+
+def test_cli_costs_a_ponder_model_in_its_own_modes(tmp_path, capsys):
+    """A ponder model against the standard model (no ponder slots), timed in FUSED k=1 and EXACT (it refuses
+    one-pass prompt reads); a looped model's standard has no loop."""
+    out = tmp_path / "cost.json"
+    ponder = [f"--set={k}={str(v).lower()}" for k, v in PONDER.items()]
+    args = [*MICRO[:MICRO.index("--passes")], "--passes", "2", *MICRO[MICRO.index("--batch"):]]
+    args[args.index("--batch-sizes") + 1: args.index("--batch-sizes") + 3] = ["1"]
+    assert main(["bench", "cost", *args, *ponder, "--json", str(out)]) == 0
+    assert "ponder slots (PonderLM-2)" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["decode"]] == ["standard model", "FUSED k=1", "EXACT"]
+    assert result["params_added"] == 0 and result["kv_bytes_per_token"] == 2 * result["kv_bytes_per_token_standard"]
+    cfg = ModelConfig.from_dict(result["config"])
+    assert result["rows"][1]["flops_per_token"] == flops.train_flops(cfg, 2, seq_len=16)
+    assert [r["flops_per_token"] for r in result["prefill"]][1:] == [
+        flops.prefill_flops(cfg, DecodeMode("fused", 1), 6), flops.prefill_flops(cfg, DecodeMode("exact"), 6)]
+    looped = ModelConfig(**{**HAND, "n_layers": 3, "loop_start": 1, "loop_stop": 3, "loops": 3,
+                            "loop_train": "uniform"})
+    assert standard_of(looped) == ModelConfig(**{**HAND, "n_layers": 3, "fusion": "none"})
+    assert standard_of(cfg) == cfg.replace(ponder=False)
