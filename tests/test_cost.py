@@ -150,11 +150,78 @@ def test_a_looped_model_counts_its_repetitions():
     assert flops.train_loops(uniform) == 2.0 and flops.train_loops(cfg) == 3
 
 
-def test_a_ponder_model_is_refused_by_name_not_miscounted():
-    from fullband.errors import ConfigError
+PONDER = dict(ponder=True, fusion="none", jitter=0.0, prefix_mixin_prob=0.0)
 
-    cfg = ModelConfig(**{**HAND, "ponder": True, "fusion": "none", "jitter": 0.0, "prefix_mixin_prob": 0.0})
-    for count in (lambda: flops.forward_flops(cfg, seq_len=4), lambda: flops.kv_bytes_per_token(cfg),
-                  lambda: flops.decode_flops(cfg, DecodeMode("exact"), 4)):
-        with pytest.raises(ConfigError, match="does not count ponder = true"):
-            count()
+
+def test_hand_count_of_a_ponder_model():
+    """HAND with ponder slots, T 4; per layer the products are 256 + 128 + 768 = 1152 per slot and attention
+    2 * 2 * 8 = 32 per key. Pass 1 (plain, T slots) as test_hand_count: 2464. A later pass runs 8 slots seeing
+    1..8 keys: per token 2 * 1152 + 32 * (1 + ... + 8) / 4 = 2592 per layer, 5184 for both; head 256, no fusion.
+       forward k=3 (one head) 2464 + 2 * 5184 + 256 = 13088
+       training k=3: forward with every pass's head 2464 + 2 * 5184 + 3 * 256 = 13600, backward 2 x (the blocks
+         of every pass and the last head) 2 * 13088: 39776; with detach_between_passes the backward covers the
+         last pass alone: 13600 + 2 * (5184 + 256) = 24480
+       prefill FUSED k=1 (2 passes) 2464 + 5184 = 7648; FUSED k=4 runs 5 passes (the fixed point of 4 tokens)
+         2464 + 4 * 5184 = 23200, FUSED k=9 as many; EXACT two steps per token (keys 2t + 1, 2t + 2) 5184
+       decode at 5 keys: slots at 9 and 10 keys, 2 * (2 * 1152 + 32 * 19) = 5824 + head 256 = 6080, every mode
+       KV 2 layers x 2 slots x 2 x 1 x 4 x 4 bytes = 128; parameters the standard model's, test_hand_count's
+       1480 less its fusion's 128 = 1352."""
+    cfg = ModelConfig(**HAND, **PONDER)
+    assert flops.forward_flops(cfg, 1, seq_len=4) == 2720
+    assert flops.ponder_pass_flops(cfg, 4) == 5184
+    assert flops.forward_flops(cfg, 3, seq_len=4) == 13088
+    assert flops.train_flops(cfg, 3, seq_len=4) == 39776
+    assert flops.train_flops(cfg.replace(detach_between_passes=True), 3, seq_len=4) == 24480
+    assert flops.train_flops(cfg.replace(detach_between_passes=True), 1, seq_len=4) == 3 * 2720
+    with pytest.raises(ValueError, match="passes=2.5: a ponder model with detach_between_passes"):
+        flops.train_flops(cfg.replace(detach_between_passes=True), 2.5, seq_len=4)
+    assert flops.prefill_flops(cfg, DecodeMode("fused", 1), 4) == 7648
+    assert flops.prefill_flops(cfg, DecodeMode("fused", 4), 4) == 23200
+    assert flops.prefill_flops(cfg, DecodeMode("fused", 9), 4) == 23200
+    assert flops.prefill_flops(cfg, DecodeMode("exact"), 4) == 5184
+    assert all(flops.decode_flops(cfg, DecodeMode(m), 5) == 6080 for m in ("fused", "exact"))
+    assert flops.kv_bytes_per_token(cfg) == 128 and flops.state_bytes_per_row(cfg) == 0
+    assert flops.param_count(cfg) == 1352 == FullbandLM(cfg).num_params()
+    cache = FullbandLM(cfg).new_cache(3, 5)
+    assert sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v]) == 128 * 3 * 5
+
+
+@pytest.mark.parametrize("changes", [{}, {"n_kv_heads": 2, "attn_gate": True, "tie_embeddings": False},
+                                     {"detach_between_passes": True}])
+def test_a_ponder_model_matches_flop_counter_mode(changes):
+    """Torch's count of the ponder model's forward (a later pass over 2 T slots, dense attention over all of them)
+    and of a training step (every pass's logits, the last one's loss) equals ours with context="dense"."""
+    cfg = ModelConfig(**{**HAND, **PONDER, **changes})
+    torch.manual_seed(0)
+    model = FullbandLM(cfg).eval()
+    B, T = 2, 5
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    for passes in (1, 2, 4):
+        got = _torch_flops(lambda: model(ids, passes=passes))
+        assert got == B * T * flops.forward_flops(cfg, passes, seq_len=T, context="dense")
+    model.train()
+    for passes in (1, 3):
+        got = _torch_flops(lambda: objective(model, ids, ids, passes).loss.backward())
+        assert got == B * T * flops.train_flops(cfg, passes, seq_len=T, context="dense")
+
+
+def test_cli_costs_a_ponder_model_in_its_own_modes(tmp_path, capsys):
+    """A ponder model against the standard model (no ponder slots), timed in FUSED k=1 and EXACT (it refuses
+    one-pass prompt reads); a looped model's standard has no loop."""
+    out = tmp_path / "cost.json"
+    ponder = [f"--set={k}={str(v).lower()}" for k, v in PONDER.items()]
+    args = [*MICRO[:MICRO.index("--passes")], "--passes", "2", *MICRO[MICRO.index("--batch"):]]
+    args[args.index("--batch-sizes") + 1: args.index("--batch-sizes") + 3] = ["1"]
+    assert main(["bench", "cost", *args, *ponder, "--json", str(out)]) == 0
+    assert "ponder slots (PonderLM-2)" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["decode"]] == ["standard model", "FUSED k=1", "EXACT"]
+    assert result["params_added"] == 0 and result["kv_bytes_per_token"] == 2 * result["kv_bytes_per_token_standard"]
+    cfg = ModelConfig.from_dict(result["config"])
+    assert result["rows"][1]["flops_per_token"] == flops.train_flops(cfg, 2, seq_len=16)
+    assert [r["flops_per_token"] for r in result["prefill"]][1:] == [
+        flops.prefill_flops(cfg, DecodeMode("fused", 1), 6), flops.prefill_flops(cfg, DecodeMode("exact"), 6)]
+    looped = ModelConfig(**{**HAND, "n_layers": 3, "loop_start": 1, "loop_stop": 3, "loops": 3,
+                            "loop_train": "uniform"})
+    assert standard_of(looped) == ModelConfig(**{**HAND, "n_layers": 3, "fusion": "none"})
+    assert standard_of(cfg) == cfg.replace(ponder=False)

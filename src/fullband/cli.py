@@ -520,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="configs/tiny.toml", help="a preset name or a .toml/.json file ([model])")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model field (repeatable)")
     s.add_argument("--vs", choices=["standard"], default="standard",
-                   help="the baseline: the same width and depth with fusion='none'")
+                   help="the baseline: the same width and depth with fusion='none', no loop, no ponder slots")
     s.add_argument("--passes", type=_count(1), nargs="+", default=[1, 2, 3], help="training pass counts to cost")
     s.add_argument("--schedule", help="also count a pass schedule's mean cost (a preset, e.g. three-pass)")
     s.add_argument("--batch", type=_count(1), default=8, help="training rows per timed step")

@@ -1,5 +1,6 @@
-"""Cost of a method against its standard counterpart (fusion = "none", same width and depth): parameters added,
-FLOPs counted (fullband.bench.flops) and time measured, for training, decoding and prefill, in one table.
+"""Cost of a method against its standard counterpart (the same width and depth with fusion = "none", no looped
+group and no ponder slots): parameters added, FLOPs counted (fullband.bench.flops) and time measured, for training,
+decoding and prefill, in one table.
 
 Every timing is a ratio of two variants measured side by side in this process, taking turns (A B A B ...), the
 median of each; the table gives ratios to standard, never absolute times (the JSON keeps the medians)."""
@@ -23,8 +24,25 @@ from fullband.train.objective import objective
 
 
 def standard_of(cfg: ModelConfig) -> ModelConfig:
-    """The standard transformer of the same width and depth: no fusion, nothing fed back."""
-    return cfg.replace(fusion="none", feedback_source=None, feedback_target=0)
+    """The standard transformer of the same width and depth: no fusion, nothing fed back, every block once per
+    token (no looped group) and one position per token (no ponder slots)."""
+    return cfg.replace(fusion="none", feedback_source=None, feedback_target=0, loop_start=None, loop_stop=None,
+                       loops=1, loop_train="fixed", ponder=False)
+
+
+def modes_of(cfg: ModelConfig, fused_passes: int) -> list[DecodeMode]:
+    """The decoding modes timed for `cfg`: STANDARD, SOFT, FUSED k=fused_passes and EXACT, less those it cannot run
+    (DecodeMode.check: without fusion weights STANDARD alone; a ponder model FUSED and EXACT, its own)."""
+    modes = [DecodeMode("standard"), DecodeMode("soft"), DecodeMode("fused", fused_passes), DecodeMode("exact")]
+    return [m for m in modes if _runs(m, cfg)]
+
+
+def _runs(mode: DecodeMode, cfg: ModelConfig) -> bool:
+    try:
+        mode.check(cfg)
+    except InputError:
+        return False
+    return True
 
 
 def _train_timer(model: FullbandLM, ids: torch.Tensor, passes: int) -> Callable[[], float]:
@@ -64,7 +82,7 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
     """Counted and measured cost of `cfg` against standard_of(cfg); see format_cost_report for the table."""
     from tqdm.auto import tqdm
 
-    std_cfg = standard_of(flops.check_countable(cfg))
+    std_cfg = standard_of(cfg)
     if not cfg.has_feedback and any(k > 1 for k in passes):
         raise InputError(f"--passes {' '.join(map(str, passes))}: fusion='none' trains with one pass only; "
                          "accepted: --passes 1, or a config with a fusion")
@@ -72,12 +90,21 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
                              ("--prompt-len + --new-tokens", prompt_len + new_tokens, cfg.max_seq_len)):
         if value > cap:
             raise InputError(f"{name} = {value} exceeds max_seq_len={cap}; accepted: at most {cap}")
+    schedule_row = None
+    if schedule:  # counted only, and before anything is timed
+        from fullband.train.schedule import PassSchedule
+
+        mean = PassSchedule.parse(schedule).mean_passes()
+        try:
+            cost = flops.train_flops(cfg, mean, seq_len=seq_len)
+        except ValueError as err:
+            raise InputError(f"--schedule {schedule}: {err}") from None
+        schedule_row = {"variant": schedule, "passes": mean, "step_s": None, "time_vs_standard": None,
+                        "flops_per_token": cost}
     torch.manual_seed(seed)
     method = FullbandLM(cfg).to(getattr(torch, dtype))
     standard = FullbandLM(std_cfg).to(getattr(torch, dtype))
-    modes = [DecodeMode("standard"), DecodeMode("soft"), DecodeMode("fused", fused_passes), DecodeMode("exact")]
-    if not cfg.has_feedback:
-        modes = modes[:1]
+    modes = modes_of(cfg, fused_passes)
     rounds = repeats + 1
     total = rounds * (len(passes) + 1 + len(decode_batches) * (1 + len(modes)))
     bar = tqdm(total=total, desc="bench cost", unit="run", disable=(None if progress is None else not progress),
@@ -91,16 +118,12 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
     base = statistics.median(times["standard model"])
     train_rows = [{"variant": "standard model", "passes": 1.0, "flops_per_token": flops.train_flops(std_cfg, 1, seq_len=seq_len),
                    "step_s": base, "time_vs_standard": 1.0}]
-    for k in passes:
+    for k in passes:  # at the r the timed step runs (the model's loops; a schedule's row: a run's mean r)
         t = statistics.median(times[f"k={k}"])
         train_rows.append({"variant": f"k={k}", "passes": float(k), "step_s": t, "time_vs_standard": t / base,
-                           "flops_per_token": flops.train_flops(cfg, k, seq_len=seq_len)})
-    if schedule:
-        from fullband.train.schedule import PassSchedule
-
-        mean = PassSchedule.parse(schedule).mean_passes()
-        train_rows.append({"variant": schedule, "passes": mean, "step_s": None, "time_vs_standard": None,
-                           "flops_per_token": flops.train_flops(cfg, mean, seq_len=seq_len)})
+                           "flops_per_token": flops.train_flops(cfg, k, seq_len=seq_len, loops=cfg.loops)})
+    if schedule_row:
+        train_rows.append(schedule_row)
     for row in train_rows:
         row["flops_vs_standard"] = row["flops_per_token"] / train_rows[0]["flops_per_token"]
 
@@ -109,7 +132,7 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
     standard.eval(), method.eval()
     for b in decode_batches:
         prompts = torch.randint(0, cfg.vocab_size, (b, prompt_len))
-        variants = [("standard model", std_cfg, standard, modes[0]),
+        variants = [("standard model", std_cfg, standard, DecodeMode("standard")),
                     *((m.label.replace(m.name, m.name.upper(), 1), cfg, method, m) for m in modes)]
         timers = {name: decode_timer(model, prompts, new_tokens, m.name, m.prefill_passes)
                   for name, _, model, m in variants}
@@ -144,6 +167,10 @@ def format_cost_report(result: dict) -> str:
     c = result["config"]
     where = ("" if c["feedback_source"] is None and c["feedback_target"] == 0
              else f", state from block {c['feedback_source']} into block {c['feedback_target']}")
+    if c.get("loop_start") is not None:
+        where += f", blocks [{c['loop_start']}, {c['loop_stop']}) looped {c['loops']} times"
+    if c.get("ponder"):
+        where += ", ponder slots (PonderLM-2)"
     lines = [f"cost of fusion={c['fusion']!r}{where} vs standard (fusion='none'): D {c['d_model']}, {c['n_layers']} "
              f"layers, {c['n_heads']} heads ({c['n_kv_heads']} kv), d_ff {c['d_ff']}, vocab {c['vocab_size']}, "
              f"{result['dtype']}",

@@ -7,17 +7,26 @@ are O(D) per token against the products' O(D^2)). Attention costs 2 * 2 * D * ct
 q.k and the weighted sum of v over ctx keys, all H heads: H * Dh = D). `context="causal"` counts the keys a
 position actually sees (t + 1 at position t, at most the window on a sliding-window layer), averaged over the
 sequence; `context="dense"` counts every query against all T keys, as a dense kernel (and torch's FlopCounterMode)
-does. Training = forward + backward, and backward = 2x forward, so a step costs 3x its forward; activation
-checkpointing recomputes the blocks' forward once more (not counted here).
+does. Training = forward + backward, and backward = 2x forward, so a step costs 3x its forward (under ponder
+less the backward of what is not trained: below); activation checkpointing recomputes the blocks' forward once
+more (not counted here).
 
 What runs per token (fullband.model.core, train.objective): the blocks below feedback_target once per forward
 (their output is the plain input every pass reads), the blocks from the target up once per pass, the fusion on
 every pass after the first (over all positions: plain ones are selected afterwards), and the LM head once per
-scored pass (the objective scores every pass's logits; an inference read needs it only for one)."""
+scored pass (the objective scores every pass's logits; an inference read needs it only for one).
+
+Ponder slots (ponder = true, PonderLM-2; model.decoder's FullbandLM.jacobi_pass, step): pass 1 is the plain model
+over the T positions; every later pass runs the interleaved sequence of 2 T slots [x_0, z_0, x_1, z_1, ...], two
+slots' products per token, slot s attending to its s + 1 keys (`context="dense"`: all 2 T), with no fusion. The LM
+head reads T positions in every pass (pass 1's token slots, a later pass's ponder slots). The objective computes
+every pass's logits but trains the last pass alone: the last head's backward is counted, the earlier heads'
+forward only; the backward runs through every pass's blocks (the fed states keep their gradients), through the
+last pass's alone with detach_between_passes. A generated token takes two cached steps, its token slot attending
+to 2 ctx - 1 keys and its ponder slot to 2 ctx, and holds two KV slots."""
 
 from __future__ import annotations
 
-from fullband.errors import ConfigError
 from fullband.model.config import ModelConfig
 from fullband.model.mode import DecodeMode
 
@@ -66,14 +75,6 @@ def block_flops(cfg: ModelConfig, layer: int, seq_len: int, context: str = "caus
     return sum(_block(cfg, layer, t + 1) for t in range(seq_len)) / seq_len
 
 
-def check_countable(cfg: ModelConfig) -> ModelConfig:
-    """cfg, or ConfigError for a model this counter does not count yet (PonderLM-2's two slots per token)."""
-    if getattr(cfg, "ponder", False):
-        raise ConfigError("the FLOP counter does not count ponder = true (PonderLM-2: two slots per token, the plain "
-                          "first pass) yet; accepted: any other config")
-    return cfg
-
-
 def repeats(cfg: ModelConfig, layer: int, loops: float | None = None) -> float:
     """How many times block `layer` runs per pass: `loops` (default config.loops) inside a looped group, else 1."""
     inside = cfg.has_loop and cfg.loop_start <= layer < cfg.loop_stop
@@ -95,49 +96,86 @@ def head_flops(cfg: ModelConfig) -> float:
     return 2 * cfg.vocab_size * cfg.d_model
 
 
+def _blocks(cfg: ModelConfig, layers: range, seq_len: int, context: str, loops: float | None) -> float:
+    """Forward FLOPs per token of blocks `layers` over seq_len positions, a looped block's repetitions included."""
+    return sum(repeats(cfg, i, loops) * block_flops(cfg, i, seq_len, context) for i in layers)
+
+
+def ponder_pass_flops(cfg: ModelConfig, seq_len: int, context: str = "causal") -> float:
+    """Forward FLOPs per token of a pass after the first under ponder, its LM head not included: the stack over
+    the 2 seq_len interleaved slots, slots_per_token (2) of them per token."""
+    slots = cfg.slots_per_token
+    return slots * _blocks(cfg, range(cfg.n_layers), slots * seq_len, context, None)
+
+
 def forward_flops(cfg: ModelConfig, passes: float = 1, *, seq_len: int, heads: float = 1,
                   context: str = "causal", loops: float | None = None) -> float:
     """Forward FLOPs per token of `passes` Jacobi passes over seq_len positions: the blocks below feedback_target
     once, the others `passes` times (a looped group's `loops` times each, default config.loops), the fusion
-    passes - 1 times, the LM head `heads` times. Affine in passes and heads, so a schedule's mean pass count gives
-    its mean cost."""
-    target = check_countable(cfg).feedback_target
-    lower = sum(repeats(cfg, i, loops) * block_flops(cfg, i, seq_len, context) for i in range(target))
-    stack = sum(repeats(cfg, i, loops) * block_flops(cfg, i, seq_len, context) for i in range(target, cfg.n_layers))
-    return lower + passes * stack + (passes - 1) * fusion_flops(cfg) + heads * head_flops(cfg)
+    passes - 1 times, the LM head `heads` times; under ponder, pass 1 the plain stack and every later pass
+    ponder_pass_flops. Affine in passes and heads, so a schedule's mean pass count gives its mean cost."""
+    target = cfg.feedback_target
+    lower = _blocks(cfg, range(target), seq_len, context, loops)
+    stack = _blocks(cfg, range(target, cfg.n_layers), seq_len, context, loops)
+    later = ponder_pass_flops(cfg, seq_len, context) if cfg.ponder else stack + fusion_flops(cfg)
+    return lower + stack + (passes - 1) * later + heads * head_flops(cfg)
 
 
-def train_flops(cfg: ModelConfig, passes: float, *, seq_len: int, context: str = "causal") -> float:
-    """Training FLOPs per token of a k-pass step (or a schedule's mean k): 3x the forward, every pass scored."""
-    return 3 * forward_flops(cfg, passes, seq_len=seq_len, heads=passes, context=context, loops=train_loops(cfg))
+def train_flops(cfg: ModelConfig, passes: float, *, seq_len: int, context: str = "causal",
+                loops: float | None = None) -> float:
+    """Training FLOPs per token of a k-pass step (or a schedule's mean k) whose looped group runs `loops` times
+    (r; default train_loops(cfg), a step's mean): 3x the forward, every pass scored. Under ponder the forward
+    computes every pass's logits and the backward (2x) covers the last head and the blocks of every pass (with
+    detach_between_passes, of the last pass alone: then `passes` must be a whole k, since the cost of the last pass
+    depends on whether it is the plain one)."""
+    loops = train_loops(cfg) if loops is None else loops
+    if not cfg.ponder:
+        return 3 * forward_flops(cfg, passes, seq_len=seq_len, heads=passes, context=context, loops=loops)
+    forward = forward_flops(cfg, passes, seq_len=seq_len, heads=passes, context=context)
+    if not cfg.detach_between_passes:
+        return forward + 2 * forward_flops(cfg, passes, seq_len=seq_len, heads=1, context=context)
+    if passes != int(passes):
+        raise ValueError(f"passes={passes}: a ponder model with detach_between_passes = true trains its last pass "
+                         "alone, the plain one at k = 1 and a ponder pass above, so a mean k does not give the mean "
+                         "cost; accepted: a whole number of passes (count each k of a schedule)")
+    last = ponder_pass_flops(cfg, seq_len, context) if passes > 1 else forward_flops(cfg, 1, seq_len=seq_len,
+                                                                                       heads=0, context=context)
+    return forward + 2 * (last + head_flops(cfg))
 
 
 def prefill_flops(cfg: ModelConfig, mode: DecodeMode, prompt_len: int, context: str = "causal") -> float:
     """FLOPs per prompt token of reading a prompt in `mode` (its LM head row that picks the first token is
-    counted with the generated tokens): STANDARD / SOFT one pass, FUSED k 1 + k passes (at most, under tol),
-    EXACT the recurrence: one pass's products plus the fusion at every fed position, one position at a
-    time (so causal whatever `context` says)."""
+    counted with the generated tokens): STANDARD / SOFT one pass, FUSED k 1 + k passes (at most, under tol; never
+    more than the prompt's exact_passes), EXACT the recurrence: one pass's products plus the fusion at every fed
+    position, one position at a time (so causal whatever `context` says; under ponder a token's two steps, which
+    are a ponder pass's products)."""
     if mode.exact:  # positions 1..T-1 are fed; the step at position t attends to its t + 1 keys
-        one = forward_flops(cfg, 1, seq_len=prompt_len, heads=0)
+        one = (ponder_pass_flops(cfg, prompt_len) if cfg.ponder
+               else forward_flops(cfg, 1, seq_len=prompt_len, heads=0))
         return one + fusion_flops(cfg) * (prompt_len - 1) / prompt_len
-    passes = min(mode.passes, prompt_len)
+    passes = min(mode.passes, cfg.exact_passes(prompt_len))
     return forward_flops(cfg, passes, seq_len=prompt_len, heads=0, context=context)
 
 
 def decode_flops(cfg: ModelConfig, mode: DecodeMode, context: int) -> float:
     """FLOPs of one generated token attending to `context` keys (its own position included): every block and
-    the head, plus the fusion in a mode that feeds generated positions (all but STANDARD)."""
-    blocks = sum(repeats(check_countable(cfg), i) * _block(cfg, i, context) for i in range(cfg.n_layers))
+    the head, plus the fusion in a mode that feeds generated positions (all but STANDARD). Under ponder a token is
+    two cached steps through every block, its token slot attending to 2 context - 1 keys and its ponder slot (which
+    the head reads) to 2 context."""
+    slots = cfg.slots_per_token
+    blocks = sum(repeats(cfg, i) * _block(cfg, i, slots * context - s) for i in range(cfg.n_layers)
+                 for s in range(slots))
     return blocks + head_flops(cfg) + (fusion_flops(cfg) if mode.feeds_state else 0)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
     """KV-cache bytes one position holds: every block run's key and value (a looped block's per repetition),
-    n_kv_heads x head_dim each."""
-    runs = sum(repeats(check_countable(cfg), i) for i in range(cfg.n_layers))
-    return int(runs) * 2 * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+    n_kv_heads x head_dim each, in each of the token's slots (two under ponder)."""
+    runs = sum(repeats(cfg, i) for i in range(cfg.n_layers))
+    return int(runs) * cfg.slots_per_token * 2 * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
 
 
 def state_bytes_per_row(cfg: ModelConfig, dtype: str = "float32") -> int:
-    """What a feedback mode carries beside the cache: one D-vector per row (not per position)."""
-    return cfg.d_model * DTYPE_BYTES[dtype] if cfg.has_feedback else 0
+    """What a feedback mode carries beside the cache: one D-vector per row (not per position); nothing under ponder
+    (a ponder slot reads its own token's state, within the token's steps)."""
+    return cfg.d_model * DTYPE_BYTES[dtype] if cfg.has_feedback and not cfg.ponder else 0

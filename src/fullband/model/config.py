@@ -219,6 +219,17 @@ class ModelConfig:
         return self.sliding_window is not None and not (self.global_every and (layer + 1) % self.global_every == 0)
 
     @property
+    def slots_per_token(self) -> int:
+        """Sequence positions, and KV cache slots, a token takes: 2 under ponder (its token slot and its ponder
+        slot), else 1."""
+        return 2 if self.ponder else 1
+
+    def exact_passes(self, length: int) -> int:
+        """Jacobi passes after which `length` positions are at the fixed point: position t is final after t + 1;
+        under ponder pass j's ponder slots read the token slots of pass j - 1, so one more (length + 1)."""
+        return length + 1 if self.ponder else length
+
+    @property
     def has_feedback(self) -> bool:
         """Whether a pass after the first reads a state: fusion weights, or ponder slots."""
         return self.fusion != "none" or self.ponder

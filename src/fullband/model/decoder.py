@@ -188,13 +188,13 @@ class FullbandLM(FeedbackModel):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for `batch` rows of up to `max_len` positions (2 max_len slots under ponder: two per
         token), in this model's dtype and device."""
-        return KVCache.for_model(self, batch, max_len * (2 if self.config.ponder else 1), self.cache_layers)
+        return KVCache.for_model(self, batch, max_len * self.config.slots_per_token, self.cache_layers)
 
     # ---------------------------------------------------------------- PonderLM-2 (config.ponder)
     def exact_passes(self, length: int) -> int:
         """Under ponder, pass j's token slots are exact up to position j - 1 and its ponder slots, which read them
-        from pass j - 1, up to j - 2: length + 1 passes reach the fixed point."""
-        return length + 1 if self.config.ponder else length
+        from pass j - 1, up to j - 2: length + 1 passes reach the fixed point (ModelConfig.exact_passes)."""
+        return self.config.exact_passes(length)
 
     def jacobi_pass(self, e: Tensor, prev: Tensor | None = None, plain: Tensor | None = None, *,
                     cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
