@@ -353,6 +353,21 @@ def test_slices_cross_shard_boundaries(tmp_path):
         stream.slice(0, len(want) + 1)
 
 
+def test_a_stream_head_is_its_first_tokens_across_shards(tmp_path):
+    corpus = resolve_corpus(str(text_dir(tmp_path / "c", n=6)), val_percent=25)
+    stream = tokenize_corpus(corpus, ByteTokenizer(), "train", tmp_path / "cache", progress=False, shard_tokens=7)
+    want, _ = expected_tokens(corpus, ByteTokenizer(), "train")
+    for n in (1, 6, 7, 8, 20, len(want)):
+        head = stream.head(n)
+        assert len(head) == n and head.fingerprint == stream.fingerprint
+        assert np.array_equal(head.slice(0, n), want[:n])
+        with pytest.raises(DataError, match="outside the stream"):
+            head.slice(0, n + 1)
+    for bad in (0, len(want) + 1):
+        with pytest.raises(DataError, match=rf"{bad:,} tokens asked of a stream of {len(want):,}"):
+            stream.head(bad)
+
+
 def test_empty_split_raises(tmp_path):
     path = write(tmp_path / "one.jsonl", json.dumps({"text": "only"}) + "\n")
     with pytest.raises(DataError, match="no non-empty documents in its 'val' split"):

@@ -170,6 +170,33 @@ def test_seq_len_longer_than_max_seq_len(tmp_path, corpus, cache):
         load_run_config(write_config(tmp_path, corpus, cache), ["train.seq_len=256", "train.global_batch_tokens=1024"])
 
 
+def test_train_tokens_trains_on_the_first_tokens_only(tmp_path, corpus, cache):
+    """data.train_tokens: the training stream is the split's first N tokens (windows drawn from them only, epoch
+    after epoch); the held-out split is unchanged; a count outside [seq_len + 1, the split] is refused by name."""
+    from fullband.train.trainer import Trainer
+
+    path = write_config(tmp_path, corpus, cache, steps=3, ckpt_every=0)
+    whole = Trainer(load_run_config(path, ["log.run_dir=\"%s\"" % (tmp_path / "whole")]))
+    some = Trainer(load_run_config(path, ["data.train_tokens=300", "log.run_dir=\"%s\"" % (tmp_path / "some")]))
+    try:
+        assert len(some.data.train) == 300 < len(whole.data.train)
+        assert (some.data.train.slice(0, 300) == whole.data.train.slice(0, 300)).all()
+        assert len(some.data.val) == len(whole.data.val)
+        assert some.data.sampler.n_windows == 300 // 33 < whole.data.sampler.n_windows  # windows of seq_len + 1
+        seen = {int(w) for step in range(4) for micro in range(some.data.sampler.accum_steps)
+                for w in some.data.sampler.windows(step, micro)}
+        assert seen == set(range(some.data.sampler.n_windows))  # 4 steps of 8 windows: every window, repeated
+        have = len(whole.data.train)
+    finally:
+        whole.close(), some.close()
+    for n in (32, have + 1):
+        with pytest.raises(ConfigError, match=rf"data.train_tokens={n:,}: the training split .* has {have:,} tokens"):
+            Trainer(load_run_config(path, [f"data.train_tokens={n}", "log.run_dir=\"%s\"" % (tmp_path / f"n{n}")]))
+        assert not (tmp_path / f"n{n}").exists(), "a refused start leaves no run directory"
+    with pytest.raises(ConfigError, match="data.train_tokens=300 limits a text corpus"):
+        load_run_config(path, ["data.train_tokens=300", 'data.format="tracking"', 'data.corpus="parity:4"'])
+
+
 def test_missing_corpus_path(tmp_path, cache):
     path = write_config(tmp_path, tmp_path / "no-such-corpus", cache)
     _fails(tmp_path, path, match="no-such-corpus")

@@ -580,7 +580,9 @@ def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path) -
             ax.set(xlabel=xlabel, title=regime, xscale="log")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("held-out loss (nats/token, 64 windows)")
-        axes[1].legend(fontsize=7)
+        for ax in axes:
+            if ax.get_lines():
+                ax.legend(fontsize=7)
         save_figure(fig, figs / png)
         lines += [f"![loss vs {axis}]({figs.name}/{png})", ""]
     tasks = [t for t in TASKS if any(p.regime == t and p.name in tracking for p in planned)]

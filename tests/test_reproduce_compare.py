@@ -1,0 +1,92 @@
+"""`fullband reproduce compare` end to end at its micro scale: every method trained and scored, the standard models
+at matched FLOPs planned from the FLOP counter, the report's tables computed from the numbers, a rerun reusing
+every run and evaluation, and a budget that reports what finished and lists the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _options(tmp_path, corpus, cache, **kw):
+    return dict(root=tmp_path / "runs", docs=tmp_path / "docs", extra=[f'data.cache_dir="{cache}"'], scale="micro",
+                lm_extra=(f'data.corpus="{corpus}"',), tasks=("parity",), **kw)
+
+
+def test_the_plan_matches_each_rival_s_training_flops():
+    """Standard runs get round(N x the rival's counted training FLOPs per token / standard's) steps; the deeper
+    standard model is the depth whose FLOPs per token come closest to ours."""
+    from fullband.bench.flops import train_flops
+    from fullband.reproduce.compare import METHODS, SCALES, _mean_passes, plan
+    from fullband.reproduce.runner import Settings
+
+    sc = SCALES["cpu"]
+    runs = {p.name: p for p in plan(sc, Settings(), tasks=("parity",))}
+    std = runs["fresh-standard"]
+
+    def per_token(p):
+        return train_flops(p.model_cfg, _mean_passes(METHODS[p.method].passes), seq_len=256)
+
+    for key in ("fbt", "t2mlr", "lrt", "looped", "ponder"):
+        ratio = per_token(runs[f"fresh-{key}"]) / per_token(std)
+        matched = [p for p in runs.values() if p.regime == "fresh" and p.role.startswith("x")
+                   and key in p.role[1:].split("/")]
+        assert len(matched) == 1, key
+        assert matched[0].steps == pytest.approx(sc.steps * ratio, abs=0.03 * sc.steps * ratio), key
+    deep = runs[next(n for n in runs if n.startswith("fresh-standard-deep"))]
+    ours = per_token(runs["fresh-fbt"]) / per_token(std)
+    assert abs(per_token(deep) / per_token(std) - ours) < 0.5
+    assert deep.model_cfg.n_layers > std.model_cfg.n_layers and deep.steps == sc.steps
+    assert runs["repeated-standard-2n"].steps == 2 * sc.steps
+    assert all(f"data.train_tokens={sc.unique_tokens}" in p.run.overrides for p in runs.values()
+               if p.regime == "repeated")
+    assert runs["parity-ponder"].model_cfg.ponder and runs["parity-looped"].model_cfg.has_loop
+
+
+def test_reproduce_compare_writes_a_report_and_a_rerun_reuses_it(tmp_path, corpus, cache, capsys):
+    from fullband.reproduce import reproduce
+    from fullband.reproduce.compare import METHODS, RIVALS
+
+    out = reproduce("compare", **_options(tmp_path, corpus, cache))
+    assert out.name == "compare-micro.md"
+    text = out.read_text()
+    assert text.startswith("# Reproduction: compare-micro") and "Pending" not in text
+    for key in RIVALS:  # the cost table, both regimes' rows and the summary
+        assert f"| {key} | " in text, key
+        for regime in ("fresh", "repeated"):
+            assert f"| {regime}-{key} | 4 |" in text and f"| {regime} | {key} | " in text, (regime, key)
+    for key in METHODS:
+        assert f"| parity-{key} | " in text, key
+    for read in ("| FUSED k=2 |", "| r=3 |", "| FUSED k=4 |", "| fused:auto |", "| exact |", "| r=6 |"):
+        assert read in text, read
+    assert "| fresh | standard 2N | STANDARD |" in text and "repeated-standard-deep" in text
+    assert "nan" not in text
+    figs = tmp_path / "docs" / "compare-micro"
+    for png in ("loss_tokens.png", "loss_flops.png", "tracking.png", "eval/parity-fbt/tracking.png"):
+        assert (figs / png).is_file(), png
+    capsys.readouterr()
+    again = reproduce("compare", **_options(tmp_path, corpus, cache)).read_text()
+    assert "== training" not in capsys.readouterr().out  # every run reused
+    strip = [line for line in text.splitlines() if "Wall time" not in line]
+    assert strip == [line for line in again.splitlines() if "Wall time" not in line]  # ...and every number
+
+
+def test_a_budget_reports_the_finished_runs_and_lists_the_rest(tmp_path, corpus, cache, capsys):
+    from fullband.reproduce import reproduce
+
+    text = reproduce("compare", **_options(tmp_path, corpus, cache, budget=0)).read_text()
+    assert "== training" not in capsys.readouterr().out
+    assert "**Pending (" in text and "fresh-fbt" in text.split("**Pending (", 1)[1]
+    assert "| fresh-fbt | 4 | - |" in text and "| parity-fbt | pending |" in text
+
+
+def test_scale_and_budget_are_checked(tmp_path, capsys):
+    from fullband.cli import main
+    from fullband.errors import InputError
+    from fullband.reproduce import reproduce
+
+    with pytest.raises(InputError, match=r"--scale 'gpu' is unknown.*accepted: cpu, gpu-small, micro"):
+        reproduce("compare", root=tmp_path, docs=tmp_path, scale="gpu")
+    assert main(["reproduce", "tracking", "--scale", "micro"]) == 2
+    assert "apply to `fullband reproduce compare` only" in capsys.readouterr().err
+    assert main(["reproduce", "compare", "--budget", "-1", "--root", str(tmp_path)]) == 2
+    assert "--budget -1.0: accepted: minutes >= 0" in capsys.readouterr().err
