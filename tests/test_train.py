@@ -44,6 +44,14 @@ def test_training_run_writes_metrics_checkpoints_and_plot(tmp_path, corpus, cach
     assert all(len(r["loss_pass"]) == r["k"] for r in steps)
     assert all(r["k"] == 1 for r in steps[:3])  # the first stage is single-pass
     assert steps[-1]["compute_tokens"] == sum(256 * r["k"] for r in steps)
+    # training FLOPs: each step's own k counted, cumulative, in the training and eval rows and the result
+    from itertools import accumulate
+
+    from fullband.bench.flops import train_flops
+
+    flops = list(accumulate(256 * train_flops(cfg.model, r["k"], seq_len=32) for r in steps))
+    assert [r["flops"] for r in steps] == flops and result["flops"] == flops[-1]
+    assert [(r["step"], r["flops"]) for r in rows if "eval" in r] == [(4, flops[3]), (8, flops[7]), (10, flops[9])]
     assert {"lr", "grad_norm", "state_rms", "tok_per_s"} <= set(steps[0])
     assert steps[-1]["loss_pass"][0] < steps[0]["loss_pass"][0]
     # a checkpoint is a loadable model folder
