@@ -1,14 +1,15 @@
 """Looped depth (model.loop_start / loop_stop / loops / loop_train; the Huginn / Ouro rival): the forward equals
 the group run r times written by hand from the block modules, cached decoding equals an uncached recompute with a
 KV cache slot per repetition, r = 1 is the unlooped model bit for bit, latent feedback on a looped stack stays
-exact, training with a randomised r resumes bitwise, folders round-trip, and the other runtimes refuse by name."""
+exact, training with a randomised r resumes bitwise (its FLOPs counted at each step's r) and trains the same in two
+DDP processes as in one, folders round-trip, and the other runtimes refuse by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import assert_resume_is_bitwise, random_ids, tiny_model, write_config
+from conftest import assert_resume_is_bitwise, losses, random_ids, tiny_model, write_config
 from fullband import FullbandLM, generate
 from fullband.errors import ConfigError, InputError
 from fullband.model.config import ModelConfig, require_default_layers
@@ -176,6 +177,21 @@ def test_training_with_a_randomised_r_resumes_bitwise(tmp_path, corpus, cache, m
     bad = write_config(tmp_path, corpus, cache, "bad", model=LOOPED_MODEL)
     with pytest.raises(ConfigError, match="train.passes=.*looped model with model.fusion='none'"):
         load_run_config(bad)
+
+
+def test_two_process_ddp_with_a_randomised_r_matches_one_process(tmp_path, corpus, cache):
+    """r is drawn from (seed, step) alone, so both ranks run the step's r and two processes train what one does."""
+    import json
+
+    from test_train import assert_same_losses, train_in_one_and_two_processes
+
+    model = LOOPED_MODEL.replace("loops = 3", "loops = 4")  # seed 0 draws r = 4, 3, 4, 4
+    runs = train_in_one_and_two_processes(tmp_path, corpus, cache, steps=4, micro=2, model=model, passes='"none"')
+    rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+    r = [[row["loops"] for row in run if "loops" in row] for run in rows]
+    assert r[0] == r[1] and len(r[0]) == 4 and len(set(r[0])) > 1
+    assert [row["flops"] for row in rows[0]] == [row["flops"] for row in rows[1]]
+    assert_same_losses(*(losses(run) for run in runs))
 
 
 def test_folders_round_trip_and_the_transformers_class_runs_the_loop(tmp_path):
