@@ -116,8 +116,10 @@ def losses(run_dir) -> list[list[float]]:
 
 def assert_resume_is_bitwise(whole, part, monkeypatch, *, stop_before: int, last: str) -> None:
     """Train recipe `whole` uninterrupted and recipe `part` (the same, another run_dir) stopped by an exception
-    before its step stop_before + 1, then resumed from its last checkpoint: the per-pass losses and the final
-    checkpoint `last` (e.g. "step_000009") must be bitwise equal."""
+    before its step stop_before + 1, then resumed from its last checkpoint: the per-pass losses, the FLOPs counted
+    in every metrics row and the final checkpoint `last` (e.g. "step_000009"), weights and trainer state, must be
+    bitwise equal."""
+    import json
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -143,6 +145,11 @@ def assert_resume_is_bitwise(whole, part, monkeypatch, *, stop_before: int, last
     run_dir, ref_dir = (Path(load_run_config(path).log.run_dir) for path in (part, whole))
     train(load_run_config(part), resume=run_dir)
     assert losses(run_dir) == losses(ref_dir)
+    flops = [[json.loads(line)["flops"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+             for d in (run_dir, ref_dir)]
+    assert flops[0] == flops[1]
+    states = [json.loads((d / last / "trainer.json").read_text()) for d in (run_dir, ref_dir)]
+    assert states[0]["flops"] == states[1]["flops"] == flops[1][-1]
     a = load_file(str(ref_dir / last / "model.safetensors"))
     b = load_file(str(run_dir / last / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -148,6 +148,10 @@ def test_a_looped_model_counts_its_repetitions():
     uniform = ModelConfig(**{**HAND, "n_layers": 3, "loop_start": 1, "loop_stop": 3, "loops": 3,
                              "loop_train": "uniform"})
     assert flops.train_loops(uniform) == 2.0 and flops.train_loops(cfg) == 3
+    # a step's own r (the trainer's count) against the run's mean r (the default)
+    assert flops.train_flops(uniform, 2, seq_len=4, loops=3) == flops.train_flops(cfg, 2, seq_len=4)
+    assert flops.train_flops(uniform, 2, seq_len=4) == flops.train_flops(uniform, 2, seq_len=4, loops=2)
+    assert flops.train_flops(uniform, 2, seq_len=4, loops=1) == flops.train_flops(plain, 2, seq_len=4)
 
 
 PONDER = dict(ponder=True, fusion="none", jitter=0.0, prefix_mixin_prob=0.0)

@@ -157,6 +157,9 @@ def test_a_damaged_trainer_json_is_named(tmp_path, ckpt):
     (step / "trainer.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=r"tokens='many' is invalid; accepted: an integer >= 0"):
         read_trainer_state(step)
+    (step / "trainer.json").write_text(json.dumps({**state, "tokens": 8, "flops": -1.0}))
+    with pytest.raises(CheckpointError, match=r"flops=-1.0 is invalid; accepted: a number >= 0"):
+        read_trainer_state(step)
 
 
 def test_a_destination_that_is_a_symlink_loop_is_one_line(tmp_path):

@@ -1,14 +1,15 @@
 """Looped depth (model.loop_start / loop_stop / loops / loop_train; the Huginn / Ouro rival): the forward equals
 the group run r times written by hand from the block modules, cached decoding equals an uncached recompute with a
 KV cache slot per repetition, r = 1 is the unlooped model bit for bit, latent feedback on a looped stack stays
-exact, training with a randomised r resumes bitwise, folders round-trip, and the other runtimes refuse by name."""
+exact, training with a randomised r resumes bitwise (its FLOPs counted at each step's r) and trains the same in two
+DDP processes as in one, folders round-trip, and the other runtimes refuse by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import assert_resume_is_bitwise, random_ids, tiny_model, write_config
+from conftest import assert_resume_is_bitwise, losses, random_ids, tiny_model, write_config
 from fullband import FullbandLM, generate
 from fullband.errors import ConfigError, InputError
 from fullband.model.config import ModelConfig, require_default_layers
@@ -138,22 +139,59 @@ loop_train = "uniform\""""
 
 
 def test_training_with_a_randomised_r_resumes_bitwise(tmp_path, corpus, cache, monkeypatch):
+    import itertools
     import json
+
+    from fullband.train.config import load_run_config
 
     whole, part = (write_config(tmp_path, corpus, cache, name, steps=7, ckpt_every=3, keep_last=3,
                                 model=LOOPED_MODEL, passes='"none"') for name in ("whole", "part"))
     assert_resume_is_bitwise(whole, part, monkeypatch, stop_before=4, last="step_000007")  # resumes at step 3
     rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    r = [row["loops"] for row in rows if "loops" in row]
+    steps = [row for row in rows if "loss_pass" in row]
+    r = [row["loops"] for row in steps]
     assert len(r) == 7 and len(set(r)) > 1  # r was drawn per step
+    # the FLOPs of each step at its own r (k = 1 here), cumulative; the same after the resume (checked above)
+    from fullband.bench.flops import train_flops
+
+    model = ModelConfig.from_dict(json.loads((tmp_path / "whole" / "run.json").read_text())["model"])
+    per_step = [256 * train_flops(model, 1, seq_len=32, loops=x) for x in r]
+    assert [row["flops"] for row in steps] == list(itertools.accumulate(per_step)) and len(set(per_step)) > 1
+    # a checkpoint written before FLOPs were counted: a resume counts its steps again from (seed, step), exactly
+    from fullband.train import checkpoint as ckpt
+    from fullband.train.trainer import train
+
+    save = ckpt.save_checkpoint
+
+    def save_without_flops(run_dir, step, model, optimizer, state, **kw):
+        return save(run_dir, step, model, optimizer, {k: v for k, v in state.items() if k != "flops"}, **kw)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_without_flops)
+    old = write_config(tmp_path, corpus, cache, "old", steps=3, ckpt_every=3, model=LOOPED_MODEL, passes='"none"')
+    train(load_run_config(old))
+    assert "flops" not in json.loads((tmp_path / "old" / "step_000003" / "trainer.json").read_text())
+    assert train(load_run_config(old), resume=tmp_path / "old")["flops"] == steps[2]["flops"]
     back = FullbandLM.load(tmp_path / "whole" / "step_000007")
     assert back.config.loops == 3 and back.config.loop_train == "uniform"
     # a looped model without fusion weights trains one pass: a multi-pass schedule is refused by name
     bad = write_config(tmp_path, corpus, cache, "bad", model=LOOPED_MODEL)
-    from fullband.train.config import load_run_config
-
     with pytest.raises(ConfigError, match="train.passes=.*looped model with model.fusion='none'"):
         load_run_config(bad)
+
+
+def test_two_process_ddp_with_a_randomised_r_matches_one_process(tmp_path, corpus, cache):
+    """r is drawn from (seed, step) alone, so both ranks run the step's r and two processes train what one does."""
+    import json
+
+    from test_train import assert_same_losses, train_in_one_and_two_processes
+
+    model = LOOPED_MODEL.replace("loops = 3", "loops = 4")  # seed 0 draws r = 4, 3, 4, 4
+    runs = train_in_one_and_two_processes(tmp_path, corpus, cache, steps=4, micro=2, model=model, passes='"none"')
+    rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+    r = [[row["loops"] for row in run if "loops" in row] for run in rows]
+    assert r[0] == r[1] and len(r[0]) == 4 and len(set(r[0])) > 1
+    assert [row["flops"] for row in rows[0]] == [row["flops"] for row in rows[1]]
+    assert_same_losses(*(losses(run) for run in runs))
 
 
 def test_folders_round_trip_and_the_transformers_class_runs_the_loop(tmp_path):

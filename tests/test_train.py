@@ -44,6 +44,14 @@ def test_training_run_writes_metrics_checkpoints_and_plot(tmp_path, corpus, cach
     assert all(len(r["loss_pass"]) == r["k"] for r in steps)
     assert all(r["k"] == 1 for r in steps[:3])  # the first stage is single-pass
     assert steps[-1]["compute_tokens"] == sum(256 * r["k"] for r in steps)
+    # training FLOPs: each step's own k counted, cumulative, in the training and eval rows and the result
+    from itertools import accumulate
+
+    from fullband.bench.flops import train_flops
+
+    flops = list(accumulate(256 * train_flops(cfg.model, r["k"], seq_len=32) for r in steps))
+    assert [r["flops"] for r in steps] == flops and result["flops"] == flops[-1]
+    assert [(r["step"], r["flops"]) for r in rows if "eval" in r] == [(4, flops[3]), (8, flops[7]), (10, flops[9])]
     assert {"lr", "grad_norm", "state_rms", "tok_per_s"} <= set(steps[0])
     assert steps[-1]["loss_pass"][0] < steps[0]["loss_pass"][0]
     # a checkpoint is a loadable model folder
@@ -88,9 +96,11 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache):
             assert all(torch.equal(v, opt_b[kind]["state"][key][n]) for n, v in state.items() if torch.is_tensor(v))
 
 
-def test_two_process_ddp_matches_one_process(tmp_path, corpus, cache):
-    one = write_config(tmp_path, corpus, cache, "one", steps=5, micro=2, ckpt_every=0)
-    two = write_config(tmp_path, corpus, cache, "two", steps=5, micro=2, ckpt_every=0)
+def train_in_one_and_two_processes(tmp_path, corpus, cache, **kw) -> tuple[Path, Path]:
+    """The micro recipe (write_config's `kw`, no checkpoints) trained in one process, then in two
+    (torch.distributed.run, gloo on CPU) with the same global batch -> the two run directories."""
+    one = write_config(tmp_path, corpus, cache, "one", ckpt_every=0, **kw)
+    two = write_config(tmp_path, corpus, cache, "two", ckpt_every=0, **kw)
     ref = cli("train", str(one))
     _, err = ref.communicate(timeout=300)
     assert ref.returncode == 0, err
@@ -101,12 +111,23 @@ def test_two_process_ddp_matches_one_process(tmp_path, corpus, cache):
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(a) == len(b) == 5
-    assert any(len(x) > 1 for x in a)  # multi-pass steps were exercised
+    return tmp_path / "one", tmp_path / "two"
+
+
+def assert_same_losses(a: list[list[float]], b: list[list[float]], tol: float = 1e-5) -> None:
+    """Two runs' per-pass losses (conftest.losses): the same pass counts, every loss within tol."""
+    assert len(a) == len(b)
     for x, y in zip(a, b):
         assert len(x) == len(y)
-        assert max(abs(p - q) for p, q in zip(x, y)) <= 1e-5, (x, y)
+        assert max(abs(p - q) for p, q in zip(x, y)) <= tol, (x, y)
+
+
+def test_two_process_ddp_matches_one_process(tmp_path, corpus, cache):
+    one, two = train_in_one_and_two_processes(tmp_path, corpus, cache, steps=5, micro=2)
+    a, b = losses(one), losses(two)
+    assert len(a) == 5
+    assert any(len(x) > 1 for x in a)  # multi-pass steps were exercised
+    assert_same_losses(a, b)
 
 
 def test_divergence_guard_stops_and_keeps_last_checkpoint(tmp_path, corpus, cache):

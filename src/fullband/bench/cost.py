@@ -118,10 +118,10 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
     base = statistics.median(times["standard model"])
     train_rows = [{"variant": "standard model", "passes": 1.0, "flops_per_token": flops.train_flops(std_cfg, 1, seq_len=seq_len),
                    "step_s": base, "time_vs_standard": 1.0}]
-    for k in passes:  # at the r the timed step runs (the model's loops; a schedule's row: a run's mean r)
+    for k in passes:  # FLOPs at a run's mean r (train_loops); the timed step runs r = loops
         t = statistics.median(times[f"k={k}"])
         train_rows.append({"variant": f"k={k}", "passes": float(k), "step_s": t, "time_vs_standard": t / base,
-                           "flops_per_token": flops.train_flops(cfg, k, seq_len=seq_len, loops=cfg.loops)})
+                           "flops_per_token": flops.train_flops(cfg, k, seq_len=seq_len)})
     if schedule_row:
         train_rows.append(schedule_row)
     for row in train_rows:

@@ -112,9 +112,11 @@ def read_trainer_state(path: Path) -> dict:
     if lacking:
         raise CheckpointError(f"{file} is damaged: it lacks {', '.join(lacking)}; resume from an earlier checkpoint "
                               f"of the run (--resume {path.parent}/step_NNNNNN)")
-    for key in ("step", "tokens", "compute_tokens", "elapsed"):
+    for key in ("step", "tokens", "compute_tokens", "elapsed", "flops"):
+        if key not in state:  # flops: a checkpoint written before it was counted (the trainer counts it again)
+            continue
         value = state[key]
-        whole = key != "elapsed"
+        whole = key not in ("elapsed", "flops")
         if isinstance(value, bool) or not isinstance(value, int if whole else int | float) or value < 0:
             raise CheckpointError(f"{file}: {key}={value!r} is invalid; accepted: "
                                   f"{'an integer' if whole else 'a number'} >= 0 (the file is damaged)")

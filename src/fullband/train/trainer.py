@@ -3,7 +3,11 @@ validation, atomic checkpoints that resume bitwise-exactly, and a divergence gua
 
 Everything random is a pure function of (seed, step, micro-batch): the pass count, a looped model's r, the
 data, the jitter and the prefix mixin. So a resumed run, or the same global batch split over more processes,
-replays the same computation."""
+replays the same computation.
+
+Compute is logged two ways: compute_tokens (tokens x passes, the paper's token-equivalent compute) and flops, the
+training FLOPs counted by fullband.bench.flops.train_flops for each step's k and r (for a wrapped Hugging Face
+model: the count of the native model of its sizes)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fullband.bench.flops import train_flops
 from fullband.errors import FullbandError
 from fullband.files import replace_file, writing
 from fullband.eval.loss import validation_loss
@@ -87,7 +92,8 @@ class Trainer:
         built = build(cfg, self.d, warm=resume is None)
         self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
         self.schedule = cfg.train.schedule
-        self.step, self.tokens, self.compute_tokens, self.elapsed = 0, 0, 0, 0.0
+        self.step, self.tokens, self.compute_tokens, self.elapsed, self.flops = 0, 0, 0, 0.0, 0.0
+        self._step_flops: dict[tuple[int, int], float] = {}  # (k, r) -> one step's FLOPs, counted once
         self.autocast = _autocast(cfg.train.dtype, self.d.device)
         barrier(self.d)
         if self.resume_from is not None:
@@ -95,6 +101,10 @@ class Trainer:
             self.data.sampler.check_state(state["sampler"])
             self.step, self.tokens = state["step"], state["tokens"]
             self.compute_tokens, self.elapsed = state["compute_tokens"], state["elapsed"]
+            # a checkpoint written before FLOPs were counted has none: every step's (k, r) is a function of
+            # (seed, step), so the steps it holds are counted again, in order (the sum an uninterrupted run makes)
+            self.flops = state["flops"] if "flops" in state else sum(
+                self.step_flops(*self.draws(s)) for s in range(self.step))
             _print0(self.d, f"resumed from {self.resume_from} at {ckpt.describe(state)}")
         elif resume is not None:  # a run killed before its first checkpoint: it starts again from step 0
             _print0(self.d, f"{self.run_dir} holds no complete checkpoint yet (the run stopped before its first); "
@@ -108,10 +118,24 @@ class Trainer:
         self.loggers = MetricsLog(self.run_dir, cfg, self.d) if self.d.main else None
 
     # ------------------------------------------------------------------ one optimizer step
+    def draws(self, step: int) -> tuple[int, int]:
+        """(k, r) of 0-based optimizer step `step`: its pass count under self.schedule and a looped model's
+        repetitions (1 without a loop), functions of (seed, step) only."""
+        cfg = self.cfg
+        k = self.schedule.sample(step, cfg.train.steps, cfg.train.seed)
+        return k, sample_loops(cfg.model, step, cfg.train.seed)  # a looped model's depth: another axis than k
+
+    def step_flops(self, k: int, loops: int) -> float:
+        """Training FLOPs of one optimizer step of k passes at r = loops: global_batch_tokens x train_flops."""
+        if (k, loops) not in self._step_flops:
+            train = self.cfg.train
+            per_token = train_flops(self.cfg.model, k, seq_len=train.seq_len, loops=loops)
+            self._step_flops[k, loops] = train.global_batch_tokens * per_token
+        return self._step_flops[k, loops]
+
     def train_step(self, step: int) -> StepStats:
         cfg, d, sampler = self.cfg, self.d, self.data.sampler
-        k = self.schedule.sample(step, cfg.train.steps, cfg.train.seed)
-        r = sample_loops(cfg.model, step, cfg.train.seed)  # a looped model's depth: another axis than k
+        k, r = self.draws(step)
         factor = wsd_factor(step, cfg.train.steps, cfg.train.warmup_steps, cfg.train.cooldown_fraction)
         cooldown = in_cooldown(step, cfg.train.steps, cfg.train.cooldown_fraction)
         for group in self.optimizer.param_groups:
@@ -195,8 +219,8 @@ class Trainer:
                                        "clipping (optim.grad_clip)")
             _print0(self.d, msg)
             return None
-        state = {"tokens": self.tokens, "compute_tokens": self.compute_tokens, "elapsed": self.elapsed,
-                 "sampler": self.data.sampler.state_dict(), "config": self.cfg.to_dict()}
+        state = {"tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
+                 "elapsed": self.elapsed, "sampler": self.data.sampler.state_dict(), "config": self.cfg.to_dict()}
         return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, d=self.d,
                                     tokenizer=self.data.tokenizer, keep_last=self.cfg.log.keep_last)
 
@@ -214,12 +238,14 @@ class Trainer:
                 self.step += 1
                 self.tokens += tokens_per_step
                 self.compute_tokens += tokens_per_step * stats.k
+                self.flops += self.step_flops(stats.k, stats.loops)
                 self.elapsed += dt
                 lr = {name: opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers.items()
                       if opt.param_groups}
                 row = {"step": self.step, "k": stats.k, "loss": stats.loss, "loss_pass": stats.pass_losses, "lr": lr,
                        "grad_norm": stats.grad_norm, "state_rms": stats.state_rms, "tokens": self.tokens,
-                       "compute_tokens": self.compute_tokens, "tok_per_s": tokens_per_step / dt, "time": self.elapsed}
+                       "compute_tokens": self.compute_tokens, "flops": self.flops, "tok_per_s": tokens_per_step / dt,
+                       "time": self.elapsed}
                 if cfg.model.has_loop:
                     row["loops"] = stats.loops
                 if self.loggers:
@@ -232,7 +258,8 @@ class Trainer:
                 if (cfg.log.eval_every and self.step % cfg.log.eval_every == 0) or done:
                     last_eval = self.evaluate()
                     if self.loggers:
-                        self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens})
+                        self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens,
+                                          "flops": self.flops})
                     msg = "  ".join(f"passes={k}: {v:.4f}" for k, v in last_eval.items())
                     (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
                 if (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done:
@@ -245,7 +272,7 @@ class Trainer:
         if d.main:
             with writing(self.run_dir / "loss.png", "plot the losses"):
                 plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
-        return {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens,
+        return {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
                 "elapsed": self.elapsed, "eval": last_eval, "run_dir": str(self.run_dir)}
 
     def close(self) -> None:
