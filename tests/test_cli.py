@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fullband.cli import main
 
@@ -62,6 +63,15 @@ def test_bench_decode_smoke(tmp_path):
     assert {(1, "standard"), (1, "soft"), (2, "fused(k=1)"), (1, "matmul bound"), (2, "matmul bound (7/layer)")} <= variants
     assert all(r["tokens_per_s"] > 0 for r in result["rows"])
     assert 0 < result["theory_soft_overhead"] < 1
+    assert result["device"] == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_decode_refuses_a_missing_device(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    assert main(["bench", "decode", "--config", "tiny", "--device", "cuda", "--json", str(report)]) == 2
+    assert "--device 'cuda': CUDA is not available on this machine; accepted: cpu" in capsys.readouterr().err
+    assert not report.exists()
 
 
 @pytest.mark.parametrize("args", [

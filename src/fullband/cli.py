@@ -238,11 +238,12 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     from fullband.presets import load_model_config
 
     cfg = load_model_config(args.config, args.set)
+    device = _device(args.device)
     _check_json_out(args.json)
     result = run_decode_bench(
         cfg, batches=args.batch_sizes, dtypes=args.dtypes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         prefill_passes=args.prefill_passes, repeats=args.repeats, hf=not args.no_hf, compile=args.compile,
-        log=lambda s: print(s, file=sys.stderr),
+        device=device, log=lambda s: print(s, file=sys.stderr),
     )
     return _report(format_report(result), result, args.json)
 
@@ -479,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate comparison")
     s.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
+    s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N")
     s.add_argument("--json", help="also write the results to this JSON file")
     s.set_defaults(func=cmd_bench_decode)
 

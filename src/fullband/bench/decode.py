@@ -3,7 +3,8 @@
 Every variant of one (dtype, batch) cell runs in the same process, interleaved (A B C A B C ...), and the
 median is reported, so ratios hold on a noisy shared machine. The matmul bound is the time of the decode
 step's weight matrix-vector products alone (one token's worth, same shapes and dtype, timed in the same
-loop): the ceiling for batch-1 decoding on this hardware."""
+loop): the ceiling for batch-1 decoding on this hardware. The model runs on `device` (the CPU by default); on
+CUDA every timing waits for the kernels it queued before the clock stops."""
 
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ def decode_timer(model, prompts, new_tokens: int, mode: str, prefill_passes: int
     return run
 
 
+def _sync(device: torch.device) -> None:
+    """Wait until `device` has run every kernel queued on it (CUDA runs them asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Callable[[], float]:
     """The decode step's weight matrix-vector products alone, one token's worth, with the model's own kernel
     choice (`layers.linear`): every hidden matrix of every block (fullband.model.weights: wqkv, wo, w_in, w_down,
@@ -66,6 +73,7 @@ def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Calla
     def once() -> None:
         for x, w in zip(inputs, weights):
             linear(x, w)
+        _sync(weights[0].device)
 
     def run() -> float:
         with torch.inference_mode():
@@ -79,6 +87,7 @@ def paired_soft_overhead(model: FullbandLM, prompts: torch.Tensor, pairs: int = 
     STANDARD step, one SOFT step, ...) on two caches: median(SOFT) / median(STANDARD) - 1. Alternating single
     steps cancels the machine's drift, which whole-generation timings cannot resolve at the 1% level."""
     B, P = prompts.shape
+    device = prompts.device
     times: dict[bool, list[float]] = {False: [], True: []}
     with torch.inference_mode():
         runs = {}
@@ -88,12 +97,14 @@ def paired_soft_overhead(model: FullbandLM, prompts: torch.Tensor, pairs: int = 
             runs[feed] = [cache, out.hidden[:, -1], out.top[:, -1]]
         tokens = prompts[:, -1]
         for i in range(pairs + 1):
-            positions = torch.full((B,), P + i, dtype=torch.long)
+            positions = torch.full((B,), P + i, dtype=torch.long, device=device)
             for feed in (False, True):
                 cache, state, _ = runs[feed]
+                _sync(device)
                 t0 = time.perf_counter()
                 state, top = model.step(tokens, positions, cache, prev=state if feed else None, kv_len=P + i + 1)
                 tokens = model.head(top).argmax(-1)
+                _sync(device)
                 times[feed].append(time.perf_counter() - t0)
                 runs[feed][1] = state
     # drop the first pair (warm-up)
@@ -108,7 +119,8 @@ def theory_overhead(cfg: ModelConfig) -> float:
 
 
 def hf_llama_generate(model: FullbandLM, prompt_len: int, new_tokens: int) -> Callable[[], None] | None:
-    """HF LlamaForCausalLM of the same shape (random weights), greedy, batch 1; None when transformers is missing."""
+    """HF LlamaForCausalLM of the same shape (random weights, on the model's device), greedy, batch 1; None when
+    transformers is missing."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
@@ -118,12 +130,15 @@ def hf_llama_generate(model: FullbandLM, prompt_len: int, new_tokens: int) -> Ca
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
         tie_word_embeddings=True, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len))
+    device = next(model.parameters()).device
+    hf.to(device)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len)).to(device)
 
     def run() -> None:
         with torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        _sync(device)
 
     return run
 
@@ -136,17 +151,19 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: list[str] = ("float32", "bfloat16"),
                      prompt_len: int = 32, new_tokens: int = 64, prefill_passes: int = 1, repeats: int = 5,
-                     hf: bool = True, compile: bool = False, seed: int = 0,
+                     hf: bool = True, compile: bool = False, seed: int = 0, device: str = "cpu",
                      log: Callable[[str], None] = print) -> dict:
+    """Every variant of each (dtype, batch) cell timed side by side on `device` (random weights from `seed`, built
+    on the CPU and moved there); see format_report for the table and the ratios."""
     torch.manual_seed(seed)
     base = FullbandLM(cfg).eval()
     fused = f"fused(k={prefill_passes})"
     rows: list[Row] = []
     paired: dict[str, float] = {}
     for dtype_name in dtypes:
-        model = copy.deepcopy(base).to(getattr(torch, dtype_name))
+        model = copy.deepcopy(base).to(device=device, dtype=getattr(torch, dtype_name))
         for batch in batches:
-            prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len))
+            prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).to(device)
             decoders = {"standard": decode_timer(model, prompts, new_tokens, "standard", 0),
                         "soft": decode_timer(model, prompts, new_tokens, "soft", 0),
                         fused: decode_timer(model, prompts, new_tokens, "fused", prefill_passes)}
@@ -188,7 +205,8 @@ def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: l
                     t = statistics.median(times[name])
                     rows.append(Row(dtype_name, batch, variant, new_tokens / t, 1000 * t / new_tokens, note=note))
     return {"rows": [asdict(r) for r in rows], "params": base.num_params(),
-            "params_fusion": base.num_params() - base.num_params(fusion=False), "threads": torch.get_num_threads(),
+            "params_fusion": base.num_params() - base.num_params(fusion=False), "device": str(torch.device(device)),
+            "threads": torch.get_num_threads(),
             "prompt_len": prompt_len, "new_tokens": new_tokens, "theory_soft_overhead": theory_overhead(cfg),
             **_summary(rows, fused), **{f"soft_overhead_paired_steps/{k}": v for k, v in paired.items()}}
 
@@ -219,7 +237,8 @@ def _summary(rows: list[Row], fused: str) -> dict:
 
 def format_report(result: dict) -> str:
     lines = [f"parameters {result['params'] / 1e6:.1f}M (fusion {result['params_fusion'] / 1e6:.2f}M), "
-             f"{result['threads']} threads, prompt {result['prompt_len']} tokens, {result['new_tokens']} new tokens",
+             f"{result['device']}, {result['threads']} threads, prompt {result['prompt_len']} tokens, "
+             f"{result['new_tokens']} new tokens",
              f"{'dtype':<9} {'batch':>5}  {'variant':<22} {'tok/s':>9} {'ms/step':>8} {'prefill ms':>10}  note"]
     for r in result["rows"]:
         pre = f"{r['prefill_ms']:.1f}" if r["prefill_ms"] is not None else ""
