@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every CUDA path of fullband once, printed as one table (see benchmarks/gpu_check.py); under 8 minutes on one GPU.
+# Every CUDA path of fullband once and training steps at nanochat's d20 shape, printed as one table (see
+# benchmarks/gpu_check.py); about 8 minutes on one H100-class GPU, under 10.
 # On a GPU machine with PyTorch nothing needs installing: src/ goes on PYTHONPATH. `--device cpu --quick` is a
 # toy-sized dry run of the script itself on any machine.
 set -euo pipefail
