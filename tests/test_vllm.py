@@ -91,7 +91,7 @@ def mode_params(mode: str, passes: int, **kw):
 def base(tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
     model = make_folder(path, **BASE)
-    llm = engine(path, enable_prefix_caching=True)
+    llm = engine(path, enable_prefix_caching=True, block_size=32)
     yield model, llm
     shut(llm)
 
@@ -132,15 +132,36 @@ def test_default_mode_comes_from_the_folder(base):
     assert run(llm, batch, params("fused")) == reference(model, batch, "fused", 1)
 
 
-def test_prefix_caching_is_off_and_repeated_prompts_stay_exact(base):
+def cached(llm, batch, sampling) -> tuple[list[list[int]], list[int]]:
+    """Tokens and prefix-cache hits (tokens read from cached blocks) of each request, run one after the other so
+    that each can find the blocks of those before it."""
+    outs = [llm.generate([{"prompt_token_ids": p}], s, use_tqdm=False)[0] for p, s in zip(batch, sampling)]
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens or 0 for o in outs]
+
+
+def test_prefix_caching_reuses_a_block_only_where_it_is_exact(base):
+    """Blocks of 32 (the CPU attention's smallest): plain prompt blocks are shared by STANDARD and SOFT, FUSED-k ones by FUSED-k with the same
+    prefix, never one by the other; a block holding fed (generated) positions is never matched by a later prompt,
+    while STANDARD's generated blocks are plain and are. Every request's tokens equal fullband.generate's."""
     model, llm = base
-    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
-    shared = prompts([40], seed=5)[0]
-    batch = [shared, shared, shared + [7, 8], shared, shared + [9]]
-    modes = [("standard", 1), ("soft", 1), ("fused", 2), ("fused", 2), ("soft", 1)]
-    for _ in range(2):  # the second round repeats every prompt
-        got = run(llm, batch, [mode_params(m, k) for m, k in modes])
-        assert got == [reference(model, [p], m, k)[0] for p, (m, k) in zip(batch, modes)]
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+    a, b = prompts([65, 9], seed=11)
+    steps = [("soft", 1, a, 0), ("standard", 1, a, 64), ("fused", 2, a, 0), ("fused", 2, a, 64), ("fused", 1, a, 0),
+             ("soft", 1, a + b, 64), ("fused", 2, a + b, 64), ("standard", 1, a + [5] * 20, 64)]
+    modes = [(m, k) for m, k, _, _ in steps]
+    got, hits = cached(llm, [p for *_, p, _ in steps], [mode_params(m, k) for m, k in modes])
+    assert got == [reference(model, [p], m, k)[0] for m, k, p, _ in steps]
+    assert hits == [h for *_, h in steps]
+    # a conversation re-sent whole: an 80-token prompt and a 20-token reply fill the block of positions 64..95
+    # (half prompt, half reply); the reply was fed under SOFT (no hit past position 64), plain under STANDARD
+    c = prompts([80], seed=12)[0]
+    for mode in ("soft", "standard"):
+        (reply,), (hit,) = cached(llm, [c], [mode_params(mode, 1, max_tokens=20)])
+        turn = c + reply + b  # 80 + 20 + 9 tokens
+        (tokens,), (again,) = cached(llm, [turn], [mode_params(mode, 1)])
+        assert reply == reference(model, [c], mode, 1, max_tokens=20)[0]
+        assert tokens == reference(model, [turn], mode, 1)[0]
+        assert (hit, again) == ((0, 64) if mode == "soft" else (64, 96)), mode
 
 
 def test_n_samples_max_tokens_stop_tokens_and_logprobs(base):
@@ -192,13 +213,18 @@ def test_bad_request_arguments_are_refused_by_name(base, extra, message):
 
 # ---------------------------------------------------------------------------------------------------- vLLM's machinery
 def test_chunked_prefill_is_exact_in_every_mode(tmp_path):
-    """Prompts of up to 90 tokens through a 16-token step budget: FUSED prompts arrive in chunks."""
+    """Prompts of up to 90 tokens through a 16-token step budget: FUSED prompts arrive in chunks; with prefix
+    caching on, the second round finds the first round's blocks (of 32) and reads on from them."""
     model = make_folder(tmp_path, **BASE)
-    llm = engine(tmp_path, max_num_batched_tokens=16, max_num_seqs=4, enable_chunked_prefill=True)
+    llm = engine(tmp_path, max_num_batched_tokens=16, max_num_seqs=4, enable_chunked_prefill=True,
+                 enable_prefix_caching=True, block_size=32)
     try:
         batch = prompts([90, 33, 5, 61, 17])
         for mode, passes in MODES + [("fused", 7)]:
-            assert run(llm, batch, mode_params(mode, passes)) == reference(model, batch, mode, passes), (mode, passes)
+            want = reference(model, batch, mode, passes)
+            assert run(llm, batch, mode_params(mode, passes)) == want, (mode, passes)
+            again, hits = cached(llm, batch, [mode_params(mode, passes)] * len(batch))
+            assert again == want and hits == [64, 32, 0, 32, 0], (mode, passes, hits)
     finally:
         shut(llm)
 
@@ -210,7 +236,7 @@ def test_preemption_by_recompute_gives_the_same_tokens(tmp_path):
     rounding, not the engine."""
     model = make_folder(tmp_path, **BASE)
     llm = engine(tmp_path, block_size=32, num_gpu_blocks_override=5, max_model_len=128, max_num_seqs=8,
-                 disable_log_stats=False)
+                 disable_log_stats=False, enable_prefix_caching=True)
     try:
         batch = prompts([30, 12, 25, 40, 18, 33, 19, 27], seed=7)
         modes = [("soft", 1), ("fused", 2), ("standard", 1), ("soft", 1)] * 2

@@ -11,7 +11,7 @@ import pytest
 from fullband.cli import main
 from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
-from fullband.vllm.requests import request_mode, served_default
+from fullband.vllm.requests import block_keys, prompt_read, request_mode, served_default
 
 SOFT = DecodeMode("soft")
 
@@ -130,3 +130,16 @@ def test_serve_sizes_the_cpu_kv_cache_to_the_memory_free(tmp_path, model, monkey
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     with pytest.raises(ConfigError, match=r"the KV cache of one 64-token sequence needs .* half the free memory"):
         kv_cache_option(tmp_path / "hf", opts, cpu=True, available=per_token * 64)
+
+
+def test_a_cached_block_is_keyed_by_how_its_positions_were_read():
+    """The prompt's read on the first block (plain for one pass, fused:K for 1 + K passes); the fed generated
+    positions' offset and the request's epoch on every block that holds some, in a mode that feeds them."""
+    soft, standard, fused2, fused0 = SOFT, DecodeMode("standard"), DecodeMode("fused", 2), DecodeMode("fused", 0)
+    assert [prompt_read(m) for m in (soft, standard, fused2, fused0)] == ["plain", "plain", "fused:2", "plain"]
+    assert block_keys(soft, 40, 0, 32, "r/0") == (("fullband-read", "plain"),)
+    assert block_keys(soft, 40, 32, 64, "r/0") == (("fullband-fed", 8, "r/0"),)
+    assert block_keys(soft, 40, 64, 96, "r/1") == (("fullband-fed", 0, "r/1"),)
+    assert block_keys(soft, 64, 32, 64, "r/0") == ()  # all prompt: only the first block says how it was read
+    assert block_keys(fused2, 10, 0, 32, "r/0") == (("fullband-read", "fused:2"), ("fullband-fed", 10, "r/0"))
+    assert block_keys(standard, 40, 32, 64, "r/0") == ()  # STANDARD generates plain positions

@@ -52,9 +52,7 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
             raise ConfigError("pipeline_parallel_size > 1 is not supported: the fed-back state leaves the last stage "
                               "and enters the first every step (use tensor parallelism)")
         if cfg.has_feedback and vllm_config.cache_config.enable_prefix_caching:
-            logger.info("fullband: prefix caching is off for a model with latent feedback: a cached block's keys "
-                        "and values depend on how its positions were fed, not on its token ids alone")
-            vllm_config.cache_config.enable_prefix_caching = False
+            _feedback_caching(vllm_config)
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
             # the per-request state follows vLLM's persistent batch (model runner V1); set before the workers start
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
@@ -65,6 +63,19 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
         procs = list(vllm_config.model_config.logits_processors or [])
         if TRACKER not in procs:
             vllm_config.model_config.logits_processors = [*procs, TRACKER]
+
+
+def _feedback_caching(vllm_config: VllmConfig) -> None:
+    """Prefix caching for a model with latent feedback runs on fullband's scheduler (fullband.vllm.scheduler: a
+    cached block is also keyed by how its positions were read); with a scheduler of the user's own it is off."""
+    sched = vllm_config.scheduler_config
+    if sched.scheduler_cls is not None and not str(sched.scheduler_cls).startswith("fullband."):
+        logger.info("fullband: prefix caching is off: scheduler_cls=%s is set, and a model with latent feedback "
+                    "caches exactly only with fullband's scheduler (its blocks' keys and values depend on how their "
+                    "positions were fed)", sched.scheduler_cls)
+        vllm_config.cache_config.enable_prefix_caching = False
+        return
+    sched.scheduler_cls = "fullband.vllm.scheduler.scheduler"
 
 
 def _no_full_cuda_graphs(vllm_config: VllmConfig) -> None:

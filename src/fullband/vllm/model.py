@@ -13,8 +13,9 @@ writes each request's last row back. A finished request's row is taken by the ne
 dropping.
 
 Why not the alternatives: vLLM's EAGLE / MTP proposers hand hidden states from the target model to the drafter
-within one step, not from one step to the next; its Mamba state cache lives in KV blocks keyed by token ids (as
-prefix caching does, which is why that is off); model runner V2's ModelState hook would fit as well, but V2 needs
+within one step, not from one step to the next; its Mamba state cache lives in KV blocks keyed by token ids (what
+prefix caching keys blocks by, so fullband's scheduler adds how the positions were read: fullband.vllm.scheduler);
+model runner V2's ModelState hook would fit as well, but V2 needs
 Triton kernels that vLLM's CPU build cannot run, so this is the path that runs, and is tested, everywhere (the
 engine hook selects runner V1 for fullband folders).
 
@@ -50,7 +51,7 @@ from vllm.forward_context import get_forward_context
 from fullband.errors import ConfigError
 from fullband.model.attention import _attend, window_mask
 from fullband.model.config import ModelConfig
-from fullband.model.core import FeedbackModel, plain_positions, shift_right
+from fullband.model.core import FeedbackModel, plain_positions
 from fullband.model.fusion import build_fusion
 from fullband.model.layers import RMSNorm as NativeRMSNorm
 from fullband.model.weights import lookup, named, split
@@ -129,14 +130,14 @@ class FeedbackAttention(nn.Module):
         q, k, v = self.project(x, positions)
         return self.output(x, self.attn(q, k, v))
 
-    def dense(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One sequence (T, D) from position 0 with plain causal attention (no cache): -> (output, k, v)."""
+    def dense(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One sequence (T, D) from position 0 with plain causal attention (no cache)."""
         q, k, v = self.project(x, positions)
         T, H, Dh = x.shape[0], self.n_heads, self.head_dim
         qh, kh, vh = (t.view(1, T, -1, Dh).transpose(1, 2) for t in (q, k, v))
         mask = window_mask(positions, positions, self.window) if self.window is not None and self.window < T else None
         y = _attend(qh, kh, vh, causal=mask is None, mask=mask)[0]
-        return self.output(x, y.transpose(0, 1).reshape(T, H * Dh)), k.view(T, -1, Dh), v.view(T, -1, Dh)
+        return self.output(x, y.transpose(0, 1).reshape(T, H * Dh))
 
 
 class FeedbackMLP(nn.Module):
@@ -173,10 +174,9 @@ class FeedbackBlock(nn.Module):
         h, residual = self.mlp_norm(self.attn(positions, h), residual)
         return self.mlp(h), residual
 
-    def dense(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        y, k, v = self.attn.dense(positions, self.attn_norm(x))
-        x = x + y
-        return x + self.mlp(self.mlp_norm(x)), k, v
+    def dense(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.dense(positions, self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 @support_torch_compile(dynamic_arg_dims={"positions": 0, "inputs_embeds": 0})
@@ -202,28 +202,28 @@ class FeedbackStack(nn.Module):
         top, x = self.norm_out(x, residual)
         return top if self.feedback == "final" else (x, top)
 
-    def dense(self, positions: torch.Tensor, x: torch.Tensor, keep_kv: bool = False):
-        """One sequence through every block with plain causal attention -> (state, top, [(k, v) per layer])."""
-        kv = []
+    def dense(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence through every block with plain causal attention -> (state, top)."""
         for block in self.blocks:
-            x, k, v = block.dense(positions, x)
-            if keep_kv:
-                kv.append((k, v))
+            x = block.dense(positions, x)
         top = self.norm_out(x)
-        return (top if self.feedback == "final" else x), top, kv
+        return (top if self.feedback == "final" else x), top
 
 
 # ---------------------------------------------------------------------------------------------------- the step plan
 @dataclass
 class DenseJob:
-    """A FUSED prompt whose last chunk is in this step: its passes run over the whole prompt."""
+    """A FUSED prompt with positions in this step's chunk: passes 1..J-1 run over the whole prompt at its first
+    chunk (kept for its later chunks), and the chunk's prompt rows take pass J's inputs from them, so every chunk
+    writes pass J's keys and values itself (a cached prefix of them is what it would write)."""
 
     prompt: list[int]
     passes: int  # Jacobi passes over the prompt (1 + k, at most its length)
     start: int  # first position of this step's chunk
     first_row: int  # the chunk's first row in the packed batch
     rows: int  # rows of the chunk that are prompt positions
-    batch_row: int  # the request's row in this step's batch (its block-table row)
+    batch_row: int  # the request's row in this step's batch (its tracker row)
+    last: bool  # the prompt's last chunk (its kept passes are dropped after it)
 
 
 @dataclass
@@ -259,11 +259,12 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: n
     plain = plain_positions(ids, pos, bos_token_id if ids is not None else None, prefix=prompt_len[row])
     fed = (tracker.mode[:R][row] != STANDARD) & ~plain
     chain = np.nonzero(fed & (offset > 0))[0]  # ... computed in this same step: iterated
-    for i in np.nonzero((tracker.mode[:R] == FUSED) & (tracker.passes[:R] > 1) & (start < prompt_len)
-                        & (prompt_len <= end))[0]:  # a FUSED prompt's last chunk
+    for i in np.nonzero((tracker.mode[:R] == FUSED) & (np.minimum(tracker.passes[:R], prompt_len) > 1)
+                        & (start < prompt_len))[0]:  # a chunk of a FUSED prompt
         P, first = int(prompt_len[i]), int(start[i])
         plan.dense.append(DenseJob(prompt=tracker.prompts[i], passes=min(int(tracker.passes[i]), P), start=first,
-                                   first_row=int(bounds[i]), rows=P - first, batch_row=int(i)))
+                                   first_row=int(bounds[i]), rows=min(P, int(end[i])) - first, batch_row=int(i),
+                                   last=P <= end[i]))
     plan.any_feed = bool(fed.any()) or bool(plan.dense)
     if chain.size:
         plan.chain_rows = torch.from_numpy(chain).to(device)
@@ -304,7 +305,7 @@ class DensePrompt(FeedbackModel):
         return self.served.embed(input_ids)
 
     def stack(self, x: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
-        state, top, _ = self.served.model.dense(torch.arange(x.shape[1], device=x.device), x[0])
+        state, top = self.served.model.dense(torch.arange(x.shape[1], device=x.device), x[0])
         return state[None], top[None]
 
 
@@ -399,36 +400,21 @@ class FullbandForCausalLM(nn.Module):
 
     # ------------------------------------------------------------ a FUSED prompt
     def _dense_prefill(self, job: DenseJob, prev: torch.Tensor, feed: torch.Tensor) -> None:
-        """Passes 1..J-1 of a FUSED prompt over all its positions (the core's pass loop on DensePrompt); the
-        chunk's rows then take pass J's inputs (prev, feed set in place). Positions before the chunk get pass J's
-        keys/values written to their slots."""
-        core, device = self.core, prev.device
-        ids = torch.tensor([job.prompt], dtype=torch.long, device=device)  # (1, T)
-        e, plain = core.embed_inputs(ids), core.plain_of(ids)
-        state = core.iterate(e, plain, job.passes - 1)[0] if job.passes > 1 else None
-        if job.start > 0:  # pass J over the positions before the chunk, for their keys and values
-            x = core.pass_inputs(e, None if state is None else shift_right(state), plain)[0]
-            pos = torch.arange(job.start, device=device)
-            _, _, kv = self.model.dense(pos, x[:job.start], keep_kv=True)
-            for block, (k, v) in zip(self.model.blocks, kv):
-                attn = block.attn.attn
-                slots = self._slots(attn.layer_name, job.batch_row, job.start, device)
-                keep_slot = slots >= 0
-                attn.impl.do_kv_cache_update(attn, k[keep_slot], v[keep_slot], attn.kv_cache, slots[keep_slot])
-        if state is not None:
-            rows = slice(job.first_row, job.first_row + job.rows)
-            chunk = torch.arange(job.start, job.start + job.rows, device=device)
-            prev[rows] = state[0, (chunk - 1).clamp(min=0)].to(prev.dtype)
-            feed[rows] = ~plain[0, chunk]
-
-    def _slots(self, layer_name: str, row: int, length: int, device: torch.device) -> torch.Tensor:
-        """Cache slots of positions [0, length) of batch row `row` in a layer's KV cache (-1 where a
-        sliding-window layer has released the block)."""
-        block_table = self._metadata[layer_name].block_table
-        block_size = self.cache_config.block_size
-        pos = torch.arange(length, device=device)
-        blocks = block_table[row].to(device, torch.long)[pos // block_size]
-        return torch.where(blocks > 0, blocks * block_size + pos % block_size, torch.full_like(pos, -1))
+        """A chunk of a FUSED prompt: passes 1..J-1 over all its positions (the core's pass loop on DensePrompt) at
+        its first chunk, kept in the tracker until its last; the chunk's rows take pass J's inputs (prev, feed set in
+        place)."""
+        core, tracker = self.core, SERVED.tracker
+        kept = tracker.fused[job.batch_row]
+        if kept is None:
+            ids = torch.tensor([job.prompt], dtype=torch.long, device=prev.device)  # (1, T)
+            e, plain = core.embed_inputs(ids), core.plain_of(ids)
+            kept = core.iterate(e, plain, job.passes - 1)[0][0], plain[0]
+        tracker.fused[job.batch_row] = None if job.last else kept
+        state, plain = kept
+        rows = slice(job.first_row, job.first_row + job.rows)
+        chunk = torch.arange(job.start, job.start + job.rows, device=prev.device)
+        prev[rows] = state[(chunk - 1).clamp(min=0)].to(prev.dtype)
+        feed[rows] = ~plain[chunk]
 
     # ------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,4 +1,5 @@
-"""Per-request decoding modes for the vLLM model: what a request may ask for, checked where vLLM admits it.
+"""Per-request decoding modes for the vLLM model: what a request may ask for, checked where vLLM admits it, and
+what a cached KV block of a request depends on beyond its tokens (`block_keys`, for prefix caching).
 
 A request picks its mode with vLLM's per-request extra arguments: `SamplingParams(extra_args={"feedback_mode":
 "fused", "prefill_passes": 2})` offline, `vllm_xargs` / `extra_body={"vllm_xargs": {...}}` through the OpenAI API.
@@ -54,3 +55,28 @@ def served_default(feedback_mode: Any, prefill_passes: Any, *, has_feedback: boo
                          "prefill_passes in the folder's config.json")
     return request_mode({"feedback_mode": feedback_mode, "prefill_passes": prefill_passes}
                         if feedback_mode == "fused" else {"feedback_mode": feedback_mode}, DecodeMode("soft"))
+
+
+def prompt_read(mode: DecodeMode) -> str:
+    """What a prompt's keys and values depend on besides its tokens: "plain" for one plain pass (STANDARD, SOFT,
+    FUSED with k = 0), "fused:K" for 1 + K Jacobi passes (a position's are a function of its prefix and K)."""
+    return "plain" if mode.passes == 1 else f"fused:{mode.fused_passes}"
+
+
+def block_keys(mode: DecodeMode, prompt_len: int, start: int, end: int, epoch: str) -> tuple:
+    """fullband's extra keys of the cached block holding positions [start, end) of a request (vLLM chains block
+    hashes, so a key on one block sets apart every block after it):
+
+      * the first block carries the prompt's read (prompt_read): plain prompt blocks are shared by STANDARD and
+        SOFT requests, FUSED-K ones by FUSED-K requests with the same prefix, and never one by the other;
+      * a block holding generated positions that were fed (any mode but STANDARD) carries where in it the fed
+        positions begin and `epoch`, which names the request and its preemptions: those keys and values depend on
+        how the request generated them, so no other request's prompt (which reads those tokens another way) can
+        match them, nor the request itself once preemption has dropped the states they were fed.
+
+    STANDARD generates plain positions, so its output blocks are what a later plain read of the same tokens
+    computes, and get no key."""
+    keys: list[tuple] = [("fullband-read", prompt_read(mode))] if start == 0 else []
+    if mode.feeds_state and end > prompt_len:
+        keys.append(("fullband-fed", max(0, prompt_len - start), epoch))
+    return tuple(keys)

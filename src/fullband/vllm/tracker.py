@@ -4,8 +4,8 @@
   * checks each request's mode when vLLM admits it (`validate_params`, run by the frontend: a bad mode is an
     HTTP 400 with our message and never reaches the engine), and
   * follows vLLM's persistent batch in the worker (`update_state`: requests added with their SamplingParams and
-    prompt, removed, moved between rows), keeping each row's mode, prompt length and (FUSED) prompt tokens, and
-    moving the rows of the model's fed-back state buffer with them.
+    prompt, removed, moved between rows), keeping each row's mode, prompt length and (FUSED) prompt tokens and
+    kept passes, and moving the rows of the model's fed-back state buffer with them.
 
 vLLM builds the processor itself from its name (TRACKER), so what it shares with the served model in a process
 lives in one object, SERVED: the folder's rules (set by the engine hook and the model), the worker's tracker and
@@ -63,6 +63,7 @@ class RequestTracker(LogitsProcessor):
         self.passes = np.ones(n, dtype=np.int64)
         self.prompt_len = np.zeros(n, dtype=np.int64)
         self.prompts: list[list[int] | None] = [None] * n
+        self.fused: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n  # a FUSED prompt's kept passes
         self.batch_size = 0
         SERVED.tracker = self
 
@@ -79,13 +80,14 @@ class RequestTracker(LogitsProcessor):
             self.passes[index] = mode.passes
             self.prompt_len[index] = len(prompt or ())
             self.prompts[index] = list(prompt) if mode.name == "fused" and mode.passes > 1 else None
+            self.fused[index] = None
         for a, b, direction in batch_update.moved:
             rows = [a, b] if direction == MoveDirectionality.SWAP else [a]
             to = [b, a] if direction == MoveDirectionality.SWAP else [b]
             for arr in (self.mode, self.passes, self.prompt_len):
                 arr[to] = arr[rows]
-            for r, p in zip(to, [self.prompts[r] for r in rows]):
-                self.prompts[r] = p
+            for r, p, f in zip(to, [self.prompts[r] for r in rows], [self.fused[r] for r in rows]):
+                self.prompts[r], self.fused[r] = p, f
             if SERVED.state is not None:
                 SERVED.state[to] = SERVED.state[rows]
 
