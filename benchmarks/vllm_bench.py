@@ -5,6 +5,9 @@
   2. fullband's model in STANDARD mode vs vLLM's own LlamaForCausalLM on the same weights (a random Llama at the
      same shape, converted with `fullband convert`).
   3. vLLM at 32 concurrent requests vs `fullband.generate` at batch 32 (SOFT).
+  4. Prefix caching in every mode: requests sharing a 512-token prefix (distinct 16-token suffixes), one engine
+     with caching on and one with it off: the share of prompt tokens read from cached blocks, and the time to the
+     first token (a request of one new token: its prefill) with caching on / off.
 
 Every ratio is the median over interleaved repetitions (A B A B ...), so it holds on a noisy shared machine.
 Run with the vLLM environment: .venv-vllm/bin/python benchmarks/vllm_bench.py [--reps 5] [--new-tokens 64]
@@ -63,8 +66,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions per ratio (median reported)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--parts", default="soft,llama,generate",
-                    help="which comparisons to run (comma-separated: soft, llama, generate)")
+    ap.add_argument("--parts", default="soft,llama,generate,prefix",
+                    help="which comparisons to run (comma-separated: soft, llama, generate, prefix)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -87,7 +90,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist() for _ in range(32)]
-    settings = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=512, max_num_seqs=32, seed=0)
+    settings = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=32, seed=0)
 
     def sampling(mode: str):
         return vllm.SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=0.0,
@@ -152,8 +155,54 @@ def main() -> None:
         speed = statistics.median(t / s for s, t in zip(a, b))
         results["vllm32_vs_generate32"] = speed
         print(f"32 requests, SOFT: vLLM speed / fullband.generate (batch 32) speed = {speed:.2f}x")
+    if "prefix" in parts:
+        if ours is not None:
+            ours.llm_engine.engine_core.shutdown()
+        results["prefix"] = prefix_caching(vllm, root / "fb", settings, cfg.vocab_size, args.reps)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+PREFIX_MODES = (("standard", None), ("soft", None), ("fused", 1), ("fused", 2))
+
+
+def prefix_caching(vllm, folder: Path, settings: dict, vocab: int, reps: int, prefix: int = 512, suffix: int = 16,
+                   requests: int = 4) -> dict:
+    """Hit rate and time to first token with a shared prefix, prefix caching on vs off, in every mode."""
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, vocab, (prefix,), generator=g).tolist()
+    engines = {on: vllm.LLM(str(folder), **settings, enable_prefix_caching=on) for on in (True, False)}
+    out = {}
+    print(f"prefix caching: {requests} requests per round sharing a {prefix}-token prefix ({suffix}-token suffixes), "
+          "one at a time, one new token each")
+    for mode, passes in PREFIX_MODES:
+        extra = {"feedback_mode": mode, **({"prefill_passes": passes} if passes is not None else {})}
+        sp = vllm.SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
+
+        def round_(llm, r: int) -> tuple[float, int, int]:
+            batch = [shared + torch.randint(0, vocab, (suffix,), generator=torch.Generator().manual_seed(100 * r + i))
+                     .tolist() for i in range(requests)]
+            t0, hit = time.perf_counter(), 0
+            for p in batch:
+                hit += llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].num_cached_tokens or 0
+            return (time.perf_counter() - t0) / requests, hit, requests * (prefix + suffix)
+
+        for llm in engines.values():
+            round_(llm, -1)  # warm-up; with caching on it also leaves the prefix's blocks cached
+        on, off, hits, total = [], [], 0, 0
+        for r in range(reps):
+            t, h, n = round_(engines[True], r)
+            on.append(t)
+            hits, total = hits + h, total + n
+            off.append(round_(engines[False], r)[0])
+        label = mode if passes is None else f"{mode} k={passes}"
+        ratio = statistics.median(a / b for a, b in zip(on, off))
+        out[label] = {"hit_rate": hits / total, "ttft_on_vs_off": ratio}
+        print(f"  {label:<12} cached share of prompt tokens {hits / total:.1%}; time to first token, caching on / off "
+              f"= {ratio:.3f}")
+    for llm in engines.values():
+        llm.llm_engine.engine_core.shutdown()
+    return out
 
 
 if __name__ == "__main__":
