@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fullband.machine import hardware
 from fullband.reproduce.runner import Experiment, Run, Settings, config_line, train_run
 
 TRACKING = "configs/tracking-tiny.toml"
@@ -164,12 +165,17 @@ def _model_cfg(config: str, overrides: list[str]):
     return load_run_config(config, overrides).model
 
 
-def _mean_passes(passes: str) -> float:
+def _schedule(passes: str):
+    """A method's train.passes (TOML text) as a PassSchedule."""
     import tomllib
 
     from fullband.train.schedule import PassSchedule
 
-    return PassSchedule.parse(tomllib.loads(f"v = {passes}")["v"]).mean_passes()
+    return PassSchedule.parse(tomllib.loads(f"v = {passes}")["v"])
+
+
+def _mean_passes(passes: str) -> float:
+    return _schedule(passes).mean_passes()
 
 
 def _train_flops(cfg, passes: str, seq_len: int) -> float:
@@ -352,17 +358,12 @@ def cost_table(methods: dict[str, object], scale: Scale, figs: Path) -> dict[str
     for key, cfg in methods.items():
         if key == "standard":
             continue
-        m = METHODS[key]
-        import tomllib
-
-        from fullband.train.schedule import PassSchedule
-
-        schedule = PassSchedule.parse(tomllib.loads(f"v = {m.passes}")["v"])
-        support = sorted({k for s in schedule.stages for k, p in s.probs.items() if p > 0})
-        kw = {**scale.cost, "passes": tuple(support), "progress": False}
-        out[key] = _cached(figs / "cost" / f"{key}.json", {"config": cfg.to_dict(), **{k: list(v) if isinstance(v, tuple)
-                           else v for k, v in kw.items()}}, None, lambda: run_cost_bench(cfg, **kw))
-        out[key]["probs"] = {str(k): p for s in schedule.stages[-1:] for k, p in s.probs.items()}
+        schedule = _schedule(METHODS[key].passes)  # one stage for every method here: its k and their chances
+        probs = {k: p for k, p in schedule.stages[-1].probs.items() if p > 0}
+        kw = {**scale.cost, "passes": tuple(sorted(probs)), "progress": False}
+        key_of = {"config": cfg.to_dict(), **{k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}}
+        out[key] = _cached(figs / "cost" / f"{key}.json", key_of, None, lambda: run_cost_bench(cfg, **kw))
+        out[key]["probs"] = {str(k): p for k, p in probs.items()}
     return out
 
 
@@ -427,7 +428,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     lines += _implications(planned, results, tracking, costs)
     total = sum(w for _, w in done.values())
     lines += ["", f"Training the {len(done)} finished runs took {total / 60:.1f} min (their own wall times, summed; "
-                  f"{_hardware_note()}).", ""]
+                  f"{hardware()}).", ""]
     if pending:
         lines += [f"**Pending ({len(pending)} runs, not started within this invocation's budget of {budget:g} min):** "
                   + ", ".join(p.name for p in pending) + ". Rerun the same command to go on; finished runs are "
@@ -436,12 +437,6 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
               f"log.eval_every={sc.eval_every}`; the tracking runs start from `{TRACKING}`):", ""]
     lines += [f"- {config_line(p.run)}" for p in planned]
     return lines
-
-
-def _hardware_note() -> str:
-    from fullband.machine import hardware
-
-    return hardware()
 
 
 def _intro(sc: Scale, scale: str, planned: list[Planned]) -> list[str]:
@@ -654,7 +649,7 @@ def _implications(planned: list[Planned], results: dict, tracking: dict, costs: 
                      f"{best_tok[2][1]:.4f} vs the standard model at N); per training FLOP the best is "
                      f"{best_flop[1]}'s ({best_flop[3][0]:+.4f} ± {best_flop[3][1]:.4f} vs the standard model given its "
                      f"FLOPs). Rivals ahead of the FLOP-matched standard model by more than 2 s.e.: "
-                     f"{', '.join(wins) if wins else 'none'}.")
+                     f"{', '.join(wins) if wins else 'none'}. " + _per_inference_flop(regime, planned, results))
     for task in TASKS:
         got = {p.method if not p.role.startswith("x") else "standard-matched": tracking[p.name]
                for p in planned if p.regime == task and p.name in tracking}
@@ -666,6 +661,27 @@ def _implications(planned: list[Planned], results: dict, tracking: dict, costs: 
             parts.append(f"{key} {row['mode']} " + "/".join(f"{a:.2f}" for a in row["accuracy"]))
         lines.append(f"- **{task}** (best read per method, accuracy at L/2L/4L/8L): " + "; ".join(parts) + ".")
     return lines + [""]
+
+
+def _per_inference_flop(regime: str, planned: list[Planned], results: dict) -> str:
+    """The lowest loss among the rivals' reads that cost at most the standard model's inference FLOPs (+1%), and
+    the deeper standard model's (more inference FLOPs per token), both against the standard model at N."""
+    base = results[f"{regime}-standard"]["STANDARD"]
+    cheap = [(key, label, r) for key in RIVALS for label, r in results.get(f"{regime}-{key}", {}).items()
+             if r["flops"] <= 1.01 * base["flops"]]
+    parts = []
+    if cheap:
+        key, label, r = min(cheap, key=lambda x: x[2]["nats"])
+        d = _paired(r, base)
+        parts.append(f"Per inference FLOP, at the standard model's cost the lowest loss is {key}'s {label} read "
+                     f"({d[0]:+.4f} ± {d[1]:.4f})")
+    deep = next((p for p in planned if p.regime == regime and p.role == "deep" and p.name in results), None)
+    if deep is not None:
+        r = results[deep.name]["STANDARD"]
+        d = _paired(r, base)
+        parts.append(f"the deeper standard model, at {r['flops'] / base['flops']:.2f}x the inference FLOPs, is at "
+                     f"{d[0]:+.4f} ± {d[1]:.4f}")
+    return "; ".join(parts) + "." if parts else ""
 
 
 EXPERIMENT = Experiment("compare", runs, report)
