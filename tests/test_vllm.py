@@ -164,6 +164,27 @@ def test_prefix_caching_reuses_a_block_only_where_it_is_exact(base):
         assert (hit, again) == ((0, 64) if mode == "soft" else (64, 96)), mode
 
 
+def test_fed_states_are_returned_equal_to_the_native_engine_s(base):
+    """generate_with_states: each generated token's fed state, as fullband.rl.logprob.rollout records it (the
+    state the token reads at its position), in SOFT and FUSED, with the same tokens; the states differ from one
+    position to the next by O(1), so an off-by-one would fail."""
+    from fullband.model.mode import DecodeMode
+    from fullband.rl.logprob import rollout
+    from fullband.vllm import generate_with_states
+
+    model, llm = base
+    batch = prompts([7, 23, 40], seed=21)
+    for mode, passes in (("soft", 1), ("fused", 2)):
+        outs, states = generate_with_states(llm, [{"prompt_token_ids": p} for p in batch], mode_params(mode, passes))
+        native = rollout(model, batch, 12, mode=DecodeMode(mode, passes))
+        assert [list(o.outputs[0].token_ids) for o in outs] == native.responses
+        for got, want in zip(states, native.states):
+            assert got.shape == want.shape == (12, model.config.d_model)
+            assert (got - want).abs().max() < 1e-3, mode  # float32 rounding, grown along the recurrence
+    with pytest.raises(Exception, match="feeds none"):
+        generate_with_states(llm, [{"prompt_token_ids": batch[0]}], mode_params("standard", 1))
+
+
 def test_n_samples_max_tokens_stop_tokens_and_logprobs(base):
     model, llm = base
     batch = prompts([11, 23])

@@ -143,3 +143,13 @@ def test_a_cached_block_is_keyed_by_how_its_positions_were_read():
     assert block_keys(soft, 64, 32, 64, "r/0") == ()  # all prompt: only the first block says how it was read
     assert block_keys(fused2, 10, 0, 32, "r/0") == (("fullband-read", "fused:2"), ("fullband-fed", 10, "r/0"))
     assert block_keys(standard, 40, 32, 64, "r/0") == ()  # STANDARD generates plain positions
+
+
+def test_a_request_asks_for_its_fed_states_by_a_key():
+    assert request_mode({"fullband_states": "k1"}, SOFT) == SOFT
+    assert request_mode({"feedback_mode": "fused", "fullband_states": "k1"}, SOFT) == DecodeMode("fused", 1)
+    for extra, message in (({"fullband_states": ""}, "fullband_states='' is invalid"),
+                           ({"fullband_states": 3}, "fullband_states=3 is invalid"),
+                           ({"feedback_mode": "standard", "fullband_states": "k"}, "'standard', which feeds none")):
+        with pytest.raises(InputError, match=re.escape(message)):
+            request_mode(extra, SOFT)

@@ -28,3 +28,10 @@ def register() -> None:
         from fullband.vllm.engine import FullbandEngineConfig
 
         MODELS_CONFIG_MAP[ARCHITECTURE] = FullbandEngineConfig
+
+
+def generate_with_states(llm, prompts, sampling_params):
+    """`llm.generate` and each generated token's fed state (fullband.vllm.states.generate_with_states)."""
+    from fullband.vllm.states import generate_with_states as run
+
+    return run(llm, prompts, sampling_params)

@@ -53,6 +53,10 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
                               "and enters the first every step (use tensor parallelism)")
         if cfg.has_feedback and vllm_config.cache_config.enable_prefix_caching:
             _feedback_caching(vllm_config)
+        if cfg.has_feedback and not vllm_config.parallel_config.worker_extension_cls:
+            from fullband.vllm.states import WORKER_EXTENSION
+
+            vllm_config.parallel_config.worker_extension_cls = WORKER_EXTENSION  # fed states handed over on request
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
             # the per-request state follows vLLM's persistent batch (model runner V1); set before the workers start
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"

@@ -240,6 +240,8 @@ class StepPlan:
     dense: list[DenseJob] = field(default_factory=list)
     iterate: int = 0  # extra passes for rows fed by the previous row of the same chunk (recomputed outputs)
     chain_rows: torch.Tensor | None = None  # those rows (each reads row - 1)
+    sampled: list[tuple[int, int]] = field(default_factory=list)  # (batch row, position) of rows whose states are
+    #                                         kept (fullband_states) and that sample a token from this step
 
 
 def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: np.ndarray | None,
@@ -266,6 +268,8 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: n
                                    first_row=int(bounds[i]), rows=min(P, int(end[i])) - first, batch_row=int(i),
                                    last=P <= end[i]))
     plan.any_feed = bool(fed.any()) or bool(plan.dense)
+    plan.sampled = [(i, int(end[i]) - 1) for i in range(R)
+                    if tracker.states_key[i] is not None and end[i] >= prompt_len[i]]
     if chain.size:
         plan.chain_rows = torch.from_numpy(chain).to(device)
         plan.iterate = int(np.bincount(row[chain]).max())
@@ -370,6 +374,9 @@ class FullbandForCausalLM(nn.Module):
             state, top = self._stack(positions, core.pass_inputs(plain, prev, ~feed))
         if plan is not None:  # a real step (profile and warm-up runs leave the states alone)
             self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
+            for row, pos in plan.sampled:  # the state the token sampled from this row will read
+                key = SERVED.tracker.states_key[row]
+                SERVED.kept_states.setdefault(key, {})[pos] = self.state[row].to("cpu", copy=True)
         return top
 
     def _stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,8 @@ from fullband.model.mode import DecodeMode
 
 # modes a served model decodes in; "exact" (the token-by-token reference) is for tests, not a server
 SERVED_MODES = ("standard", "soft", "fused")
-KEYS = ("feedback_mode", "prefill_passes")  # the per-request keys fullband reads
+KEYS = ("feedback_mode", "prefill_passes", "fullband_states")  # the per-request keys fullband reads
+STATES = "fullband_states"  # a request's key under which the worker keeps its fed states (fullband.vllm.states)
 # a prompt is exact after as many passes as it has tokens: more passes than this are refused, not run
 MAX_PASSES = 2**20
 
@@ -42,7 +43,16 @@ def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, h
         raise InputError(f"prefill_passes={passes!r} is invalid; accepted: an integer 0 <= prefill_passes <= "
                          f"{max_passes} (fused Jacobi passes over the prompt after the plain one)")
     limits = SimpleNamespace(has_feedback=has_feedback, max_seq_len=max_passes)
-    return DecodeMode.of(name, passes, field="feedback_mode").check(limits)
+    mode = DecodeMode.of(name, passes, field="feedback_mode").check(limits)
+    if STATES in args:
+        key = args[STATES]
+        if not isinstance(key, str) or not key:
+            raise InputError(f"{STATES}={key!r} is invalid; accepted: a non-empty string naming the request's states "
+                             "(fullband.vllm.generate_with_states sets it)")
+        if not mode.feeds_state:
+            raise InputError(f"{STATES} asks for the fed states of a request in {mode.name!r}, which feeds none; "
+                             "accepted with it: feedback_mode 'soft' or 'fused'")
+    return mode
 
 
 def served_default(feedback_mode: Any, prefill_passes: Any, *, has_feedback: bool) -> DecodeMode:

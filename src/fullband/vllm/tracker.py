@@ -21,7 +21,7 @@ from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcess
 
 from fullband.errors import InputError
 from fullband.model.mode import DecodeMode
-from fullband.vllm.requests import MAX_PASSES, request_mode
+from fullband.vllm.requests import MAX_PASSES, STATES, request_mode
 
 TRACKER = "fullband.vllm.tracker:RequestTracker"
 STANDARD, SOFT, FUSED = 0, 1, 2
@@ -37,6 +37,8 @@ class Served:
     max_passes: int = MAX_PASSES
     tracker: RequestTracker | None = None  # the worker's tracker, read by the model's forward
     state: torch.Tensor | None = None  # the model's fed-back states, one row per batch row (set by the model)
+    # requests' fed states by their fullband_states key: {position: the state read by the token sampled there}
+    kept_states: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def configure(self, *, has_feedback: bool, default: DecodeMode, max_passes: int) -> None:
         self.has_feedback, self.default, self.max_passes = has_feedback, default, max_passes
@@ -64,6 +66,7 @@ class RequestTracker(LogitsProcessor):
         self.prompt_len = np.zeros(n, dtype=np.int64)
         self.prompts: list[list[int] | None] = [None] * n
         self.fused: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n  # a FUSED prompt's kept passes
+        self.states_key: list[str | None] = [None] * n  # where a row's fed states go (SERVED.kept_states)
         self.batch_size = 0
         SERVED.tracker = self
 
@@ -81,13 +84,15 @@ class RequestTracker(LogitsProcessor):
             self.prompt_len[index] = len(prompt or ())
             self.prompts[index] = list(prompt) if mode.name == "fused" and mode.passes > 1 else None
             self.fused[index] = None
+            self.states_key[index] = (getattr(params, "extra_args", None) or {}).get(STATES)
         for a, b, direction in batch_update.moved:
             rows = [a, b] if direction == MoveDirectionality.SWAP else [a]
             to = [b, a] if direction == MoveDirectionality.SWAP else [b]
             for arr in (self.mode, self.passes, self.prompt_len):
                 arr[to] = arr[rows]
-            for r, p, f in zip(to, [self.prompts[r] for r in rows], [self.fused[r] for r in rows]):
-                self.prompts[r], self.fused[r] = p, f
+            moving = [(self.prompts[r], self.fused[r], self.states_key[r]) for r in rows]
+            for r, (p, f, k) in zip(to, moving):
+                self.prompts[r], self.fused[r], self.states_key[r] = p, f, k
             if SERVED.state is not None:
                 SERVED.state[to] = SERVED.state[rows]
 
