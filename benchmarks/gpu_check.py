@@ -54,7 +54,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # dense bfloat16 peak of the GPUs we know (TFLOP/s); MFU is reported only for these
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
+# (matched in order against torch.cuda.get_device_name: the first name it contains wins, so the more specific first)
+PEAK_TFLOPS = {"GH200": 989.0, "H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0,
+               "A10": 125.0, "L4": 121.0}
 # estimated seconds of each row on one H100-class GPU (module docstring); the table prints them beside the times
 BUDGET_S = {"train": 150, "nccl": 10, "decode": 20, "bench": 90, "d20 k=1": 120, "d20 k=2": 90}
 D20_WINDOWS = 4  # sequences of 2048 per d20 step: the two-pass step fits an 80 GB card with room to spare
