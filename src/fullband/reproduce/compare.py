@@ -52,7 +52,7 @@ SCALES = {
     # the default, sized for <= 6 h on 2 CPU cores: the demo's model (0.9M parameters) on 200 steps of 4K tokens
     # (0.8M tokens per run; the repeated regime's 102K tokens are 8 epochs at N), the tracking recipe as it is
     "cpu": Scale(lm=("train.global_batch_tokens=4096",), steps=200, unique_tokens=102_400, tracking=(),
-                 tracking_steps=400, windows=256, examples=200, cost=dict(repeats=7)),
+                 tracking_steps=400, windows=256, examples=200, cost=dict(repeats=7, seq_len=256)),
     # the same study on one GPU, 16x wider batches and a 4x larger model
     "gpu-small": Scale(lm=("model.d_model=512", "model.n_heads=8", "model.n_layers=8", "train.seq_len=512",
                            "model.max_seq_len=1024", "train.global_batch_tokens=131072", "train.micro_batch=64",
@@ -464,7 +464,8 @@ def _cost_lines(costs: dict[str, dict], planned: list[Planned]) -> list[str]:
     some = next(iter(costs.values()))
     lines = ["## Cost", "", f"Counted from the config (fullband.bench.flops) and measured side by side with the standard "
              f"model of the same width and depth (`fullband bench cost`; {some['hardware']}, {some['threads']} "
-             f"threads; medians of {some['repeats']}, as ratios). Training: the schedule's expected step; decode: "
+             f"threads; medians of {some['repeats']}, as ratios). Training: the schedule's expected step, "
+             f"{some['batch']} windows of {some['seq_len']} tokens; decode: "
              f"per token at {some['decode_context']} keys; prefill: FLOPs per prompt token of the method's best read.",
              "", "| method | params added | train FLOPs/token (× std) | step time (× std) | decode b=1 (× std) | "
              "decode b=8 (× std) | prefill b=1: FLOPs, time (× std) | KV bytes/token (std) |",
