@@ -566,13 +566,13 @@ def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path) -
                               ("flops", "loss_flops.png", "training FLOPs (counted)")):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
         for ax, regime in zip(axes, REGIMES):
-            for p in planned:
-                if p.regime != regime or p.name not in curves or not curves[p.name]:
-                    continue
+            drawn = [p for p in planned if p.regime == regime and curves.get(p.name)]
+            for colour, p in zip(plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2], drawn):  # 20 distinct
                 pts = curves[p.name]
                 k = max(pts[-1]["eval"], key=int)  # the most passes it was scored with during training
                 ax.plot([q[axis] for q in pts], [q["eval"][k] for q in pts], LINESTYLE[METHODS[p.method].family],
-                        marker="o", ms=2.5, label=f"{p.name.split('-', 1)[1]} ({k} pass{'es' if k != '1' else ''})")
+                        color=colour, marker="o", ms=2.5,
+                        label=f"{p.name.split('-', 1)[1]} ({k} pass{'es' if k != '1' else ''})")
             ax.set(xlabel=xlabel, title=regime, xscale="log")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("held-out loss (nats/token, 64 windows)")
