@@ -268,8 +268,8 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: n
                                    first_row=int(bounds[i]), rows=min(P, int(end[i])) - first, batch_row=int(i),
                                    last=P <= end[i]))
     plan.any_feed = bool(fed.any()) or bool(plan.dense)
-    plan.sampled = [(i, int(end[i]) - 1) for i in range(R)
-                    if tracker.states_key[i] is not None and end[i] >= prompt_len[i]]
+    sampling = np.nonzero(tracker.keeps_states[:R] & (end >= prompt_len))[0]  # vectorised: this runs every step
+    plan.sampled = [(int(i), int(end[i]) - 1) for i in sampling]
     if chain.size:
         plan.chain_rows = torch.from_numpy(chain).to(device)
         plan.iterate = int(np.bincount(row[chain]).max())
@@ -374,9 +374,10 @@ class FullbandForCausalLM(nn.Module):
             state, top = self._stack(positions, core.pass_inputs(plain, prev, ~feed))
         if plan is not None:  # a real step (profile and warm-up runs leave the states alone)
             self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
-            for row, pos in plan.sampled:  # the state the token sampled from this row will read
-                key = SERVED.tracker.states_key[row]
-                SERVED.kept_states.setdefault(key, {})[pos] = self.state[row].to("cpu", copy=True)
+            if plan.sampled:  # the state each token sampled from these rows will read; one copy to the host
+                rows = self.state[[row for row, _ in plan.sampled]].cpu()
+                for (row, pos), kept in zip(plan.sampled, rows):
+                    SERVED.kept_states.setdefault(SERVED.tracker.states_key[row], {})[pos] = kept
         return top
 
     def _stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,6 +67,7 @@ class RequestTracker(LogitsProcessor):
         self.prompts: list[list[int] | None] = [None] * n
         self.fused: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n  # a FUSED prompt's kept passes
         self.states_key: list[str | None] = [None] * n  # where a row's fed states go (SERVED.kept_states)
+        self.keeps_states = np.zeros(n, dtype=bool)  # the rows that have a states_key (read every step)
         self.batch_size = 0
         SERVED.tracker = self
 
@@ -85,10 +86,11 @@ class RequestTracker(LogitsProcessor):
             self.prompts[index] = list(prompt) if mode.name == "fused" and mode.passes > 1 else None
             self.fused[index] = None
             self.states_key[index] = (getattr(params, "extra_args", None) or {}).get(STATES)
+            self.keeps_states[index] = self.states_key[index] is not None
         for a, b, direction in batch_update.moved:
             rows = [a, b] if direction == MoveDirectionality.SWAP else [a]
             to = [b, a] if direction == MoveDirectionality.SWAP else [b]
-            for arr in (self.mode, self.passes, self.prompt_len):
+            for arr in (self.mode, self.passes, self.prompt_len, self.keeps_states):
                 arr[to] = arr[rows]
             moving = [(self.prompts[r], self.fused[r], self.states_key[r]) for r in rows]
             for r, (p, f, k) in zip(to, moving):
