@@ -69,6 +69,28 @@ def test_reproduce_compare_writes_a_report_and_a_rerun_reuses_it(tmp_path, corpu
     strip = [line for line in text.splitlines() if "Wall time" not in line]
     assert strip == [line for line in again.splitlines() if "Wall time" not in line]  # ...and every number
 
+    # another machine: the checkpoints are gone, the report's folder (records, evaluations) is kept
+    import json
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")
+    moved = reproduce("compare", **_options(tmp_path, corpus, cache)).read_text()
+    assert "== training" not in capsys.readouterr().out  # every run reused from its record
+    assert strip == [line for line in moved.splitlines() if "Wall time" not in line]
+    record = json.loads((figs / "records" / "fresh-fbt.json").read_text())
+    assert record["curve"] and record["curve"][-1]["step"] == 4 and record["train_seconds"] > 0
+
+    # a record without its curve is drawn as one marker and named; a record of another command is not reused
+    record["curve"] = None
+    (figs / "records" / "fresh-fbt.json").write_text(json.dumps(record))
+    text = reproduce("compare", **_options(tmp_path, corpus, cache)).read_text()
+    assert "kept no held-out curve: fresh-fbt." in text
+    record["key"]["overrides"].append("optim.lr=0.01")
+    (figs / "records" / "fresh-lrt.json").write_text(json.dumps(record))
+    reproduce("compare", **_options(tmp_path, corpus, cache))
+    trained = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== training")]
+    assert [line.split(":")[0] for line in trained] == ["== training fresh-lrt"]
+
 
 def test_a_budget_reports_the_finished_runs_and_lists_the_rest(tmp_path, corpus, cache, capsys):
     from fullband.reproduce import reproduce

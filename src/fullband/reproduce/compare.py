@@ -11,7 +11,9 @@ corpus repeated, where the standard model gains little from more steps), and ser
 
 Every run is resumable and reused; `budget` (minutes) stops starting new runs, and the report then covers the
 finished ones and lists the rest, so the study can be finished over several invocations. Evaluations are kept
-beside the report (newer than their checkpoint: reused)."""
+beside the report (newer than their checkpoint: reused), and so is a record of each finished run (its command, its
+training time and its held-out curve, `records/<name>.json`): a run whose checkpoints are gone (another machine, a
+fresh clone) is reused from its record and evaluations, and trained again only when its command changed."""
 
 from __future__ import annotations
 
@@ -258,12 +260,13 @@ def runs() -> list[Run]:
 # ---------------------------------------------------------------------------------------------- evaluations
 def _cached(path: Path, key: dict, checkpoint: Path | None, compute: Callable[[], dict]) -> dict:
     """compute()'s result, kept at `path` with `key`; reused while the key matches and it is newer than the
-    checkpoint's weights."""
+    checkpoint's weights (or the checkpoint is gone: a run reused from its record)."""
     from fullband.files import read_json, replace_file
 
     old = read_json(path)
     weights = checkpoint / "model.safetensors" if checkpoint is not None else None
-    fresh = weights is None or (weights.is_file() and path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime)
+    fresh = (weights is None or not weights.is_file()
+             or (path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime))
     if old and old.get("key") == key and fresh:
         return old["result"]
     result = compute()
@@ -272,13 +275,50 @@ def _cached(path: Path, key: dict, checkpoint: Path | None, compute: Callable[[]
     return result
 
 
+def _evaluations(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> tuple[Path, dict]:
+    """Where a run's evaluation is kept beside the report, and the key it is kept under."""
+    family, loops = METHODS[p.method].family, getattr(p.model_cfg, "loops", 3)
+    if p.regime in REGIMES:
+        return (figs / "eval" / p.name / "loss.json",
+                {"checkpoint": str(ckpt), "windows": sc.windows, "reads": [r.label for r in reads(family, loops)]})
+    return (figs / "eval" / p.name / "tracking.json",
+            {"checkpoint": str(ckpt), "n": sc.examples, "modes": [t[0] for t in tracking_modes(family, loops)]})
+
+
+def _record_key(p: Planned, settings: Settings) -> dict:
+    """What a run's record is valid for: its recipe and every override (the command that trains it)."""
+    return {"config": p.run.config or settings.base, "overrides": [*p.run.overrides, *settings.extra]}
+
+
+def _write_record(p: Planned, figs: Path, settings: Settings, done: tuple[Path, float], points: list | None) -> None:
+    from fullband.files import replace_file
+
+    path = figs / "records" / f"{p.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(path, json.dumps({"key": _record_key(p, settings), "checkpoint": str(done[0]),
+                                   "train_seconds": done[1], "curve": points}))
+
+
+def _kept_record(p: Planned, figs: Path, settings: Settings, sc: Scale) -> dict | None:
+    """A finished run's record when it still stands for this run (the same command) and its evaluation is kept
+    under the key of the checkpoint it names; None: the run must be trained."""
+    from fullband.files import read_json
+
+    record = read_json(figs / "records" / f"{p.name}.json")
+    if not record or record.get("key") != _record_key(p, settings):
+        return None
+    path, key = _evaluations(p, Path(record["checkpoint"]), figs, sc)
+    kept = read_json(path)
+    return record if kept and kept.get("key") == key else None
+
+
 def _looping(model, loops: int | None):
     import contextlib
 
     return model.looping(loops) if loops is not None and model.config.has_loop else contextlib.nullcontext()
 
 
-def lm_reads(p: Planned, ckpt: Path, figs: Path, windows: int) -> dict:
+def lm_reads(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
     """Held-out loss of every read of a language-modelling run, per window (for paired differences)."""
     from fullband.bench.flops import forward_flops
     from fullband.eval.loss import validation_loss
@@ -290,7 +330,7 @@ def lm_reads(p: Planned, ckpt: Path, figs: Path, windows: int) -> dict:
 
     def compute() -> dict:
         model = FullbandLM.load(ckpt)
-        batches = val_batches(ckpt, windows=windows)
+        batches = val_batches(ckpt, windows=sc.windows)
         seq = batches[0][0].shape[1]
         out = {}
         for read in todo:
@@ -300,8 +340,7 @@ def lm_reads(p: Planned, ckpt: Path, figs: Path, windows: int) -> dict:
                                "flops": forward_flops(model.config, read.passes, seq_len=seq, loops=read.loops)}
         return out
 
-    key = {"checkpoint": str(ckpt), "windows": windows, "reads": [r.label for r in todo]}
-    return _cached(figs / "eval" / p.name / "loss.json", key, ckpt, compute)
+    return _cached(*_evaluations(p, ckpt, figs, sc), ckpt, compute)
 
 
 def curve(p: Planned, run_dir: Path, cfg) -> list[dict]:
@@ -321,7 +360,7 @@ def curve(p: Planned, run_dir: Path, cfg) -> list[dict]:
             for r in rows if "eval" in r]
 
 
-def tracking_eval(p: Planned, ckpt: Path, figs: Path, n: int) -> dict:
+def tracking_eval(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
     from fullband.data.tracking import parse_spec
     from fullband.eval.report import save_figure
     from fullband.eval.tracking import accuracy_table, tracking_figure
@@ -338,7 +377,7 @@ def tracking_eval(p: Planned, ckpt: Path, figs: Path, n: int) -> dict:
         result: dict = {}
         for label, mode, loops in todo:
             with _looping(model, loops):
-                table = accuracy_table(model, tok, task, length, n=n, modes=[mode], progress=False)
+                table = accuracy_table(model, tok, task, length, n=sc.examples, modes=[mode], progress=False)
             row = table["rows"][0]
             row["mode"] = label
             result = {**table, "rows": [*result.get("rows", []), row]}
@@ -346,8 +385,7 @@ def tracking_eval(p: Planned, ckpt: Path, figs: Path, n: int) -> dict:
         save_figure(tracking_figure(result), where / "tracking.png")
         return result
 
-    key = {"checkpoint": str(ckpt), "n": n, "modes": [t[0] for t in todo]}
-    return _cached(where / "tracking.json", key, ckpt, compute)
+    return _cached(*_evaluations(p, ckpt, figs, sc), ckpt, compute)
 
 
 def cost_table(methods: dict[str, object], scale: Scale, figs: Path) -> dict[str, dict]:
@@ -397,10 +435,15 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     t0 = time.perf_counter()
     done: dict[str, tuple[Path, float]] = {}
     pending: list[Planned] = []
+    kept: dict[str, dict] = {}  # runs reused from their records (their checkpoints are gone)
     for p in planned:
         run_dir = root / p.name
         ckpts = list_checkpoints(run_dir)
         finished = bool(ckpts) and read_trainer_state(ckpts[-1])["step"] >= p.steps
+        if not finished and (record := _kept_record(p, figs, settings, sc)) is not None:
+            kept[p.name] = record
+            done[p.name] = (Path(record["checkpoint"]), record["train_seconds"])
+            continue
         if not finished and budget is not None and (time.perf_counter() - t0) / 60 >= budget:
             pending.append(p)
             continue
@@ -416,15 +459,23 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
         if p.name not in done or p.regime not in REGIMES:
             continue
         ckpt = done[p.name][0]
-        results[p.name] = lm_reads(p, ckpt, figs, sc.windows)
-        curves[p.name] = curve(p, root / p.name, load_run_config(p.run.config or settings.base,
-                                                               [*p.run.overrides, *settings.extra]))
+        results[p.name] = lm_reads(p, ckpt, figs, sc)
+        curves[p.name] = (kept[p.name]["curve"] if p.name in kept else
+                          curve(p, root / p.name, load_run_config(p.run.config or settings.base,
+                                                                  [*p.run.overrides, *settings.extra])))
     for regime in REGIMES:
         lines += _lm_lines(regime, planned, results, done, sc, lm_cfg)
-    tracking = {p.name: tracking_eval(p, done[p.name][0], figs, sc.examples)
+    tracking = {p.name: tracking_eval(p, done[p.name][0], figs, sc)
                 for p in planned if p.name in done and p.regime in TASKS}
+    for p in planned:  # every finished run's record, for a rerun where its checkpoints are gone
+        if p.name in done and p.name not in kept:
+            _write_record(p, figs, settings, done[p.name], curves.get(p.name))
     lines += _tracking_lines(planned, tracking, done)
-    lines += _figures(planned, curves, tracking, figs)
+    lines += _figures(planned, curves, tracking, figs, results, lm_cfg)
+    uncurved = [p.name for p in planned if p.name in results and not curves.get(p.name)]
+    if uncurved:
+        lines += ["Drawn as one marker at the end of training (their best read over the final evaluation's windows), "
+                  f"reused from records that kept no held-out curve: {', '.join(uncurved)}.", ""]
     lines += _implications(planned, results, tracking, costs)
     total = sum(w for _, w in done.values())
     lines += ["", f"Training the {len(done)} finished runs took {total / 60:.1f} min (their own wall times, summed; "
@@ -499,6 +550,12 @@ def _cost_lines(costs: dict[str, dict], planned: list[Planned]) -> list[str]:
     return lines + [""]
 
 
+def _spent(p: Planned, lm_cfg) -> tuple[int, float]:
+    """A language-modelling run's training tokens and counted training FLOPs (at its schedule's mean passes)."""
+    tokens = p.steps * lm_cfg.train.global_batch_tokens
+    return tokens, tokens * _train_flops(p.model_cfg, METHODS[p.method].passes, lm_cfg.train.seq_len)
+
+
 def _lm_lines(regime: str, planned: list[Planned], results: dict, done: dict, sc: Scale, lm_cfg) -> list[str]:
     rows = [p for p in planned if p.regime == regime]
     title = {"fresh": "fresh data (less than one epoch)",
@@ -513,7 +570,7 @@ def _lm_lines(regime: str, planned: list[Planned], results: dict, done: dict, sc
     tokens_per_step = lm_cfg.train.global_batch_tokens
 
     def spent(p: Planned) -> float:
-        return p.steps * tokens_per_step * _train_flops(p.model_cfg, METHODS[p.method].passes, lm_cfg.train.seq_len)
+        return _spent(p, lm_cfg)[1]
 
     std_n = next(p for p in rows if p.name == f"{regime}-standard")
     for p in rows:
@@ -557,7 +614,7 @@ def _tracking_lines(planned: list[Planned], tracking: dict, done: dict) -> list[
 LINESTYLE = {"standard": "-", "feedback": "-", "looped": "--", "ponder": ":"}
 
 
-def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path) -> list[str]:
+def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path, results: dict, lm_cfg) -> list[str]:
     from fullband.eval.report import plt as _plt, save_figure
 
     plt = _plt()
@@ -566,9 +623,15 @@ def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path) -
                               ("flops", "loss_flops.png", "training FLOPs (counted)")):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
         for ax, regime in zip(axes, REGIMES):
-            drawn = [p for p in planned if p.regime == regime and curves.get(p.name)]
+            drawn = [p for p in planned if p.regime == regime and (curves.get(p.name) or p.name in results)]
             for colour, p in zip(plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2], drawn):  # 20 distinct
-                pts = curves[p.name]
+                pts = curves.get(p.name)
+                if not pts:  # a reused run whose record kept no curve: its final point
+                    label, best = _best(results[p.name])
+                    x = _spent(p, lm_cfg)[axis == "flops"]
+                    ax.plot([x], [best["nats"]], "D", color=colour, ms=5,
+                            label=f"{p.name.split('-', 1)[1]} ({label}, final)")
+                    continue
                 k = max(pts[-1]["eval"], key=int)  # the most passes it was scored with during training
                 ax.plot([q[axis] for q in pts], [q["eval"][k] for q in pts], LINESTYLE[METHODS[p.method].family],
                         color=colour, marker="o", ms=2.5,
