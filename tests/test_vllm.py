@@ -164,6 +164,29 @@ def test_prefix_caching_reuses_a_block_only_where_it_is_exact(base):
         assert (hit, again) == ((0, 64) if mode == "soft" else (64, 96)), mode
 
 
+def fed(spans, max_tokens: int = 12, **kw):
+    """SOFT sampling that reads the prompt positions in `spans` fed (a conversation's earlier replies)."""
+    sampling = params("soft", max_tokens=max_tokens, **kw)
+    sampling.extra_args["fed_spans"] = spans
+    return sampling
+
+
+def test_a_conversation_reads_its_replies_fed_and_reuses_their_blocks(base):
+    """Turn 2 re-sends turn 1's prompt (20 tokens) and 30-token reply with a new message, the reply declared fed:
+    tokens equal fullband.generate(fed=...) with the cache read or not; the first read of turn 2 may not start
+    inside the reply (its state is in no block): no hit; re-sent, its blocks of 32 (positions 20..49 fed) are
+    reused up to position 64, a plain one; the same tokens read plainly match none of them."""
+    model, llm = base
+    p1, u2 = prompts([20, 15], seed=31)
+    (r1,), _ = cached(llm, [p1], [params("soft", max_tokens=30)])
+    turn, spans = p1 + r1 + u2, [[20, 50]]
+    want = generate(model, [turn], 12, mode="soft", fed=[spans])[0]
+    got, hits = cached(llm, [turn] * 4, [fed(spans), fed(spans), fed(spans, skip_reading_prefix_cache=True),
+                                         params("soft")])
+    assert got[:3] == [want] * 3 and hits[:3] == [0, 64, 0]
+    assert got[3] == reference(model, [turn], "soft", 1)[0] != want and hits[3] == 0
+
+
 def test_fed_states_are_returned_equal_to_the_native_engine_s(base):
     """generate_with_states: each generated token's fed state, as fullband.rl.logprob.rollout records it (the
     state the token reads at its position), in SOFT and FUSED, with the same tokens; the states differ from one

@@ -71,11 +71,11 @@ def fed_passes(fed: Tensor) -> int:
     return 1 + int(fed.sum(-1).max()) if fed.numel() else 1
 
 
-def check_fed_mode(mode: DecodeMode, error: type[Exception] = InputError) -> None:
+def check_fed_mode(mode: DecodeMode, error: type[Exception] = InputError, what: str = "fed prompt positions") -> None:
     """Fed prompt positions (earlier replies read as they were generated) belong to SOFT; refuse them elsewhere."""
     if mode.name != "soft":
-        raise error(f"fed prompt positions are for mode 'soft' (a plain prompt, fed replies), not {mode.label!r}: "
-                    "standard feeds nothing, fused and exact read the whole prompt fed")
+        raise error(f"{what}: fed prompt positions are for mode 'soft' (a plain prompt, fed replies), not "
+                    f"{mode.label!r}: standard feeds nothing, fused and exact read the whole prompt fed")
 
 
 def shift_right(state: Tensor) -> Tensor:

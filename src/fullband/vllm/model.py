@@ -238,7 +238,7 @@ class StepPlan:
     fed_rows: torch.Tensor | None = None  # the fused rows
     fed_reqs: torch.Tensor | None = None  # the state row each of them reads
     dense: list[DenseJob] = field(default_factory=list)
-    iterate: int = 0  # extra passes for rows fed by the previous row of the same chunk (recomputed outputs)
+    iterate: int = 0  # extra passes for rows fed by the previous row of the same chunk (recomputed outputs, fed spans)
     chain_rows: torch.Tensor | None = None  # those rows (each reads row - 1)
     sampled: list[tuple[int, int]] = field(default_factory=list)  # (batch row, position) of rows whose states are
     #                                         kept (fullband_states) and that sample a token from this step
@@ -256,11 +256,19 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: n
     row = np.repeat(np.arange(R), np.diff(bounds))  # each packed row's request
     offset = np.arange(bounds[-1]) - bounds[row]  # its place in the chunk
     pos = start[row] + offset
-    # SOFT / FUSED requests feed their generated positions: past the prompt, which is read as a plain prefix (a
-    # FUSED prompt's own passes are planned below), and not where the plain rule says otherwise (a BOS)
-    plain = plain_positions(ids, pos, bos_token_id if ids is not None else None, prefix=prompt_len[row])
+    # SOFT / FUSED requests feed their generated positions: past the prompt, which is read plainly (a FUSED
+    # prompt's own passes are planned below) but for a SOFT request's fed spans (a conversation's replies), and
+    # not where the plain rule says otherwise (a BOS)
+    prompt = pos < prompt_len[row]
+    for i in np.nonzero(tracker.has_fed[:R])[0]:
+        rows_i = slice(bounds[i], bounds[i + 1])
+        for a, b in tracker.fed[i]:
+            prompt[rows_i] &= (pos[rows_i] < a) | (pos[rows_i] >= b)
+    plain = plain_positions(ids, pos, bos_token_id if ids is not None else None, mask=prompt)
     fed = (tracker.mode[:R][row] != STANDARD) & ~plain
-    chain = np.nonzero(fed & (offset > 0))[0]  # ... computed in this same step: iterated
+    # fed rows whose predecessor is computed in this same step (recomputed outputs, fed prompt spans): iterated,
+    # one more pass per such row (core.fed_passes)
+    chain = np.nonzero(fed & (offset > 0))[0]
     for i in np.nonzero((tracker.mode[:R] == FUSED) & (np.minimum(tracker.passes[:R], prompt_len) > 1)
                         & (start < prompt_len))[0]:  # a chunk of a FUSED prompt
         P, first = int(prompt_len[i]), int(start[i])
