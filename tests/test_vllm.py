@@ -385,10 +385,6 @@ def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- the server
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
 def _free_port() -> int:
     import socket
 
@@ -399,28 +395,35 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`fullband serve` (vLLM's OpenAI server) on a converted folder with a real BPE tokenizer, on a loopback port."""
+    """`fullband serve` (vLLM's OpenAI server) on a converted chat folder (the byte vocabulary with fullband's chat
+    markers and template), on a loopback port. The model writes printable ASCII, newlines and <|end|> only (the
+    head's other rows are 0, below the best of those on these weights), so every reply reads back as the ids it
+    was sampled as and a conversation keeps its turns (ChatSession reads the conversation again otherwise)."""
     import subprocess
     import sys
     import time
     import urllib.request
     from pathlib import Path
 
-    from fullband.data.tokenizer import train_bpe
+    from fullband.data.tokenizer import ByteTokenizer
     from fullband.hf.convert import convert
 
     root = tmp_path_factory.mktemp("served")
-    texts = [p.read_text() for p in sorted(Path(os.__file__).parent.glob("json/*.py"))]
-    tokenizer = train_bpe(texts, 400, show_progress=False)
+    tokenizer = ByteTokenizer(chat=True)
     torch.manual_seed(0)
-    model = FullbandLM(ModelConfig(**dict(BASE, vocab_size=tokenizer.vocab_size, bos_token_id=0))).eval()
+    model = FullbandLM(ModelConfig(**dict(BASE, vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                          tie_embeddings=False))).eval()
+    writes = [10, *range(32, 127), tokenizer.chat_ids["<|end|>"]]
+    with torch.no_grad():
+        keep = model.lm_head.weight[writes].clone()
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[writes] = keep
     model.save(root / "native", tokenizer=tokenizer)
     convert(root / "native", root / "hf", to="hf")
-    (root / "chat.jinja").write_text(CHAT_TEMPLATE)
     port = _free_port()
     cmd = [str(Path(sys.executable).parent / "fullband"), "serve", str(root / "hf"), "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "32",
-           "--seed", "0", "--chat-template", str(root / "chat.jinja"), "--served-model-name", "fb"]
+           "--seed", "0", "--served-model-name", "fb"]
     log = open(root / "server.log", "w")
     # no VLLM_CPU_KVCACHE_SPACE: fullband serve sizes the KV cache to the memory free (--kv-cache-memory-bytes)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
@@ -442,7 +445,7 @@ def server(tmp_path_factory):
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
-    yield model, client, url
+    yield model, client, url, tokenizer, root
     proc.terminate()
     try:
         proc.wait(60)
@@ -459,9 +462,9 @@ def _xargs(mode: str, passes: int | None = None) -> dict:
 
 
 def test_server_completions_in_every_mode(server):
-    model, client, _ = server
+    model, client, *_ = server
     batch = prompts([5, 23, 14], seed=11)
-    batch = [[t % 399 + 1 for t in p] for p in batch]  # ids of this tokenizer, no BOS (id 0)
+    batch = [[t % 255 + 1 for t in p] for p in batch]  # byte ids, no BOS (id 256)
     for mode, passes in MODES:
         want = reference(model, batch, mode, passes, max_tokens=10)
         got = []
@@ -473,7 +476,7 @@ def test_server_completions_in_every_mode(server):
 
 
 def test_server_streaming_and_chat(server):
-    model, client, _ = server
+    model, client, *_ = server
     prompt = "def load(fp):"
     r = client.completions.create(model="fb", prompt=prompt, max_tokens=12, temperature=0,
                                   extra_body=_xargs("fused", 2))
@@ -492,7 +495,7 @@ def test_server_streaming_and_chat(server):
 
 
 def test_server_stop_strings_and_max_tokens(server):
-    _, client, _ = server
+    _, client, *_ = server
     full = client.completions.create(model="fb", prompt="import json\n", max_tokens=16, temperature=0,
                                      extra_body=_xargs("soft"))
     text = full.choices[0].text
@@ -507,8 +510,8 @@ def test_server_stop_strings_and_max_tokens(server):
 def test_server_answers_32_concurrent_requests_like_offline(server):
     from concurrent.futures import ThreadPoolExecutor
 
-    model, client, _ = server
-    batch = [[t % 399 + 1 for t in p] for p in prompts([3 + (7 * i) % 40 for i in range(32)], seed=13)]
+    model, client, *_ = server
+    batch = [[t % 255 + 1 for t in p] for p in prompts([3 + (7 * i) % 40 for i in range(32)], seed=13)]
     modes = [MODES[i % len(MODES)] for i in range(32)]
 
     def ask(i):
@@ -527,7 +530,7 @@ def test_server_answers_32_concurrent_requests_like_offline(server):
     ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "fused", "prefill_passes": -1}},
      "prefill_passes=-1 is invalid"),
     ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"prefil_passes": 2}}, "did you mean 'prefill_passes'?"),
-    ({"prompt": list(range(1, 300)), "max_tokens": 2}, "maximum context length"),
+    ({"prompt": [5] * 299, "max_tokens": 2}, "maximum context length"),
     ("{not json", ""),
 ])
 def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
@@ -535,7 +538,7 @@ def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
     import urllib.error
     import urllib.request
 
-    model, client, url = server
+    model, client, url, *_ = server
     data = body if isinstance(body, str) else json.dumps({"model": "fb", **body})
     req = urllib.request.Request(url + "/v1/completions", data=data.encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -545,3 +548,29 @@ def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
     assert message in err.value.read().decode()
     r = client.completions.create(model="fb", prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body=_xargs("soft"))
     assert list(r.choices[0].token_ids) == reference(model, [[5, 6, 7]], "soft", 1, max_tokens=3)[0]
+
+
+def test_server_chat_conversation_equals_fullband_chat(server):
+    """Three turns of greedy SOFT chat through /v1/chat/completions, each re-sending the conversation: the server
+    reads the earlier replies fed (the fed spans it adds to a chat request by default), so each reply equals
+    ChatSession's (`fullband chat`), which keeps its cache between turns, on the same model; the turns' blocks come
+    from the prefix cache where a turn re-sends a conversation read before."""
+    from fullband.chat import ChatSession
+
+    model, client, _, tokenizer, _ = server
+    session = ChatSession(model, tokenizer, mode="soft", max_new_tokens=12)
+    messages, stopped = [], []
+    for text in ("hello", "tell me more", "and then?"):
+        want = "".join(session.reply(text))
+        assert session.last.reread is (text == "hello")  # the session kept its cache: it fed its replies
+        stopped.append(session.last.stopped)
+        messages.append({"role": "user", "content": text})
+        r = client.chat.completions.create(model="fb", messages=messages, max_tokens=12, temperature=0,
+                                           extra_body={"return_token_ids": True})
+        got = r.choices[0].message.content
+        assert (got, list(r.choices[0].token_ids)) == (want, session.last.ids), text
+        messages.append({"role": "assistant", "content": got})
+    # the same conversation read plainly (fed_spans []) answers otherwise: the comparison above has teeth
+    plain = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
+                                           extra_body={"vllm_xargs": {"fed_spans": []}})
+    assert plain.choices[0].message.content != messages[-1]["content"], stopped

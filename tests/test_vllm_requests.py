@@ -103,7 +103,9 @@ def test_a_chat_request_to_a_base_folder_meets_our_sentence(tmp_path, model, mon
     chat = tmp_path / "chat"
     model.save(chat / "native", tokenizer=ByteTokenizer(chat=True))
     convert(chat / "native", chat / "hf", to="hf")
-    assert "--chat-template" not in serve.server_command(chat / "hf", ["--port", "8000"])
+    command = serve.server_command(chat / "hf", ["--port", "8000"])
+    assert "--chat-template" not in command
+    assert command[command.index("--middleware") + 1] == "fullband.vllm.chat.FedConversations"  # fed conversations
 
 
 def test_serve_sizes_the_cpu_kv_cache_to_the_memory_free(tmp_path, model, monkeypatch):
