@@ -11,4 +11,5 @@ from fullband.model import FeedbackModel, FullbandLM, ModelConfig, ModelOutput  
 
 __all__ = ["ByteTokenizer", "CheckpointError", "ConfigError", "DecodeMode", "FeedbackModel", "FullbandError",
            "FullbandLM", "InputError", "KVCache", "MODES", "ModelConfig", "ModelOutput", "Sampling", "Step",
-           "__version__", "apply_chat_template", "fed_chat_prompt", "generate", "load_model", "load_tokenizer", "stream"]
+           "__version__", "apply_chat_template", "fed_chat_prompt", "generate", "load_model", "load_tokenizer",
+           "stream"]

@@ -193,8 +193,7 @@ def encode_chat(template, messages: Sequence[Message]) -> ChatSequence:
 def chat_prompt(tokenizer, messages, *, template=None) -> list[int]:
     """The ids a model reads before answering `messages` (a list of {"role", "content"} dicts ending with a user
     turn, or Message objects): BOS, the rendered conversation and the assistant's turn marker."""
-    template = template or chat_template(tokenizer)
-    return _prompt(template, _messages(messages))
+    return _prompt(template or chat_template(tokenizer), _messages(messages))
 
 
 def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], list[tuple[int, int]]]:
