@@ -551,26 +551,29 @@ def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
 
 
 def test_server_chat_conversation_equals_fullband_chat(server):
-    """Three turns of greedy SOFT chat through /v1/chat/completions, each re-sending the conversation: the server
-    reads the earlier replies fed (the fed spans it adds to a chat request by default), so each reply equals
-    ChatSession's (`fullband chat`), which keeps its cache between turns, on the same model; the turns' blocks come
-    from the prefix cache where a turn re-sends a conversation read before."""
+    """Three turns of greedy chat through /v1/chat/completions, each re-sending the conversation, equal to
+    ChatSession's (`fullband chat`) on the same model, turn by turn. SOFT: the session keeps its cache (its replies
+    fed) and the server reads the earlier replies fed (the fed spans it adds to a SOFT chat request by default);
+    FUSED k=2: both read the whole conversation with 3 passes each turn. A conversation read plainly (fed_spans [])
+    answers otherwise than read fed: the comparison has teeth."""
     from fullband.chat import ChatSession
 
     model, client, _, tokenizer, _ = server
-    session = ChatSession(model, tokenizer, mode="soft", max_new_tokens=12)
-    messages, stopped = [], []
-    for text in ("hello", "tell me more", "and then?"):
-        want = "".join(session.reply(text))
-        assert session.last.reread is (text == "hello")  # the session kept its cache: it fed its replies
-        stopped.append(session.last.stopped)
-        messages.append({"role": "user", "content": text})
-        r = client.chat.completions.create(model="fb", messages=messages, max_tokens=12, temperature=0,
-                                           extra_body={"return_token_ids": True})
-        got = r.choices[0].message.content
-        assert (got, list(r.choices[0].token_ids)) == (want, session.last.ids), text
-        messages.append({"role": "assistant", "content": got})
-    # the same conversation read plainly (fed_spans []) answers otherwise: the comparison above has teeth
+    for mode, passes in (("soft", None), ("fused", 2)):
+        session = ChatSession(model, tokenizer, mode=mode, prefill_passes=passes, max_new_tokens=12)
+        xargs = {"feedback_mode": mode, **({"prefill_passes": passes} if passes else {})}
+        messages = []
+        for text in ("hello", "tell me more", "and then?"):
+            want = "".join(session.reply(text))
+            assert session.last.reread is (mode == "fused" or text == "hello")  # SOFT kept its cache: fed replies
+            messages.append({"role": "user", "content": text})
+            r = client.chat.completions.create(model="fb", messages=messages, max_tokens=12, temperature=0,
+                                               extra_body={"return_token_ids": True, "vllm_xargs": xargs})
+            got = r.choices[0].message.content
+            assert (got, list(r.choices[0].token_ids)) == (want, session.last.ids), (mode, text)
+            messages.append({"role": "assistant", "content": got})
     plain = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
-                                           extra_body={"vllm_xargs": {"fed_spans": []}})
-    assert plain.choices[0].message.content != messages[-1]["content"], stopped
+                                           extra_body={"vllm_xargs": {"feedback_mode": "soft", "fed_spans": []}})
+    soft = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
+                                          extra_body={"vllm_xargs": {"feedback_mode": "soft"}})
+    assert plain.choices[0].message.content != soft.choices[0].message.content
