@@ -173,9 +173,10 @@ def fed(spans, max_tokens: int = 12, **kw):
 
 def test_a_conversation_reads_its_replies_fed_and_reuses_their_blocks(base):
     """Turn 2 re-sends turn 1's prompt (20 tokens) and 30-token reply with a new message, the reply declared fed:
-    tokens equal fullband.generate(fed=...) with the cache read or not; the first read of turn 2 may not start
-    inside the reply (its state is in no block): no hit; re-sent, its blocks of 32 (positions 20..49 fed) are
-    reused up to position 64, a plain one; the same tokens read plainly match none of them."""
+    tokens equal fullband.generate(fed=...) with the cache read or not (skip_reading_prefix_cache); turn 2 reads
+    turn 1's first block of 32 (the reply's positions 20..31, generated fed) and computes on from position 32, fed
+    the state the block's last position left (kept by block id); re-sent, it reads its own two blocks; the same
+    tokens read plainly match none of them."""
     model, llm = base
     p1, u2 = prompts([20, 15], seed=31)
     (r1,), _ = cached(llm, [p1], [params("soft", max_tokens=30)])
@@ -183,8 +184,50 @@ def test_a_conversation_reads_its_replies_fed_and_reuses_their_blocks(base):
     want = generate(model, [turn], 12, mode="soft", fed=[spans])[0]
     got, hits = cached(llm, [turn] * 4, [fed(spans), fed(spans), fed(spans, skip_reading_prefix_cache=True),
                                          params("soft")])
-    assert got[:3] == [want] * 3 and hits[:3] == [0, 64, 0]
+    assert got[:3] == [want] * 3 and hits[:3] == [32, 64, 0]
     assert got[3] == reference(model, [turn], "soft", 1)[0] != want and hits[3] == 0
+    # two requests for one new 72-token conversation (positions 44..69 fed): the second reads the first one's
+    # blocks and its position 64 the state position 63 left (from the block store, or, when both are scheduled in
+    # one step, from the first one's row: test_a_cached_block_s_state_comes_from_the_store_or_this_step). (A
+    # longer fed run would compare float32 rounding, which the recurrence amplifies, not the engine.)
+    conv, spans = prompts([72], seed=32)[0], [[44, 70]]
+    outs = llm.generate([{"prompt_token_ids": conv}] * 2, [fed(spans)] * 2, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == generate(model, [conv] * 2, 12, fed=[spans] * 2)
+    assert [o.num_cached_tokens or 0 for o in outs] == [0, 64]
+
+
+def test_a_cached_block_s_state_comes_from_the_store_or_this_step():
+    """The step plan (no engine) for a request B that read blocks 3 and 4 from the cache and starts at position
+    64, fed (a span 44..69): alone, its state row takes block 4's kept state; beside request A, which computes
+    those blocks in the same step (vLLM caches a block when its last token is scheduled), its first row reads A's
+    row of position 63, and the chain's passes add up across the two requests."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fullband.vllm.model import plan_step
+    from fullband.vllm.tracker import SOFT
+
+    def tracker(n):
+        return SimpleNamespace(prompt_len=np.full(n, 72), mode=np.full(n, SOFT), passes=np.ones(n, dtype=np.int64),
+                               has_fed=np.ones(n, dtype=bool), fed=[((44, 70),)] * n,
+                               keeps_states=np.zeros(n, dtype=bool), fresh=np.ones(n, dtype=bool),
+                               prompts=[None] * n)
+
+    def slots(blocks, positions):
+        return np.array([blocks[p // 32] * 32 + p % 32 for p in positions])
+
+    tables = {"A": [3, 4, 5], "B": [3, 4, 6]}
+    alone = plan_step(tracker(1), [0, 8], [64], None, None, torch.device("cpu"), slots(tables["B"], range(64, 72)),
+                      32, lambda i, j: tables["B"][j])
+    assert alone.restore_reqs.tolist() == [0] and alone.restore_blocks.tolist() == [4]
+    assert alone.iterate == 5 and alone.chain_from.tolist() == list(range(0, 5))  # positions 65..69 read 64..68
+    both = plan_step(tracker(2), [0, 72, 80], [0, 64], None, None, torch.device("cpu"),
+                     np.concatenate([slots(tables["A"], range(72)), slots(tables["B"], range(64, 72))]), 32,
+                     lambda i, j: tables["AB"[i]][j])
+    assert both.restore_reqs is None and (72, 63) in zip(both.chain_rows.tolist(), both.chain_from.tolist())
+    assert both.iterate == 26 + 5 + 1  # A's chain (positions 44..69), B's own, the link
+    assert both.store_blocks.tolist() == [3, 4]  # the rows that end a block: A's 31 and 63
 
 
 def test_fed_states_are_returned_equal_to_the_native_engine_s(base):

@@ -11,8 +11,7 @@ import pytest
 from fullband.cli import main
 from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
-from fullband.vllm.requests import (GENERATED, block_keys, cached_prefix, fed_runs, prompt_read, request_mode,
-                                     served_default)
+from fullband.vllm.requests import GENERATED, block_keys, fed_runs, prompt_read, request_mode, served_default
 
 SOFT = DecodeMode("soft")
 
@@ -157,16 +156,6 @@ def test_a_cached_block_is_keyed_by_how_its_positions_were_read():
     assert block_keys(soft, turn, 64, 96) == (("fullband-fed", ((0, 6), (26, 32))),)
     assert block_keys(soft, fed_runs(soft, None, 90), 32, 64) == ()
     assert fed_runs(soft, {"fed_spans": [[1, 3], [3, 5], [80, 99]]}, 90) == ((1, 5), (80, GENERATED))  # merged
-
-
-def test_cached_blocks_are_read_up_to_a_position_that_reads_no_state():
-    """A fed position reads its predecessor's state, which no cached block holds: a hit is cut back to a block
-    boundary whose position is plain (or 0)."""
-    runs = ((40, 70), (90, GENERATED))
-    assert cached_prefix(96, 16, runs) == 80  # 80 is plain (between the reply and the new reply)
-    assert cached_prefix(64, 16, runs) == 32  # 64 and 48 are in the reply, 32 is before it
-    assert cached_prefix(160, 32, ((0 + 1, GENERATED),)) == 0
-    assert cached_prefix(64, 32, ()) == 64
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -118,19 +118,10 @@ def block_keys(mode: DecodeMode, runs: tuple[tuple[int, int], ...], start: int, 
         same tokens plainly has no such key and never matches.
 
     STANDARD generates plain positions, so its output blocks are what a later plain read of the same tokens
-    computes, and get no key. What a block's keys cannot hold is the state its last position fed forward: that
-    is cached_prefix's rule."""
+    computes, and get no key. The state a block's last position feeds forward is not in its keys and values: the
+    model keeps it by block id (fullband.vllm.model)."""
     keys: list[tuple] = [("fullband-read", prompt_read(mode))] if start == 0 else []
     fed = tuple((max(a, start) - start, min(b, end) - start) for a, b in runs if a < end and b > start)
     if fed:
         keys.append(("fullband-fed", fed))
     return tuple(keys)
-
-
-def cached_prefix(hit: int, block: int, runs: tuple[tuple[int, int], ...]) -> int:
-    """How many of the `hit` tokens found in cached blocks of `block` positions a request may read from them: cut
-    back to a block boundary whose next position is not fed. A fed position reads the state its predecessor fed
-    forward, which lives in no cached block, so a request starts computing at a position that reads none."""
-    while hit > 0 and any(a <= hit < b for a, b in runs):
-        hit -= block
-    return max(hit, 0)

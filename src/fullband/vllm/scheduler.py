@@ -4,11 +4,9 @@ set by the engine hook, fullband.vllm.engine, when prefix caching is on).
 vLLM keys a cached KV block by a hash chained over the request's tokens block by block, with extra keys (LoRA,
 multimodal items, the request's cache_salt). Here a block's keys and values also depend on how its positions were
 read, so the scheduler gives each request a block hasher that adds fullband's keys (requests.block_keys) to
-vLLM's own: the prompt's read on the first block, and on blocks holding fed positions which ones they are. A
-block keeps keys and values, not the state its last position fed forward, so a request reads cached blocks only
-up to a position that reads no state (requests.cached_prefix): a fed position past them is recomputed from the
-last plain one before it, fed again and iterated to the recurrence's fixed point by the model (a preempted
-request's generated positions the same way)."""
+vLLM's own: the prompt's read on the first block, and on blocks holding fed positions which ones they are. The
+state a block's last position feeds forward is not in its keys and values: the model keeps it by block id
+(fullband.vllm.model), for a request whose first computed position after cached blocks is fed."""
 
 from __future__ import annotations
 
@@ -18,12 +16,11 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from fullband.vllm.engine import default_mode_of, model_config_of
-from fullband.vllm.requests import block_keys, cached_prefix, fed_runs, request_mode
+from fullband.vllm.requests import block_keys, fed_runs, request_mode
 
 
 class FeedbackCaching:
-    """What the two schedulers below add to vLLM's: each request's block hasher, and where its read of cached
-    blocks must stop."""
+    """What the two schedulers below add to vLLM's: each request's block hasher."""
 
     def _init_feedback(self) -> None:
         hf_config = self.vllm_config.model_config.hf_config
@@ -53,20 +50,10 @@ class FeedbackCaching:
         if request.request_id not in self.requests:  # (a known id is a streaming session's next input)
             extra = getattr(request.sampling_params, "extra_args", None)
             mode = request_mode(extra, self._fb_default, has_feedback=self._fb_feedback, max_passes=self._fb_max)
-            request.fullband_runs = fed_runs(mode, extra, request.num_prompt_tokens)
-            request._block_hasher = self._hasher(mode, request.fullband_runs)
+            request._block_hasher = self._hasher(mode, fed_runs(mode, extra, request.num_prompt_tokens))
             del request.block_hashes[:]
             request.update_block_hashes()
         super().add_request(request)
-
-    def _get_local_prefix_cache_hit(self, request):
-        """vLLM's longest cached prefix, cut back so that the first position computed reads no fed state (a new
-        request, or a preempted one: its state row is gone)."""
-        blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
-        keep = cached_prefix(hit, self.block_size, getattr(request, "fullband_runs", ()))
-        if keep < hit:
-            blocks = self.kv_cache_manager.truncate_computed_blocks(blocks, keep)
-        return blocks, keep, boundary, diverged
 
 
 class FeedbackScheduler(FeedbackCaching, Scheduler):

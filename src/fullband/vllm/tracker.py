@@ -70,6 +70,7 @@ class RequestTracker(LogitsProcessor):
         self.keeps_states = np.zeros(n, dtype=bool)  # the rows that have a states_key (read every step)
         self.fed: list[tuple[tuple[int, int], ...]] = [()] * n  # prompt spans read fed (a SOFT request's fed_spans)
         self.has_fed = np.zeros(n, dtype=bool)
+        self.fresh = np.zeros(n, dtype=bool)  # added since its last step: its state row holds nothing of its own
         self.batch_size = 0
         SERVED.tracker = self
 
@@ -92,10 +93,11 @@ class RequestTracker(LogitsProcessor):
             runs = fed_runs(mode, getattr(params, "extra_args", None), self.prompt_len[index])
             self.fed[index] = tuple(run for run in runs if run[0] < self.prompt_len[index])  # the prompt's
             self.has_fed[index] = bool(self.fed[index])
+            self.fresh[index] = True
         for a, b, direction in batch_update.moved:
             rows = [a, b] if direction == MoveDirectionality.SWAP else [a]
             to = [b, a] if direction == MoveDirectionality.SWAP else [b]
-            for arr in (self.mode, self.passes, self.prompt_len, self.keeps_states, self.has_fed):
+            for arr in (self.mode, self.passes, self.prompt_len, self.keeps_states, self.has_fed, self.fresh):
                 arr[to] = arr[rows]
             moving = [(self.prompts[r], self.fused[r], self.states_key[r], self.fed[r]) for r in rows]
             for r, (p, f, k, fed) in zip(to, moving):
