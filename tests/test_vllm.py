@@ -312,9 +312,10 @@ def test_chunked_prefill_is_exact_in_every_mode(tmp_path):
             assert run(llm, batch, mode_params(mode, passes)) == want, (mode, passes)
             again, hits = cached(llm, batch, [mode_params(mode, passes)] * len(batch))
             assert again == want and hits == [64, 32, 0, 32, 0], (mode, passes, hits)
-        # fed spans across chunk boundaries (chunks of 16: 10..39 spans three): the recurrence carried from chunk to
-        # chunk; re-sent, read from the cache up to position 64 (plain)
-        conv, spans = prompts([70], seed=5)[0], [[10, 40], [50, 60]]
+        # fed spans across chunk boundaries (chunks of 16 end at 32 and 64 inside them): the recurrence carried from
+        # chunk to chunk; re-sent, its two blocks read from the cache and position 64, fed, reads the state the
+        # second block's last position left
+        conv, spans = prompts([70], seed=5)[0], [[20, 40], [56, 68]]
         got, hits = cached(llm, [conv, conv], [fed(spans)] * 2)
         assert got == [generate(model, [conv], 12, mode="soft", fed=[spans])[0]] * 2 and hits == [0, 64]
     finally:
