@@ -602,7 +602,7 @@ def test_server_chat_conversation_equals_fullband_chat(server):
     answers otherwise than read fed: the comparison has teeth."""
     from fullband.chat import ChatSession
 
-    model, client, _, tokenizer, _ = server
+    model, client, _, tokenizer, root = server
     for mode, passes in (("soft", None), ("fused", 2)):
         session = ChatSession(model, tokenizer, mode=mode, prefill_passes=passes, max_new_tokens=12)
         xargs = {"feedback_mode": mode, **({"prefill_passes": passes} if passes else {})}
@@ -621,3 +621,11 @@ def test_server_chat_conversation_equals_fullband_chat(server):
     soft = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
                                           extra_body={"vllm_xargs": {"feedback_mode": "soft"}})
     assert plain.choices[0].message.content != soft.choices[0].message.content
+    # a prompt vLLM renders otherwise than fullband's template (no generation prompt here): read plainly, said once
+    for _ in range(2):
+        odd = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
+                                             extra_body={"return_token_ids": True, "add_generation_prompt": False,
+                                                         "vllm_xargs": {"feedback_mode": "soft"}})
+        assert list(odd.choices[0].token_ids) == generate(model, [odd.prompt_token_ids], 12,
+                                                          stop_tokens=tokenizer.stop_ids)[0]
+    assert (root / "server.log").read_text().count("read plainly, not as they were generated") == 1

@@ -25,7 +25,7 @@ from fullband.errors import FullbandError
 from fullband.vllm.requests import FED
 from fullband.vllm.tracker import SERVED
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handlers print it
 
 
 class FedConversations:
