@@ -355,20 +355,6 @@ def test_every_architecture_option_in_every_mode_with_chunks(tmp_path, name, cfg
         shut(llm)
 
 
-def test_a_model_without_feedback_weights_serves_standard_with_prefix_caching(tmp_path):
-    model = make_folder(tmp_path, **dict(BASE, fusion="none"))
-    llm = engine(tmp_path, enable_prefix_caching=True)
-    try:
-        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
-        batch = prompts([40, 40, 12])
-        batch[1] = batch[0]  # a repeated prompt: its blocks come from the cache
-        assert run(llm, batch, params()) == reference(model, batch, "standard", 1)
-        with pytest.raises(vllm.exceptions.VLLMValidationError, match="needs feedback weights"):
-            run(llm, batch, params("soft"))
-    finally:
-        shut(llm)
-
-
 def test_tensor_parallel_over_two_processes_in_every_mode(tmp_path, monkeypatch):
     """--tensor-parallel-size 2 on the CPU: heads split over two workers, the single key/value head and the
     per-head gains and gates sharded; FUSED prompts in chunks (their dense passes run on both ranks)."""
@@ -404,6 +390,8 @@ def test_a_head_size_the_attention_cannot_run_is_refused_at_load(tmp_path, capfd
 
 # ---------------------------------------------------------------------------------------------------- a converted Llama
 def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
+    """Converted without fusion weights (fusion="none"), so also what a model without feedback weights is served
+    as: STANDARD by default, a feedback mode refused by name, prefix caching on (a repeated prompt's blocks)."""
     import transformers
 
     from fullband.hf.convert import convert
@@ -413,7 +401,7 @@ def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                                    initializer_range=0.1, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
-    convert(tmp_path / "llama", tmp_path / "native", to="native")
+    convert(tmp_path / "llama", tmp_path / "native", to="native", fusion="none")
     convert(tmp_path / "native", tmp_path / "fb", to="hf")
     batch = prompts(RAGGED)
     theirs = engine(tmp_path / "llama")
@@ -421,9 +409,14 @@ def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
         want = run(theirs, batch, vllm.SamplingParams(max_tokens=12, temperature=0.0))
     finally:
         shut(theirs)
-    ours = engine(tmp_path / "fb")
+    ours = engine(tmp_path / "fb", enable_prefix_caching=True, block_size=32)
     try:
-        assert run(ours, batch, params("standard")) == want
+        assert ours.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+        assert run(ours, batch, params("standard")) == run(ours, batch, params()) == want
+        again, hits = cached(ours, [batch[6]] * 2, [params()] * 2)  # 41 tokens: one block of 32 from the cache
+        assert again == [want[6]] * 2 and hits == [32, 32]
+        with pytest.raises(vllm.exceptions.VLLMValidationError, match="needs feedback weights"):
+            run(ours, batch, params("soft"))
     finally:
         shut(ours)
 
