@@ -259,3 +259,46 @@ def test_session_turns_equal_the_soft_reading_of_the_conversation():
     predicted = out.logits[0].argmax(-1).tolist()
     for start, answer, _ in answers:
         assert predicted[start - 1:start - 1 + len(answer)] == answer
+
+
+def test_a_conversation_read_fed_is_the_session_s_cache():
+    """fed_chat_prompt + generate(fed=...) read a whole conversation as ChatSession read it turn by turn (SOFT,
+    float64): the same keys and values at every position (replies fed, the first stopped by its length, the second
+    by <|end|>, whose embedding here is that of a byte the model writes, scaled up to win where it would; prompts
+    and end markers plain), so the same next reply; a plain read of the same ids differs."""
+    from fullband import fed_chat_prompt
+    from fullband.decode.generate import generate, prefill
+    from fullband.errors import InputError
+    from fullband.model.mode import DecodeMode
+
+    model, tok = new_model().double().eval(), ReadBack(chat=True)
+    with torch.no_grad():
+        model.embed.weight[262] = model.embed.weight[110] * 1.01  # (tied head) <|end|> where 110 would be written
+    session = ChatSession(model, tok, mode="soft")
+    stopped = []
+    for text, most in (("hello", 4), ("tell me more", 10), ("and then?", 10)):
+        session.max_new_tokens = most
+        "".join(session.reply(text))
+        stopped.append(session.last.stopped)
+    ids, spans = fed_chat_prompt(tok, session.messages[:-1])  # the conversation before the third reply
+    assert session.last.reread is False and ids == session.read[:len(ids)]
+    replies = [m.content for m in session.messages if m.role == "assistant"][:2]
+    assert [ids[a:b] for a, b in spans] == [tok.encode(r, bos=False) for r in replies]
+    assert stopped == ["length", "end", "end"] and [len(r) for r in replies] == [4, 5]  # all 4 fed; 5 and <|end|>
+    fed = torch.zeros(1, len(ids), dtype=torch.bool)
+    for a, b in spans:
+        fed[0, a:b] = True
+    n, mode, prompt = len(ids), DecodeMode("soft"), torch.tensor([ids])
+
+    def gap(fed_mask):
+        with torch.no_grad():
+            state, _ = prefill(model, prompt, torch.tensor([n]), mode, room=1, fed=fed_mask)
+        return max(float((a[:, :n] - b[:, :n]).abs().max())
+                   for a, b in zip(state.cache.k + state.cache.v, session.state.cache.k + session.state.cache.v))
+
+    assert gap(fed) < 1e-10 and gap(None) > 1e-3
+    assert generate(model, [ids], 10, fed=[spans], stop_tokens=tok.stop_ids) == [session.last.ids]
+    with pytest.raises(InputError, match="fed prompt positions are for mode 'soft'"):
+        generate(model, [ids], 2, mode="fused", fed=[spans])
+    with pytest.raises(InputError, match=r"fed\[0\]=\[\(5, 3\)\] is invalid"):
+        generate(model, [ids], 2, fed=[[(5, 3)]])

@@ -164,6 +164,72 @@ def test_prefix_caching_reuses_a_block_only_where_it_is_exact(base):
         assert (hit, again) == ((0, 64) if mode == "soft" else (64, 96)), mode
 
 
+def fed(spans, max_tokens: int = 12, **kw):
+    """SOFT sampling that reads the prompt positions in `spans` fed (a conversation's earlier replies)."""
+    sampling = params("soft", max_tokens=max_tokens, **kw)
+    sampling.extra_args["fed_spans"] = spans
+    return sampling
+
+
+def test_a_conversation_reads_its_replies_fed_and_reuses_their_blocks(base):
+    """Turn 2 re-sends turn 1's prompt (20 tokens) and 30-token reply with a new message, the reply declared fed:
+    tokens equal fullband.generate(fed=...) with the cache read or not (skip_reading_prefix_cache); turn 2 reads
+    turn 1's first block of 32 (the reply's positions 20..31, generated fed) and computes on from position 32, fed
+    the state the block's last position left (kept by block id); re-sent, it reads its own two blocks; the same
+    tokens read plainly match none of them."""
+    model, llm = base
+    p1, u2 = prompts([20, 15], seed=31)
+    (r1,), _ = cached(llm, [p1], [params("soft", max_tokens=30)])
+    turn, spans = p1 + r1 + u2, [[20, 50]]
+    want = generate(model, [turn], 12, mode="soft", fed=[spans])[0]
+    got, hits = cached(llm, [turn] * 4, [fed(spans), fed(spans), fed(spans, skip_reading_prefix_cache=True),
+                                         params("soft")])
+    assert got[:3] == [want] * 3 and hits[:3] == [32, 64, 0]
+    assert got[3] == reference(model, [turn], "soft", 1)[0] != want and hits[3] == 0
+    # two requests for one new 72-token conversation (positions 44..69 fed): the second reads the first one's
+    # blocks and its position 64 the state position 63 left (from the block store, or, when both are scheduled in
+    # one step, from the first one's row: test_a_cached_block_s_state_comes_from_the_store_or_this_step). (A
+    # longer fed run would compare float32 rounding, which the recurrence amplifies, not the engine.)
+    conv, spans = prompts([72], seed=32)[0], [[44, 70]]
+    outs = llm.generate([{"prompt_token_ids": conv}] * 2, [fed(spans)] * 2, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == generate(model, [conv] * 2, 12, fed=[spans] * 2)
+    assert [o.num_cached_tokens or 0 for o in outs] == [0, 64]
+
+
+def test_a_cached_block_s_state_comes_from_the_store_or_this_step():
+    """The step plan (no engine) for a request B that read blocks 3 and 4 from the cache and starts at position
+    64, fed (a span 44..69): alone, its state row takes block 4's kept state; beside request A, which computes
+    those blocks in the same step (vLLM caches a block when its last token is scheduled), its first row reads A's
+    row of position 63, and the chain's passes add up across the two requests."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fullband.vllm.model import plan_step
+    from fullband.vllm.tracker import SOFT
+
+    def tracker(n):
+        return SimpleNamespace(prompt_len=np.full(n, 72), mode=np.full(n, SOFT), passes=np.ones(n, dtype=np.int64),
+                               has_fed=np.ones(n, dtype=bool), fed=[((44, 70),)] * n,
+                               keeps_states=np.zeros(n, dtype=bool), fresh=np.ones(n, dtype=bool),
+                               prompts=[None] * n)
+
+    def slots(blocks, positions):
+        return np.array([blocks[p // 32] * 32 + p % 32 for p in positions])
+
+    tables = {"A": [3, 4, 5], "B": [3, 4, 6]}
+    alone = plan_step(tracker(1), [0, 8], [64], None, None, torch.device("cpu"), slots(tables["B"], range(64, 72)),
+                      32, lambda i, j: tables["B"][j])
+    assert alone.restore_reqs.tolist() == [0] and alone.restore_blocks.tolist() == [4]
+    assert alone.iterate == 5 and alone.chain_from.tolist() == list(range(0, 5))  # positions 65..69 read 64..68
+    both = plan_step(tracker(2), [0, 72, 80], [0, 64], None, None, torch.device("cpu"),
+                     np.concatenate([slots(tables["A"], range(72)), slots(tables["B"], range(64, 72))]), 32,
+                     lambda i, j: tables["AB"[i]][j])
+    assert both.restore_reqs is None and (72, 63) in zip(both.chain_rows.tolist(), both.chain_from.tolist())
+    assert both.iterate == 26 + 5 + 1  # A's chain (positions 44..69), B's own, the link
+    assert both.store_blocks.tolist() == [3, 4]  # the rows that end a block: A's 31 and 63
+
+
 def test_fed_states_are_returned_equal_to_the_native_engine_s(base):
     """generate_with_states: each generated token's fed state, as fullband.rl.logprob.rollout records it (the
     state the token reads at its position), in SOFT and FUSED, with the same tokens; the states differ from one
@@ -246,6 +312,12 @@ def test_chunked_prefill_is_exact_in_every_mode(tmp_path):
             assert run(llm, batch, mode_params(mode, passes)) == want, (mode, passes)
             again, hits = cached(llm, batch, [mode_params(mode, passes)] * len(batch))
             assert again == want and hits == [64, 32, 0, 32, 0], (mode, passes, hits)
+        # fed spans across chunk boundaries (chunks of 16 end at 32 and 64 inside them): the recurrence carried from
+        # chunk to chunk; re-sent, its two blocks read from the cache and position 64, fed, reads the state the
+        # second block's last position left
+        conv, spans = prompts([70], seed=5)[0], [[20, 40], [56, 68]]
+        got, hits = cached(llm, [conv, conv], [fed(spans)] * 2)
+        assert got == [generate(model, [conv], 12, mode="soft", fed=[spans])[0]] * 2 and hits == [0, 64]
     finally:
         shut(llm)
 
@@ -279,20 +351,6 @@ def test_every_architecture_option_in_every_mode_with_chunks(tmp_path, name, cfg
         assert run(llm, batch, params()) == reference(model, batch, "fused", 3)  # the folder's default mode
         for mode, passes in MODES:
             assert run(llm, batch, mode_params(mode, passes)) == reference(model, batch, mode, passes), (mode, passes)
-    finally:
-        shut(llm)
-
-
-def test_a_model_without_feedback_weights_serves_standard_with_prefix_caching(tmp_path):
-    model = make_folder(tmp_path, **dict(BASE, fusion="none"))
-    llm = engine(tmp_path, enable_prefix_caching=True)
-    try:
-        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
-        batch = prompts([40, 40, 12])
-        batch[1] = batch[0]  # a repeated prompt: its blocks come from the cache
-        assert run(llm, batch, params()) == reference(model, batch, "standard", 1)
-        with pytest.raises(vllm.exceptions.VLLMValidationError, match="needs feedback weights"):
-            run(llm, batch, params("soft"))
     finally:
         shut(llm)
 
@@ -332,6 +390,8 @@ def test_a_head_size_the_attention_cannot_run_is_refused_at_load(tmp_path, capfd
 
 # ---------------------------------------------------------------------------------------------------- a converted Llama
 def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
+    """Converted without fusion weights (fusion="none"), so also what a model without feedback weights is served
+    as: STANDARD by default, a feedback mode refused by name, prefix caching on (a repeated prompt's blocks)."""
     import transformers
 
     from fullband.hf.convert import convert
@@ -341,7 +401,7 @@ def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                                    initializer_range=0.1, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
-    convert(tmp_path / "llama", tmp_path / "native", to="native")
+    convert(tmp_path / "llama", tmp_path / "native", to="native", fusion="none")
     convert(tmp_path / "native", tmp_path / "fb", to="hf")
     batch = prompts(RAGGED)
     theirs = engine(tmp_path / "llama")
@@ -349,18 +409,19 @@ def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
         want = run(theirs, batch, vllm.SamplingParams(max_tokens=12, temperature=0.0))
     finally:
         shut(theirs)
-    ours = engine(tmp_path / "fb")
+    ours = engine(tmp_path / "fb", enable_prefix_caching=True, block_size=32)
     try:
-        assert run(ours, batch, params("standard")) == want
+        assert ours.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+        assert run(ours, batch, params("standard")) == run(ours, batch, params()) == want
+        again, hits = cached(ours, [batch[6]] * 2, [params()] * 2)  # 41 tokens: one block of 32 from the cache
+        assert again == [want[6]] * 2 and hits == [32, 32]
+        with pytest.raises(vllm.exceptions.VLLMValidationError, match="needs feedback weights"):
+            run(ours, batch, params("soft"))
     finally:
         shut(ours)
 
 
 # ---------------------------------------------------------------------------------------------------- the server
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
 def _free_port() -> int:
     import socket
 
@@ -371,28 +432,35 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`fullband serve` (vLLM's OpenAI server) on a converted folder with a real BPE tokenizer, on a loopback port."""
+    """`fullband serve` (vLLM's OpenAI server) on a converted chat folder (the byte vocabulary with fullband's chat
+    markers and template), on a loopback port. The model writes printable ASCII, newlines and <|end|> only (the
+    head's other rows are 0, below the best of those on these weights), so every reply reads back as the ids it
+    was sampled as and a conversation keeps its turns (ChatSession reads the conversation again otherwise)."""
     import subprocess
     import sys
     import time
     import urllib.request
     from pathlib import Path
 
-    from fullband.data.tokenizer import train_bpe
+    from fullband.data.tokenizer import ByteTokenizer
     from fullband.hf.convert import convert
 
     root = tmp_path_factory.mktemp("served")
-    texts = [p.read_text() for p in sorted(Path(os.__file__).parent.glob("json/*.py"))]
-    tokenizer = train_bpe(texts, 400, show_progress=False)
+    tokenizer = ByteTokenizer(chat=True)
     torch.manual_seed(0)
-    model = FullbandLM(ModelConfig(**dict(BASE, vocab_size=tokenizer.vocab_size, bos_token_id=0))).eval()
+    model = FullbandLM(ModelConfig(**dict(BASE, vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                          tie_embeddings=False))).eval()
+    writes = [10, *range(32, 127), tokenizer.chat_ids["<|end|>"]]
+    with torch.no_grad():
+        keep = model.lm_head.weight[writes].clone()
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[writes] = keep
     model.save(root / "native", tokenizer=tokenizer)
     convert(root / "native", root / "hf", to="hf")
-    (root / "chat.jinja").write_text(CHAT_TEMPLATE)
     port = _free_port()
     cmd = [str(Path(sys.executable).parent / "fullband"), "serve", str(root / "hf"), "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "32",
-           "--seed", "0", "--chat-template", str(root / "chat.jinja"), "--served-model-name", "fb"]
+           "--seed", "0", "--served-model-name", "fb"]
     log = open(root / "server.log", "w")
     # no VLLM_CPU_KVCACHE_SPACE: fullband serve sizes the KV cache to the memory free (--kv-cache-memory-bytes)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
@@ -414,7 +482,7 @@ def server(tmp_path_factory):
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
-    yield model, client, url
+    yield model, client, url, tokenizer, root
     proc.terminate()
     try:
         proc.wait(60)
@@ -431,9 +499,9 @@ def _xargs(mode: str, passes: int | None = None) -> dict:
 
 
 def test_server_completions_in_every_mode(server):
-    model, client, _ = server
+    model, client, *_ = server
     batch = prompts([5, 23, 14], seed=11)
-    batch = [[t % 399 + 1 for t in p] for p in batch]  # ids of this tokenizer, no BOS (id 0)
+    batch = [[t % 255 + 1 for t in p] for p in batch]  # byte ids, no BOS (id 256)
     for mode, passes in MODES:
         want = reference(model, batch, mode, passes, max_tokens=10)
         got = []
@@ -445,7 +513,7 @@ def test_server_completions_in_every_mode(server):
 
 
 def test_server_streaming_and_chat(server):
-    model, client, _ = server
+    model, client, *_ = server
     prompt = "def load(fp):"
     r = client.completions.create(model="fb", prompt=prompt, max_tokens=12, temperature=0,
                                   extra_body=_xargs("fused", 2))
@@ -464,7 +532,7 @@ def test_server_streaming_and_chat(server):
 
 
 def test_server_stop_strings_and_max_tokens(server):
-    _, client, _ = server
+    _, client, *_ = server
     full = client.completions.create(model="fb", prompt="import json\n", max_tokens=16, temperature=0,
                                      extra_body=_xargs("soft"))
     text = full.choices[0].text
@@ -479,8 +547,8 @@ def test_server_stop_strings_and_max_tokens(server):
 def test_server_answers_32_concurrent_requests_like_offline(server):
     from concurrent.futures import ThreadPoolExecutor
 
-    model, client, _ = server
-    batch = [[t % 399 + 1 for t in p] for p in prompts([3 + (7 * i) % 40 for i in range(32)], seed=13)]
+    model, client, *_ = server
+    batch = [[t % 255 + 1 for t in p] for p in prompts([3 + (7 * i) % 40 for i in range(32)], seed=13)]
     modes = [MODES[i % len(MODES)] for i in range(32)]
 
     def ask(i):
@@ -499,7 +567,7 @@ def test_server_answers_32_concurrent_requests_like_offline(server):
     ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "fused", "prefill_passes": -1}},
      "prefill_passes=-1 is invalid"),
     ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"prefil_passes": 2}}, "did you mean 'prefill_passes'?"),
-    ({"prompt": list(range(1, 300)), "max_tokens": 2}, "maximum context length"),
+    ({"prompt": [5] * 299, "max_tokens": 2}, "maximum context length"),
     ("{not json", ""),
 ])
 def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
@@ -507,7 +575,7 @@ def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
     import urllib.error
     import urllib.request
 
-    model, client, url = server
+    model, client, url, *_ = server
     data = body if isinstance(body, str) else json.dumps({"model": "fb", **body})
     req = urllib.request.Request(url + "/v1/completions", data=data.encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -517,3 +585,40 @@ def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
     assert message in err.value.read().decode()
     r = client.completions.create(model="fb", prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body=_xargs("soft"))
     assert list(r.choices[0].token_ids) == reference(model, [[5, 6, 7]], "soft", 1, max_tokens=3)[0]
+
+
+def test_server_chat_conversation_equals_fullband_chat(server):
+    """Three turns of greedy chat through /v1/chat/completions, each re-sending the conversation, equal to
+    ChatSession's (`fullband chat`) on the same model, turn by turn. SOFT: the session keeps its cache (its replies
+    fed) and the server reads the earlier replies fed (the fed spans it adds to a SOFT chat request by default);
+    FUSED k=2: both read the whole conversation with 3 passes each turn. A conversation read plainly (fed_spans [])
+    answers otherwise than read fed: the comparison has teeth."""
+    from fullband.chat import ChatSession
+
+    model, client, _, tokenizer, root = server
+    for mode, passes in (("soft", None), ("fused", 2)):
+        session = ChatSession(model, tokenizer, mode=mode, prefill_passes=passes, max_new_tokens=12)
+        xargs = {"feedback_mode": mode, **({"prefill_passes": passes} if passes else {})}
+        messages = []
+        for text in ("hello", "tell me more", "and then?"):
+            want = "".join(session.reply(text))
+            assert session.last.reread is (mode == "fused" or text == "hello")  # SOFT kept its cache: fed replies
+            messages.append({"role": "user", "content": text})
+            r = client.chat.completions.create(model="fb", messages=messages, max_tokens=12, temperature=0,
+                                               extra_body={"return_token_ids": True, "vllm_xargs": xargs})
+            got = r.choices[0].message.content
+            assert (got, list(r.choices[0].token_ids)) == (want, session.last.ids), (mode, text)
+            messages.append({"role": "assistant", "content": got})
+    plain = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
+                                           extra_body={"vllm_xargs": {"feedback_mode": "soft", "fed_spans": []}})
+    soft = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
+                                          extra_body={"vllm_xargs": {"feedback_mode": "soft"}})
+    assert plain.choices[0].message.content != soft.choices[0].message.content
+    # a prompt vLLM renders otherwise than fullband's template (no generation prompt here): read plainly, said once
+    for _ in range(2):
+        odd = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
+                                             extra_body={"return_token_ids": True, "add_generation_prompt": False,
+                                                         "vllm_xargs": {"feedback_mode": "soft"}})
+        assert list(odd.choices[0].token_ids) == generate(model, [odd.prompt_token_ids], 12,
+                                                          stop_tokens=tokenizer.stop_ids)[0]
+    assert (root / "server.log").read_text().count("read plainly, not as they were generated") == 1

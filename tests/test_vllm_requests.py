@@ -11,7 +11,7 @@ import pytest
 from fullband.cli import main
 from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
-from fullband.vllm.requests import block_keys, prompt_read, request_mode, served_default
+from fullband.vllm.requests import GENERATED, block_keys, fed_runs, prompt_read, request_mode, served_default
 
 SOFT = DecodeMode("soft")
 
@@ -102,7 +102,9 @@ def test_a_chat_request_to_a_base_folder_meets_our_sentence(tmp_path, model, mon
     chat = tmp_path / "chat"
     model.save(chat / "native", tokenizer=ByteTokenizer(chat=True))
     convert(chat / "native", chat / "hf", to="hf")
-    assert "--chat-template" not in serve.server_command(chat / "hf", ["--port", "8000"])
+    command = serve.server_command(chat / "hf", ["--port", "8000"])
+    assert "--chat-template" not in command
+    assert command[command.index("--middleware") + 1] == "fullband.vllm.chat.FedConversations"  # fed conversations
 
 
 def test_serve_sizes_the_cpu_kv_cache_to_the_memory_free(tmp_path, model, monkeypatch):
@@ -133,16 +135,42 @@ def test_serve_sizes_the_cpu_kv_cache_to_the_memory_free(tmp_path, model, monkey
 
 
 def test_a_cached_block_is_keyed_by_how_its_positions_were_read():
-    """The prompt's read on the first block (plain for one pass, fused:K for 1 + K passes); the fed generated
-    positions' offset and the request's epoch on every block that holds some, in a mode that feeds them."""
+    """The prompt's read on the first block (plain for one pass, fused:K for 1 + K passes); which positions were
+    fed (fed prompt spans, generated positions in a mode that feeds them) on every block that holds some: the same
+    for the request that generated them and a later one that declares them fed, never for a plain read."""
     soft, standard, fused2, fused0 = SOFT, DecodeMode("standard"), DecodeMode("fused", 2), DecodeMode("fused", 0)
     assert [prompt_read(m) for m in (soft, standard, fused2, fused0)] == ["plain", "plain", "fused:2", "plain"]
-    assert block_keys(soft, 40, 0, 32, "r/0") == (("fullband-read", "plain"),)
-    assert block_keys(soft, 40, 32, 64, "r/0") == (("fullband-fed", 8, "r/0"),)
-    assert block_keys(soft, 40, 64, 96, "r/1") == (("fullband-fed", 0, "r/1"),)
-    assert block_keys(soft, 64, 32, 64, "r/0") == ()  # all prompt: only the first block says how it was read
-    assert block_keys(fused2, 10, 0, 32, "r/0") == (("fullband-read", "fused:2"), ("fullband-fed", 10, "r/0"))
-    assert block_keys(standard, 40, 32, 64, "r/0") == ()  # STANDARD generates plain positions
+    gen = fed_runs(soft, None, 40)  # a SOFT request generating from position 40
+    assert gen == ((40, GENERATED),) and fed_runs(standard, None, 40) == ()
+    assert block_keys(soft, gen, 0, 32) == (("fullband-read", "plain"),)
+    assert block_keys(soft, gen, 32, 64) == (("fullband-fed", ((8, 32),)),)
+    assert block_keys(soft, gen, 64, 96) == (("fullband-fed", ((0, 32),)),)
+    assert block_keys(soft, fed_runs(soft, None, 64), 32, 64) == ()  # all prompt: only the first block says its read
+    assert block_keys(fused2, fed_runs(fused2, None, 10), 0, 32) == (("fullband-read", "fused:2"),
+                                                                      ("fullband-fed", ((10, 32),)))
+    # the next turn re-sends the 40-token prompt, a 30-token reply and 20 new tokens, the reply declared fed (flat,
+    # as vllm_xargs carries it over HTTP): its blocks are the generating request's, a plain read's are not
+    turn = fed_runs(soft, {"fed_spans": [40, 70]}, 90)
+    assert turn == ((40, 70), (90, GENERATED))
+    assert [block_keys(soft, turn, s, s + 32) for s in (0, 32)] == [block_keys(soft, gen, s, s + 32) for s in (0, 32)]
+    assert block_keys(soft, turn, 64, 96) == (("fullband-fed", ((0, 6), (26, 32))),)
+    assert block_keys(soft, fed_runs(soft, None, 90), 32, 64) == ()
+    assert fed_runs(soft, {"fed_spans": [[1, 3], [3, 5], [80, 99]]}, 90) == ((1, 5), (80, GENERATED))  # merged
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"fed_spans": [3]}, "fed_spans=[3] is invalid"),
+    ({"fed_spans": [[5, 3]]}, "fed_spans=[[5, 3]] is invalid at [5, 3]; accepted: a list of [start, end) pairs"),
+    ({"fed_spans": [4, 9, 8, 12]}, "is invalid at [8, 12]"),  # overlapping
+    ({"fed_spans": "1-3"}, "fed_spans='1-3' is invalid"),
+    ({"fed_spans": [[1, 3]], "feedback_mode": "fused"}, "fed prompt positions are for mode 'soft'"),
+    ({"fed_spans": [[1, 3]], "feedback_mode": "standard"}, "standard feeds nothing"),
+    ({"fed_span": [1, 3]}, "did you mean 'fed_spans'?"),
+])
+def test_bad_fed_spans_are_refused_by_name(extra, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        request_mode(extra, SOFT)
+    assert request_mode({"fed_spans": [[1, 3], [5, 9]]}, SOFT) == request_mode({"fed_spans": []}, SOFT) == SOFT
 
 
 def test_a_request_asks_for_its_fed_states_by_a_key():

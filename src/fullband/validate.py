@@ -102,3 +102,21 @@ def boolean(name: str, value: Any, *, error: type[FullbandError] = ConfigError) 
     if not isinstance(value, bool):
         raise error(f"{name}={value!r} must be true or false")
     return value
+
+
+def spans(name: str, value: Any, *, length: int | None = None, error: type[FullbandError] = ConfigError) \
+        -> list[tuple[int, int]]:
+    """Position spans [[start, end), ...]: pairs of integers 0 <= start < end (<= length), in order and apart."""
+    accepted = (f"a list of [start, end) pairs of integers, 0 <= start < end{'' if length is None else f' <= {length}'}"
+                ", in order, not overlapping")
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise error(f"{name}={value!r} is invalid; accepted: {accepted}")
+    out: list[tuple[int, int]] = []
+    for span in value:
+        pair = list(span) if isinstance(span, Iterable) and not isinstance(span, str | bytes) else None
+        ok = pair is not None and len(pair) == 2 and all(
+            not isinstance(v, bool) and (isinstance(v, int) or type(v).__name__ in _NUMPY_INTS) for v in pair)
+        if not ok or not (out[-1][1] if out else 0) <= pair[0] < pair[1] or (length is not None and pair[1] > length):
+            raise error(f"{name}={value!r} is invalid at {span!r}; accepted: {accepted}")
+        out.append((int(pair[0]), int(pair[1])))
+    return out

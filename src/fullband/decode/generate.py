@@ -20,9 +20,9 @@ from torch import Tensor
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.cache import KVCache
-from fullband.model.core import FeedbackModel, ModelOutput
+from fullband.model.core import FeedbackModel, ModelOutput, check_fed_mode
 from fullband.model.mode import MODES, DecodeMode
-from fullband.validate import integer
+from fullband.validate import integer, spans
 
 __all__ = ["MODES", "DecodeMode", "DecodeState", "Sampling", "Step", "advance", "generate", "prefill", "stream"]
 
@@ -55,14 +55,15 @@ class DecodeState:
 
 # ---------------------------------------------------------------------- the two primitives
 def prefill(model: FeedbackModel, ids: Tensor, lengths: Tensor, mode: DecodeMode, *, room: int,
-            longest: int | None = None) -> tuple[DecodeState, ModelOutput]:
+            longest: int | None = None, fed: Tensor | None = None) -> tuple[DecodeState, ModelOutput]:
     """Read right-padded prompts ids (B, T) (row b real for its first lengths[b] positions) as `mode` reads them
-    (FeedbackModel.read), into a new cache with `room` more positions per row. -> (DecodeState, the prompt's
-    ModelOutput: hidden / top for every position, passes_used: Jacobi passes run, 0 for the exact recurrence)."""
+    (FeedbackModel.read; `fed` (B, T): SOFT prompt positions read as they were generated), into a new cache with
+    `room` more positions per row. -> (DecodeState, the prompt's ModelOutput: hidden / top for every position,
+    passes_used: Jacobi passes run, 0 for the exact recurrence)."""
     B = ids.shape[0]
     longest = int(lengths.max()) if longest is None else longest
     cache = model.new_cache(B, longest + room)
-    out = model.read(ids, mode, cache=cache)
+    out = model.read(ids, mode, cache=cache, fed=fed)
     rows = torch.arange(B, device=ids.device)
     state = DecodeState(cache, lengths.clone(), out.hidden[rows, lengths - 1], longest,
                         ragged=bool((lengths != longest).any()))
@@ -136,7 +137,7 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
            sampling: Sampling | None = None, stop_tokens: Sequence[int] | None = None, compile: bool = False,
            forced_tokens=None, prefill_passes: int | str | None = None, prefill_tol: float | None = None,
            max_prefill_passes: int | None = None, temperature: float | None = None, top_k: int | None = None,
-           top_p: float | None = None, seed: int | None = None, grad: bool = False) -> Iterator[Step]:
+           top_p: float | None = None, seed: int | None = None, grad: bool = False, fed=None) -> Iterator[Step]:
     """Yield one Step per generated position of `prompts` (a list of token-id lists of any lengths, or a (B, T) /
     (T,) tensor) decoded by `model` (any FeedbackModel) in `mode`. Arguments are checked now, before the first step.
 
@@ -146,7 +147,9 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
     call compiles for a while; later ones are faster than eager, on CPU mostly at batch 1). `forced_tokens`
     (B, max_new_tokens) feeds the given tokens instead of sampled ones (teacher forcing): each Step's logits then
     score the forced token, exactly as decoding in `mode` would see it. `grad=True` keeps the autograd graph
-    (logits differentiable in the weights: the exact log-probability of a response, fullband.rl.logprob)."""
+    (logits differentiable in the weights: the exact log-probability of a response, fullband.rl.logprob). `fed`, in
+    SOFT: for each prompt, the [start, end) spans of its positions that were generated (a conversation's earlier
+    replies, fullband.fed_chat_prompt), read as they were: fed, by the exact recurrence; the rest plainly."""
     if not isinstance(model, FeedbackModel):
         raise InputError(f"{type(model).__name__} is not a fullband model; fullband.generate / stream / score decode a "
                          "FeedbackModel: a FullbandLM, a model wrapped with fullband.hf.add_latent_feedback, or a "
@@ -172,7 +175,12 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
             raise InputError(f"forced_tokens hold ids outside 0 <= id < vocab_size={cfg.vocab_size}")
     if grad and compile:
         raise InputError("grad=True decodes eagerly; compile=True is for inference")
-    return _run(model, ids, lengths, longest, max_new_tokens, dm, sampler, stops, bool(compile), forced, bool(grad))
+    mask = None
+    if fed is not None:
+        check_fed_mode(dm)
+        mask = fed_mask(fed, lengths, ids.shape[1])
+    return _run(model, ids, lengths, longest, max_new_tokens, dm, sampler, stops, bool(compile), forced, bool(grad),
+                mask)
 
 
 def generate(model: FeedbackModel, prompts, max_new_tokens: int, **options) -> list[list[int]]:
@@ -194,7 +202,7 @@ def collect(steps: Iterator[Step]) -> list[list[int]]:
 
 def _run(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_new: int, mode: DecodeMode,
          sampling: Sampling, stops: Tensor | None, compile: bool, forced: Tensor | None,
-         grad: bool = False) -> Iterator[Step]:
+         grad: bool = False, fed: Tensor | None = None) -> Iterator[Step]:
     device = next(model.parameters()).device
     ids, lengths = ids.to(device), lengths.to(device)
     forced = None if forced is None else forced.to(device)
@@ -204,7 +212,7 @@ def _run(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_n
     model.eval()
     try:
         with torch.enable_grad() if grad else torch.inference_mode():
-            state, out = prefill(model, ids, lengths, mode, room=max_new, longest=longest)
+            state, out = prefill(model, ids, lengths, mode, room=max_new, longest=longest, fed=fed)
             rows = torch.arange(B, device=device)
             logits = model.head(out.top[rows, lengths - 1])  # (B, V)
             used = out.passes_used
@@ -265,6 +273,18 @@ def _pack_prompts(prompts, vocab_size: int) -> tuple[Tensor, Tensor]:
                              f"vocab_size={vocab_size}")
         seqs.append(t.long().cpu())
     return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True), torch.tensor([len(t) for t in seqs])
+
+
+def fed_mask(fed, lengths: Tensor, T: int) -> Tensor:
+    """Each prompt's fed spans (a list per prompt of [start, end) pairs, positions within it) -> a (B, T) mask."""
+    if isinstance(fed, str | bytes) or not isinstance(fed, Sequence) or len(fed) != len(lengths):
+        raise InputError(f"fed must hold one list of [start, end) spans per prompt ({len(lengths)} prompts); got "
+                         f"{fed!r}")
+    mask = torch.zeros(len(lengths), T, dtype=torch.bool)
+    for row, (row_spans, n) in enumerate(zip(fed, lengths.tolist())):
+        for start, end in spans(f"fed[{row}]", row_spans, length=n, error=InputError):
+            mask[row, start:end] = True
+    return mask
 
 
 def _check_stop_tokens(stop_tokens, vocab_size: int) -> Tensor | None:

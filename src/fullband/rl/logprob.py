@@ -27,7 +27,7 @@ from torch import Tensor
 from fullband.decode.generate import stream
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
-from fullband.model.core import FeedbackModel, shift_right
+from fullband.model.core import FeedbackModel, prompt_plain, shift_right
 from fullband.model.mode import DecodeMode
 from fullband.validate import number, parse_int
 
@@ -138,12 +138,6 @@ def _exact(model: FeedbackModel, r: Rollout, how: Scoring) -> tuple[Tensor, Tens
            for s, step in enumerate(stream(model, r.prompts, R, mode=r.mode, forced_tokens=forced, grad=True))]
     logp, entropy = zip(*out)
     return torch.stack(logp, 1), (torch.stack(entropy, 1) if how.entropy else None)
-
-
-def prompt_plain(mode: DecodeMode, prompt: Tensor) -> Tensor | None:
-    """The positions of prompt + response a mode reads plainly beside the model's own rule, from each row's prompt
-    mask: a prompt read by one plain pass (SOFT, FUSED k=0) stays plain; FUSED k > 0 feeds it (None)."""
-    return prompt if mode.passes == 1 else None
 
 
 def sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -18,7 +18,7 @@ from fullband.vllm.requests import served_default
 if TYPE_CHECKING:
     from fullband.hf.modeling import FullbandConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handlers print it
 
 def model_config_of(hf_config: "FullbandConfig") -> ModelConfig:
     """The native ModelConfig a served folder describes; a latent-feedback wrapper of another HF model is refused."""

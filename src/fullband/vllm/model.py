@@ -10,7 +10,8 @@ SamplingParams and prompt), leaves it, or moves between rows, before each forwar
 the state rows with their requests. The forward maps its packed rows to batch rows with the attention
 metadata's `query_start_loc`, gathers each fed row's previous state, runs the gated fusion inside forward, and
 writes each request's last row back. A finished request's row is taken by the next one, so nothing needs
-dropping.
+dropping. With prefix caching the state each KV block's last position leaves is kept too, by block id
+(`block_state`): a request that reads blocks from the cache and goes on with a fed position reads it there.
 
 Why not the alternatives: vLLM's EAGLE / MTP proposers hand hidden states from the target model to the drafter
 within one step, not from one step to the next; its Mamba state cache lives in KV blocks keyed by token ids (what
@@ -238,16 +239,27 @@ class StepPlan:
     fed_rows: torch.Tensor | None = None  # the fused rows
     fed_reqs: torch.Tensor | None = None  # the state row each of them reads
     dense: list[DenseJob] = field(default_factory=list)
-    iterate: int = 0  # extra passes for rows fed by the previous row of the same chunk (recomputed outputs)
-    chain_rows: torch.Tensor | None = None  # those rows (each reads row - 1)
+    iterate: int = 0  # extra passes for rows fed by a row of the same step (recomputed outputs, fed spans)
+    chain_rows: torch.Tensor | None = None  # those rows
+    chain_from: torch.Tensor | None = None  # the row each of them reads (row - 1 in its chunk, or another request's)
     sampled: list[tuple[int, int]] = field(default_factory=list)  # (batch row, position) of rows whose states are
     #                                         kept (fullband_states) and that sample a token from this step
+    # prefix caching: the state of each cached block's last position, kept by block id (a block's keys and values
+    # do not hold it), written for every row that ends a block and read by a request whose first computed position
+    # is fed and follows a cached block (its own state row has none: a new or resumed request)
+    store_rows: torch.Tensor | None = None  # rows that end a block
+    store_blocks: torch.Tensor | None = None  # their blocks
+    restore_reqs: torch.Tensor | None = None  # batch rows whose state comes from a block's kept state
+    restore_blocks: torch.Tensor | None = None  # those blocks
+    blocks: int = 0  # 1 + the largest block id the plan reads or writes
 
 
 def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: np.ndarray | None,
-              bos_token_id: int | None, device: torch.device) -> StepPlan:
+              bos_token_id: int | None, device: torch.device, slots: np.ndarray | None = None,
+              block_size: int = 0, block_at=None) -> StepPlan:
     """The plan of one step: packed rows qsl[i]:qsl[i+1] are the chunk of batch row i, from position starts[i];
-    ids (N,) the packed rows' tokens (None: unknown, no BOS rule)."""
+    ids (N,) the packed rows' tokens (None: unknown, no BOS rule). With prefix caching: slots (N,) the rows' KV
+    slots (vLLM's slot_mapping) in blocks of block_size, block_at(i, j) the id of batch row i's j-th block."""
     R = len(starts)
     bounds = np.asarray(qsl, dtype=np.int64)
     plan = StepPlan(rows=R, last_rows=torch.from_numpy(bounds[1:] - 1).to(device))
@@ -256,11 +268,19 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: n
     row = np.repeat(np.arange(R), np.diff(bounds))  # each packed row's request
     offset = np.arange(bounds[-1]) - bounds[row]  # its place in the chunk
     pos = start[row] + offset
-    # SOFT / FUSED requests feed their generated positions: past the prompt, which is read as a plain prefix (a
-    # FUSED prompt's own passes are planned below), and not where the plain rule says otherwise (a BOS)
-    plain = plain_positions(ids, pos, bos_token_id if ids is not None else None, prefix=prompt_len[row])
+    # SOFT / FUSED requests feed their generated positions: past the prompt, which is read plainly (a FUSED
+    # prompt's own passes are planned below) but for a SOFT request's fed spans (a conversation's replies), and
+    # not where the plain rule says otherwise (a BOS)
+    prompt = pos < prompt_len[row]
+    for i in np.nonzero(tracker.has_fed[:R])[0]:
+        rows_i = slice(bounds[i], bounds[i + 1])
+        for a, b in tracker.fed[i]:
+            prompt[rows_i] &= (pos[rows_i] < a) | (pos[rows_i] >= b)
+    plain = plain_positions(ids, pos, bos_token_id if ids is not None else None, mask=prompt)
     fed = (tracker.mode[:R][row] != STANDARD) & ~plain
-    chain = np.nonzero(fed & (offset > 0))[0]  # ... computed in this same step: iterated
+    # fed rows whose predecessor is computed in this same step (recomputed outputs, fed prompt spans): iterated,
+    # one more pass per such row (core.fed_passes)
+    chain = np.nonzero(fed & (offset > 0))[0]
     for i in np.nonzero((tracker.mode[:R] == FUSED) & (np.minimum(tracker.passes[:R], prompt_len) > 1)
                         & (start < prompt_len))[0]:  # a chunk of a FUSED prompt
         P, first = int(prompt_len[i]), int(start[i])
@@ -270,9 +290,15 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: n
     plan.any_feed = bool(fed.any()) or bool(plan.dense)
     sampling = np.nonzero(tracker.keeps_states[:R] & (end >= prompt_len))[0]  # vectorised: this runs every step
     plan.sampled = [(int(i), int(end[i]) - 1) for i in sampling]
+    source = chain - 1
+    if slots is not None:
+        chain, source = _cached_states(plan, tracker, fed, bounds, start, chain, source, slots, block_size, block_at,
+                                       device)
     if chain.size:
         plan.chain_rows = torch.from_numpy(chain).to(device)
-        plan.iterate = int(np.bincount(row[chain]).max())
+        plan.chain_from = torch.from_numpy(source).to(device)
+        crossed = bool((row[source] != row[chain]).any())  # a chain through another request: its passes add up
+        plan.iterate = int(chain.size) if crossed else int(np.bincount(row[chain]).max())
     rows = np.nonzero(fed)[0]
     if plan.dense or chain.size:  # the rare paths read every row
         plan.token_req = torch.from_numpy(row).to(device)
@@ -281,6 +307,41 @@ def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: n
         plan.fed_rows = torch.from_numpy(rows).to(device)
         plan.fed_reqs = torch.from_numpy(row[rows]).to(device)
     return plan
+
+
+def _cached_states(plan: StepPlan, tracker: RequestTracker, fed: np.ndarray, bounds: np.ndarray, start: np.ndarray,
+                   chain: np.ndarray, source: np.ndarray, slots: np.ndarray, size: int, block_at, device):
+    """The plan's part in the block states: which rows end a block (store), and where a request whose state row
+    holds nothing yet (a new or resumed one, after a cache hit) gets the state its first, fed, position reads: the
+    kept state of the cached block before it (restore), or, when that block's last position is computed in this
+    very step (vLLM caches a block when its last token is scheduled), that row, as a chain link. -> chain, source."""
+    R = len(start)
+    ends = np.nonzero((slots >= 0) & (slots % size == size - 1))[0]
+    first = bounds[:-1]
+    fresh = np.nonzero(tracker.fresh[:R] & (start > 0) & (start % size == 0) & (first < bounds[1:]))[0]
+    fresh = fresh[fed[first[fresh]]]
+    restore: list[tuple[int, int]] = []
+    links: list[tuple[int, int]] = []
+    for i in fresh:
+        block = int(block_at(int(i), int(start[i]) // size - 1))
+        here = np.nonzero(slots == block * size + size - 1)[0]
+        if here.size:
+            links.append((int(first[i]), int(here[0])))
+        else:
+            restore.append((int(i), block))
+    if ends.size:
+        plan.store_rows = torch.from_numpy(ends).to(device)
+        plan.store_blocks = torch.from_numpy(slots[ends] // size).to(device)
+        plan.blocks = int(slots[ends].max()) // size + 1
+    if restore:
+        reqs, blocks = zip(*restore)
+        plan.restore_reqs = torch.tensor(reqs, device=device)
+        plan.restore_blocks = torch.tensor(blocks, device=device)
+        plan.blocks = max(plan.blocks, max(blocks) + 1)
+    if links:
+        to, frm = (np.asarray(v, dtype=np.int64) for v in zip(*links))
+        chain, source = np.concatenate([chain, to]), np.concatenate([source, frm])
+    return chain, source
 
 
 # ---------------------------------------------------------------------------------------------------- the model
@@ -340,6 +401,9 @@ class FullbandForCausalLM(nn.Module):
         # each batch row's latest fed-back state; rows move with their requests (the request tracker)
         self.register_buffer("state", torch.zeros(vllm_config.scheduler_config.max_num_seqs, cfg.d_model,
                                                   dtype=vllm_config.model_config.dtype), persistent=False)
+        # with prefix caching, the state of each KV block's last position, by block id (grown to the ids seen)
+        self.block_state = torch.zeros(0, cfg.d_model, dtype=vllm_config.model_config.dtype)
+        self.caching = bool(cfg.has_feedback and vllm_config.cache_config.enable_prefix_caching)
         self.cache_config = vllm_config.cache_config
         object.__setattr__(self, "core", DensePrompt(self))  # the method's rules over this model's layers
         self._metadata: dict = {}
@@ -357,6 +421,12 @@ class FullbandForCausalLM(nn.Module):
         core = self.core
         plain = core.plain_input(self.embed(input_ids) if inputs_embeds is None else inputs_embeds)
         plan = self._plan(positions, input_ids)
+        if plan is not None and plan.blocks > self.block_state.shape[0]:  # grown to the block ids seen
+            grown = self.state.new_zeros(max(plan.blocks, 2 * self.block_state.shape[0]), self.cfg.d_model)
+            grown[:self.block_state.shape[0]] = self.block_state
+            self.block_state = grown
+        if plan is not None and plan.restore_reqs is not None:
+            self.state[plan.restore_reqs] = self.block_state[plan.restore_blocks]
         x, prev, feed = plain, None, None
         if plan is not None and plan.any_feed and not (plan.dense or plan.iterate):
             # the common step (decoding, plain prompts): fuse the fed rows only, from their requests' states
@@ -370,10 +440,13 @@ class FullbandForCausalLM(nn.Module):
         state, top = self._stack(positions, x)
         for _ in range(plan.iterate if plan is not None else 0):
             prev = prev.clone()
-            prev[plan.chain_rows] = state[plan.chain_rows - 1].to(prev.dtype)
+            prev[plan.chain_rows] = state[plan.chain_from].to(prev.dtype)
             state, top = self._stack(positions, core.pass_inputs(plain, prev, ~feed))
         if plan is not None:  # a real step (profile and warm-up runs leave the states alone)
             self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
+            SERVED.tracker.fresh[:plan.rows] = False
+            if plan.store_rows is not None:
+                self.block_state[plan.store_blocks] = state[plan.store_rows].to(self.block_state.dtype)
             if plan.sampled:  # the state each token sampled from these rows will read; one copy to the host
                 rows = self.state[[row for row, _ in plan.sampled]].cpu()
                 for (row, pos), kept in zip(plan.sampled, rows):
@@ -398,13 +471,21 @@ class FullbandForCausalLM(nn.Module):
         if md is None or tracker.batch_size == 0:
             return None
         R = min(tracker.batch_size, md.query_start_loc.shape[0] - 1)
-        if not tracker.mode[:R].any():  # only STANDARD requests: nothing is fed, no state is read later
-            return None
+        if not tracker.mode[:R].any() and not self.caching:  # only STANDARD requests: nothing is fed, no state
+            return None  # is read later (with prefix caching, their blocks' states may be)
         qsl = md.query_start_loc[:R + 1].tolist()
         starts = positions.index_select(0, md.query_start_loc[:R].to(positions.device, torch.long)).tolist()
         ids = None if input_ids is None else input_ids[:qsl[-1]].cpu().numpy()
         self._metadata = metadata
-        return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device)
+        if not self.caching:
+            return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device)
+        if not (hasattr(md, "slot_mapping") and hasattr(md, "block_table")):
+            raise ConfigError(f"prefix caching with latent feedback keeps each block's last state by the attention "
+                              f"metadata's slot_mapping and block_table, which {type(md).__name__} lacks; serve with "
+                              "--no-enable-prefix-caching")
+        slots = md.slot_mapping[:qsl[-1]].cpu().numpy()
+        return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device, slots,
+                         self.cache_config.block_size, lambda i, j: int(md.block_table[i, j]))
 
     # ------------------------------------------------------------ a FUSED prompt
     def _dense_prefill(self, job: DenseJob, prev: torch.Tensor, feed: torch.Tensor) -> None:

@@ -13,12 +13,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from fullband.errors import InputError, closest
+from fullband.model.core import check_fed_mode
 from fullband.model.mode import DecodeMode
+from fullband.validate import spans
 
 # modes a served model decodes in; "exact" (the token-by-token reference) is for tests, not a server
 SERVED_MODES = ("standard", "soft", "fused")
-KEYS = ("feedback_mode", "prefill_passes", "fullband_states")  # the per-request keys fullband reads
+KEYS = ("feedback_mode", "prefill_passes", "fullband_states", "fed_spans")  # the per-request keys fullband reads
 STATES = "fullband_states"  # a request's key under which the worker keeps its fed states (fullband.vllm.states)
+FED = "fed_spans"  # a SOFT request's prompt positions read as they were generated (a conversation's replies)
+GENERATED = 2**62  # the end of a feeding request's generated run: every position it will ever generate
 # a prompt is exact after as many passes as it has tokens: more passes than this are refused, not run
 MAX_PASSES = 2**20
 
@@ -52,7 +56,35 @@ def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, h
         if not mode.feeds_state:
             raise InputError(f"{STATES} asks for the fed states of a request in {mode.name!r}, which feeds none; "
                              "accepted with it: feedback_mode 'soft' or 'fused'")
+    if FED in args:
+        fed_spans(args[FED])
+        check_fed_mode(mode, InputError, what=f"{FED}={args[FED]!r}")
     return mode
+
+
+def fed_spans(value: Any) -> list[tuple[int, int]]:
+    """A request's fed_spans, [[start, end), ...] prompt positions, or flat [start, end, start, end, ...] (what
+    vllm_xargs can carry over HTTP), checked -> [(start, end), ...]."""
+    flat = isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if flat and len(value) % 2 == 0:
+        value = [value[i:i + 2] for i in range(0, len(value), 2)]
+    return spans(FED, value, error=InputError)
+
+
+def fed_runs(mode: DecodeMode, extra_args: Mapping[str, Any] | None, prompt_len: int) -> tuple[tuple[int, int], ...]:
+    """Every position a request reads fed, as [start, end) runs in order, merged: its fed_spans within the prompt
+    (past it are its generated positions) and, when the mode feeds them, its generated positions [prompt_len,
+    GENERATED). A function of the request alone, so two requests with the same tokens and runs read them alike."""
+    runs = [(a, min(b, prompt_len)) for a, b in fed_spans((extra_args or {}).get(FED, [])) if a < prompt_len]
+    if mode.feeds_state:
+        runs.append((prompt_len, GENERATED))
+    merged: list[tuple[int, int]] = []
+    for a, b in runs:
+        if merged and merged[-1][1] >= a:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return tuple(merged)
 
 
 def served_default(feedback_mode: Any, prefill_passes: Any, *, has_feedback: bool) -> DecodeMode:
@@ -73,20 +105,23 @@ def prompt_read(mode: DecodeMode) -> str:
     return "plain" if mode.passes == 1 else f"fused:{mode.fused_passes}"
 
 
-def block_keys(mode: DecodeMode, prompt_len: int, start: int, end: int, epoch: str) -> tuple:
-    """fullband's extra keys of the cached block holding positions [start, end) of a request (vLLM chains block
-    hashes, so a key on one block sets apart every block after it):
+def block_keys(mode: DecodeMode, runs: tuple[tuple[int, int], ...], start: int, end: int) -> tuple:
+    """fullband's extra keys of the cached block holding positions [start, end) of a request whose fed positions
+    are `runs` (fed_runs; vLLM chains block hashes, so a key on one block sets apart every block after it):
 
       * the first block carries the prompt's read (prompt_read): plain prompt blocks are shared by STANDARD and
         SOFT requests, FUSED-K ones by FUSED-K requests with the same prefix, and never one by the other;
-      * a block holding generated positions that were fed (any mode but STANDARD) carries where in it the fed
-        positions begin and `epoch`, which names the request and its preemptions: those keys and values depend on
-        how the request generated them, so no other request's prompt (which reads those tokens another way) can
-        match them, nor the request itself once preemption has dropped the states they were fed.
+      * a block holding fed positions (fed prompt spans, generated positions of any mode but STANDARD) carries
+        which of its positions they are. With the tokens and the read, that fixes the block's keys and values (the
+        recurrence's, the one fixed point whoever computes it: a request generating those positions, the same
+        request recomputing them after preemption, a later request declaring them fed); a request reading the
+        same tokens plainly has no such key and never matches.
 
     STANDARD generates plain positions, so its output blocks are what a later plain read of the same tokens
-    computes, and get no key."""
+    computes, and get no key. The state a block's last position feeds forward is not in its keys and values: the
+    model keeps it by block id (fullband.vllm.model)."""
     keys: list[tuple] = [("fullband-read", prompt_read(mode))] if start == 0 else []
-    if mode.feeds_state and end > prompt_len:
-        keys.append(("fullband-fed", max(0, prompt_len - start), epoch))
+    fed = tuple((max(a, start) - start, min(b, end) - start) for a, b in runs if a < end and b > start)
+    if fed:
+        keys.append(("fullband-fed", fed))
     return tuple(keys)

@@ -4,8 +4,8 @@
   * checks each request's mode when vLLM admits it (`validate_params`, run by the frontend: a bad mode is an
     HTTP 400 with our message and never reaches the engine), and
   * follows vLLM's persistent batch in the worker (`update_state`: requests added with their SamplingParams and
-    prompt, removed, moved between rows), keeping each row's mode, prompt length and (FUSED) prompt tokens and
-    kept passes, and moving the rows of the model's fed-back state buffer with them.
+    prompt, removed, moved between rows), keeping each row's mode, prompt length, fed prompt spans and (FUSED)
+    prompt tokens and kept passes, and moving the rows of the model's fed-back state buffer with them.
 
 vLLM builds the processor itself from its name (TRACKER), so what it shares with the served model in a process
 lives in one object, SERVED: the folder's rules (set by the engine hook and the model), the worker's tracker and
@@ -21,7 +21,7 @@ from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcess
 
 from fullband.errors import InputError
 from fullband.model.mode import DecodeMode
-from fullband.vllm.requests import MAX_PASSES, STATES, request_mode
+from fullband.vllm.requests import MAX_PASSES, STATES, fed_runs, request_mode
 
 TRACKER = "fullband.vllm.tracker:RequestTracker"
 STANDARD, SOFT, FUSED = 0, 1, 2
@@ -68,6 +68,9 @@ class RequestTracker(LogitsProcessor):
         self.fused: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n  # a FUSED prompt's kept passes
         self.states_key: list[str | None] = [None] * n  # where a row's fed states go (SERVED.kept_states)
         self.keeps_states = np.zeros(n, dtype=bool)  # the rows that have a states_key (read every step)
+        self.fed: list[tuple[tuple[int, int], ...]] = [()] * n  # prompt spans read fed (a SOFT request's fed_spans)
+        self.has_fed = np.zeros(n, dtype=bool)
+        self.fresh = np.zeros(n, dtype=bool)  # added since its last step: its state row holds nothing of its own
         self.batch_size = 0
         SERVED.tracker = self
 
@@ -87,14 +90,18 @@ class RequestTracker(LogitsProcessor):
             self.fused[index] = None
             self.states_key[index] = (getattr(params, "extra_args", None) or {}).get(STATES)
             self.keeps_states[index] = self.states_key[index] is not None
+            runs = fed_runs(mode, getattr(params, "extra_args", None), self.prompt_len[index])
+            self.fed[index] = tuple(run for run in runs if run[0] < self.prompt_len[index])  # the prompt's
+            self.has_fed[index] = bool(self.fed[index])
+            self.fresh[index] = True
         for a, b, direction in batch_update.moved:
             rows = [a, b] if direction == MoveDirectionality.SWAP else [a]
             to = [b, a] if direction == MoveDirectionality.SWAP else [b]
-            for arr in (self.mode, self.passes, self.prompt_len, self.keeps_states):
+            for arr in (self.mode, self.passes, self.prompt_len, self.keeps_states, self.has_fed, self.fresh):
                 arr[to] = arr[rows]
-            moving = [(self.prompts[r], self.fused[r], self.states_key[r]) for r in rows]
-            for r, (p, f, k) in zip(to, moving):
-                self.prompts[r], self.fused[r], self.states_key[r] = p, f, k
+            moving = [(self.prompts[r], self.fused[r], self.states_key[r], self.fed[r]) for r in rows]
+            for r, (p, f, k, fed) in zip(to, moving):
+                self.prompts[r], self.fused[r], self.states_key[r], self.fed[r] = p, f, k, fed
             if SERVED.state is not None:
                 SERVED.state[to] = SERVED.state[rows]
 

@@ -193,6 +193,39 @@ def encode_chat(template, messages: Sequence[Message]) -> ChatSequence:
 def chat_prompt(tokenizer, messages, *, template=None) -> list[int]:
     """The ids a model reads before answering `messages` (a list of {"role", "content"} dicts ending with a user
     turn, or Message objects): BOS, the rendered conversation and the assistant's turn marker."""
+    return _prompt(template or chat_template(tokenizer), _messages(messages))
+
+
+def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], list[tuple[int, int]]]:
+    """chat_prompt's ids and the [start, end) spans of the earlier replies' positions that SOFT decoding fed when
+    it generated them, as `fullband chat` (ChatSession) has them in its cache: each reply's tokens before its end
+    marker (the marker, the reply's last sampled token or the template's, is read plainly with the next prompt).
+    A reply is fed where the conversation before it renders as a prefix of the whole and the reply starts right
+    after it; where not, ChatSession reads the conversation again from the start, plainly, and so every reply up
+    to that one is plain here. `fullband.generate(..., fed=[spans])` then reads the prompt as ChatSession did."""
     template = template or chat_template(tokenizer)
-    msgs = [m if isinstance(m, Message) else as_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    msgs = _messages(messages)
+    segments = template.segments(msgs, generation_prompt=True)
+    ids = [template.bos_id] + [t for _, seg in segments for t in seg]
+    replies = [i for i, m in enumerate(msgs) if m.role == "assistant"]
+    if sum(kind == "response" for kind, _ in segments) != len(replies):  # replies the template does not set apart
+        return ids, []
+    spans: list[tuple[int, int]] = []
+    at, reply = 1, iter(replies)
+    for kind, seg in segments:
+        if kind == "response":
+            before = _prompt(template, msgs[:next(reply)])
+            if at != len(before) or ids[:at] != before:
+                spans = []
+            elif len(seg) > 1:
+                spans.append((at, at + len(seg) - 1))
+        at += len(seg)
+    return ids, spans
+
+
+def _messages(messages) -> list[Message]:
+    return [m if isinstance(m, Message) else as_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _prompt(template, msgs: Sequence[Message]) -> list[int]:
     return [template.bos_id] + [t for _, seg in template.segments(msgs, generation_prompt=True) for t in seg]
