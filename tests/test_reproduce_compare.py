@@ -60,6 +60,7 @@ def test_reproduce_compare_writes_a_report_and_a_rerun_reuses_it(tmp_path, corpu
         assert read in text, read
     assert "| fresh | standard 2N | STANDARD |" in text and "repeated-standard-deep" in text
     assert "nan" not in text
+    assert text.count("Early stopping: the standard model's lowest held-out loss") == 2  # both regimes
     figs = tmp_path / "docs" / "compare-micro"
     for png in ("loss_tokens.png", "loss_flops.png", "tracking.png", "eval/parity-fbt/tracking.png"):
         assert (figs / png).is_file(), png

@@ -476,7 +476,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     if uncurved:
         lines += ["Drawn as one marker at the end of training (their best read over the final evaluation's windows), "
                   f"reused from records that kept no held-out curve: {', '.join(uncurved)}.", ""]
-    lines += _implications(planned, results, tracking, costs)
+    lines += _implications(planned, results, tracking, costs, curves)
     total = sum(w for _, w in done.values())
     lines += ["", f"Training the {len(done)} finished runs took {total / 60:.1f} min (their own wall times, summed; "
                   f"{hardware()}).", ""]
@@ -666,7 +666,7 @@ def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path, r
     return lines
 
 
-def _implications(planned: list[Planned], results: dict, tracking: dict, costs: dict) -> list[str]:
+def _implications(planned: list[Planned], results: dict, tracking: dict, costs: dict, curves: dict) -> list[str]:
     lines = ["## Summary", "",
              "Each rival against the standard model of the same width and depth trained for N steps (per token), "
              "against the standard model trained for the rival's training FLOPs (per training FLOP), and in its "
@@ -713,7 +713,8 @@ def _implications(planned: list[Planned], results: dict, tracking: dict, costs: 
                      f"{best_tok[2][1]:.4f} vs the standard model at N); per training FLOP the best is "
                      f"{best_flop[1]}'s ({best_flop[3][0]:+.4f} ± {best_flop[3][1]:.4f} vs the standard model given its "
                      f"FLOPs). Rivals ahead of the FLOP-matched standard model by more than 2 s.e.: "
-                     f"{', '.join(wins) if wins else 'none'}. " + _per_inference_flop(regime, planned, results))
+                     f"{', '.join(wins) if wins else 'none'}. " + _per_inference_flop(regime, planned, results)
+                     + _early_stopping(regime, planned, curves))
     for task in TASKS:
         got = {p.method if not p.role.startswith("x") else "standard-matched": tracking[p.name]
                for p in planned if p.regime == task and p.name in tracking}
@@ -725,6 +726,27 @@ def _implications(planned: list[Planned], results: dict, tracking: dict, costs: 
             parts.append(f"{key} {row['mode']} " + "/".join(f"{a:.2f}" for a in row["accuracy"]))
         lines.append(f"- **{task}** (best read per method, accuracy at L/2L/4L/8L): " + "; ".join(parts) + ".")
     return lines + [""]
+
+
+def _early_stopping(regime: str, planned: list[Planned], curves: dict) -> str:
+    """The standard model at its best point anywhere on its runs' held-out curves (early stopping: where more steps
+    overfit, the FLOP-matched runs end worse than they were), against each rival's last point, both on the curves'
+    windows (unpaired, no s.e.); runs without a curve (pending, or reused from a record that kept none) are left out."""
+    drawn = [p for p in planned if p.regime == regime and curves.get(p.name)]
+    std = [p for p in drawn if p.method == "standard" and p.role != "deep"]
+    rivals = [p for p in drawn if p.method in RIVALS]
+    if not curves.get(f"{regime}-standard") or not rivals:
+        return ""
+    base = curves[f"{regime}-standard"][-1]["flops"]
+    loss, step, flops, run = min((q["eval"]["1"], q["step"], q["flops"], p.name) for p in std for q in curves[p.name])
+    parts = []
+    for p in rivals:
+        last = curves[p.name][-1]
+        k = max(last["eval"], key=int)
+        parts.append(f"{p.method} {last['eval'][k] - loss:+.4f} ({k} pass{'es' if k != '1' else ''})")
+    return (f" Early stopping: the standard model's lowest held-out loss on any of its curves is {loss:.4f} ({run}, "
+            f"step {step}, {flops / base:.2f}x the FLOPs of N steps); each rival's last point against it (the curves' "
+            f"windows, unpaired): {', '.join(parts)}.")
 
 
 def _per_inference_flop(regime: str, planned: list[Planned], results: dict) -> str:
