@@ -4,6 +4,8 @@ every run and evaluation, and a budget that reports what finished and lists the 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 
@@ -80,12 +82,20 @@ def test_reproduce_compare_writes_a_report_and_a_rerun_reuses_it(tmp_path, corpu
     assert strip == [line for line in moved.splitlines() if "Wall time" not in line]
     record = json.loads((figs / "records" / "fresh-fbt.json").read_text())
     assert record["curve"] and record["curve"][-1]["step"] == 4 and record["train_seconds"] > 0
+    import torch
 
-    # a record without its curve is drawn as one marker and named; a record of another command is not reused
+    assert record["threads"] == torch.get_num_threads()
+    row = r"\| fresh-fbt \| 4 \| [^|]+ \| [^|]+ \| [0-9.]+ min{} \|"
+    assert re.search(row.format(""), moved)
+
+    # a record without its curve is drawn as one marker and named, a run trained with other threads says so; a
+    # record of another command is not reused
     record["curve"] = None
+    record["threads"] = torch.get_num_threads() + 1
     (figs / "records" / "fresh-fbt.json").write_text(json.dumps(record))
     text = reproduce("compare", **_options(tmp_path, corpus, cache)).read_text()
     assert "kept no held-out curve: fresh-fbt." in text
+    assert re.search(row.format(rf" \({record['threads']} threads\)"), text)
     record["key"]["overrides"].append("optim.lr=0.01")
     (figs / "records" / "fresh-lrt.json").write_text(json.dumps(record))
     reproduce("compare", **_options(tmp_path, corpus, cache))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fullband.machine import hardware
-from fullband.reproduce.runner import Experiment, Run, Settings, config_line, train_run
+from fullband.reproduce.runner import Experiment, Run, Settings, config_line, run_threads, train_run
 
 TRACKING = "configs/tracking-tiny.toml"
 TASKS = {"parity": 16, "counter": 16, "s5": 16, "registers": 8}  # task: L, the longest training input
@@ -290,13 +290,14 @@ def _record_key(p: Planned, settings: Settings) -> dict:
     return {"config": p.run.config or settings.base, "overrides": [*p.run.overrides, *settings.extra]}
 
 
-def _write_record(p: Planned, figs: Path, settings: Settings, done: tuple[Path, float], points: list | None) -> None:
+def _write_record(p: Planned, figs: Path, settings: Settings, done: tuple[Path, float, int | None],
+                  points: list | None) -> None:
     from fullband.files import replace_file
 
     path = figs / "records" / f"{p.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_file(path, json.dumps({"key": _record_key(p, settings), "checkpoint": str(done[0]),
-                                   "train_seconds": done[1], "curve": points}))
+                                   "train_seconds": done[1], "threads": done[2], "curve": points}))
 
 
 def _kept_record(p: Planned, figs: Path, settings: Settings, sc: Scale) -> dict | None:
@@ -310,6 +311,16 @@ def _kept_record(p: Planned, figs: Path, settings: Settings, sc: Scale) -> dict 
     path, key = _evaluations(p, Path(record["checkpoint"]), figs, sc)
     kept = read_json(path)
     return record if kept and kept.get("key") == key else None
+
+
+def _train_time(done: tuple[Path, float, int | None]) -> str:
+    """A run's training wall time, with the CPU threads it had when they differ from this process's (the report's
+    machine line)."""
+    import torch
+
+    threads = done[2]
+    differ = threads is not None and threads != torch.get_num_threads()
+    return f"{done[1] / 60:.1f} min" + (f" ({threads} thread{'s' * (threads != 1)})" if differ else "")
 
 
 def _looping(model, loops: int | None):
@@ -433,7 +444,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     sc = SCALES[scale]
     planned = plan(sc, settings, tuple(lm_extra), tuple(tracking_extra), tasks)
     t0 = time.perf_counter()
-    done: dict[str, tuple[Path, float]] = {}
+    done: dict[str, tuple[Path, float, int | None]] = {}  # checkpoint, training wall time, CPU threads
     pending: list[Planned] = []
     kept: dict[str, dict] = {}  # runs reused from their records (their checkpoints are gone)
     for p in planned:
@@ -442,12 +453,12 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
         finished = bool(ckpts) and read_trainer_state(ckpts[-1])["step"] >= p.steps
         if not finished and (record := _kept_record(p, figs, settings, sc)) is not None:
             kept[p.name] = record
-            done[p.name] = (Path(record["checkpoint"]), record["train_seconds"])
+            done[p.name] = (Path(record["checkpoint"]), record["train_seconds"], record.get("threads"))
             continue
         if not finished and budget is not None and (time.perf_counter() - t0) / 60 >= budget:
             pending.append(p)
             continue
-        done[p.name] = train_run(root, p.run, settings, eval_every=sc.eval_every)
+        done[p.name] = (*train_run(root, p.run, settings, eval_every=sc.eval_every), run_threads(root / p.name))
 
     lines = _intro(sc, scale, planned)
     lm_cfg = load_run_config(settings.base, [*sc.lm, *lm_extra, *settings.extra])
@@ -477,7 +488,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
         lines += ["Drawn as one marker at the end of training (their best read over the final evaluation's windows), "
                   f"reused from records that kept no held-out curve: {', '.join(uncurved)}.", ""]
     lines += _implications(planned, results, tracking, costs, curves)
-    total = sum(w for _, w in done.values())
+    total = sum(w for _, w, _ in done.values())
     lines += ["", f"Training the {len(done)} finished runs took {total / 60:.1f} min (their own wall times, summed; "
                   f"{hardware()}).", ""]
     if pending:
@@ -581,7 +592,7 @@ def _lm_lines(regime: str, planned: list[Planned], results: dict, done: dict, sc
         for i, (label, r) in enumerate(res.items()):
             diff = "" if base is None or p.name == f"{regime}-standard" else "{:+.4f} ± {:.4f}".format(*_paired(r, base))
             head = (f"| {p.name} | {p.steps} | {p.steps * tokens_per_step / 1e6:.2f}M | {spent(p) / spent(std_n):.2f} | "
-                    f"{done[p.name][1] / 60:.1f} min" if i == 0 else "| | | | |")
+                    f"{_train_time(done[p.name])}" if i == 0 else "| | | | |")
             ratio = r["flops"] / base["flops"] if base else float("nan")
             lines.append(f"{head} | {label} | {ratio:.2f} | {_fmt(r['nats'], r['stderr'])} | {diff} |")
     return lines + [""]
@@ -602,7 +613,7 @@ def _tracking_lines(planned: list[Planned], tracking: dict, done: dict) -> list[
                 continue
             for i, row in enumerate(tracking[p.name]["rows"]):
                 cells = " | ".join(f"{a:.3f} ± {e:.3f}" for a, e in zip(row["accuracy"], row["stderr"]))
-                head = f"| {p.name} | {done[p.name][1] / 60:.1f} min" if i == 0 else "| |"
+                head = f"| {p.name} | {_train_time(done[p.name])}" if i == 0 else "| |"
                 lines.append(f"{head} | {row['mode']} | {cells} |")
         some = next((tracking[p.name] for p in rows if p.name in tracking), None)
         if some:

@@ -83,8 +83,16 @@ def _reused(run: Run, run_dir: Path, steps: int, start: Callable[[Path | None], 
     wall = time.perf_counter() - t0
     meta = run_dir / "wall.json"
     if wall > 5 or not meta.exists():
-        replace_file(meta, json.dumps({"train_seconds": wall}))
+        import torch
+
+        replace_file(meta, json.dumps({"train_seconds": wall, "threads": torch.get_num_threads()}))
     return list_checkpoints(run_dir)[-1], json.loads(meta.read_text())["train_seconds"]
+
+
+def run_threads(run_dir: Path) -> int | None:
+    """The CPU threads a finished run under run_dir trained with (None: not recorded)."""
+    meta = run_dir / "wall.json"
+    return json.loads(meta.read_text()).get("threads") if meta.is_file() else None
 
 
 COMMANDS = ("Commands (each run also gets `--set log.run_dir=runs/repro/<experiment>/<run>` and "
