@@ -580,18 +580,16 @@ def _lm_lines(regime: str, planned: list[Planned], results: dict, done: dict, sc
     base = results.get(f"{regime}-standard", {}).get("STANDARD")
     tokens_per_step = lm_cfg.train.global_batch_tokens
 
-    def spent(p: Planned) -> float:
-        return _spent(p, lm_cfg)[1]
-
-    std_n = next(p for p in rows if p.name == f"{regime}-standard")
+    std_n = _spent(next(p for p in rows if p.name == f"{regime}-standard"), lm_cfg)[1]
     for p in rows:
+        share = _spent(p, lm_cfg)[1] / std_n  # training FLOPs, as a multiple of the standard model's at N
         if p.name not in results:
-            lines.append(f"| {p.name} | {p.steps} | - | {spent(p) / spent(std_n):.2f} | pending | | | | |")
+            lines.append(f"| {p.name} | {p.steps} | - | {share:.2f} | pending | | | | |")
             continue
         res = results[p.name]
         for i, (label, r) in enumerate(res.items()):
             diff = "" if base is None or p.name == f"{regime}-standard" else "{:+.4f} ± {:.4f}".format(*_paired(r, base))
-            head = (f"| {p.name} | {p.steps} | {p.steps * tokens_per_step / 1e6:.2f}M | {spent(p) / spent(std_n):.2f} | "
+            head = (f"| {p.name} | {p.steps} | {p.steps * tokens_per_step / 1e6:.2f}M | {share:.2f} | "
                     f"{_train_time(done[p.name])}" if i == 0 else "| | | | |")
             ratio = r["flops"] / base["flops"] if base else float("nan")
             lines.append(f"{head} | {label} | {ratio:.2f} | {_fmt(r['nats'], r['stderr'])} | {diff} |")

@@ -205,8 +205,7 @@ def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], l
     to that one is plain here. `fullband.generate(..., fed=[spans])` then reads the prompt as ChatSession did."""
     template = template or chat_template(tokenizer)
     msgs = _messages(messages)
-    segments = template.segments(msgs, generation_prompt=True)
-    ids = [template.bos_id] + [t for _, seg in segments for t in seg]
+    ids, segments = _prompt_segments(template, msgs)
     replies = [i for i, m in enumerate(msgs) if m.role == "assistant"]
     if sum(kind == "response" for kind, _ in segments) != len(replies):  # replies the template does not set apart
         return ids, []
@@ -228,4 +227,11 @@ def _messages(messages) -> list[Message]:
 
 
 def _prompt(template, msgs: Sequence[Message]) -> list[int]:
-    return [template.bos_id] + [t for _, seg in template.segments(msgs, generation_prompt=True) for t in seg]
+    return _prompt_segments(template, msgs)[0]
+
+
+def _prompt_segments(template, msgs: Sequence[Message]) -> tuple[list[int], Segments]:
+    """The prompt's ids (BOS, the rendered conversation, the assistant's turn marker) and the segments they are
+    made of."""
+    segments = template.segments(msgs, generation_prompt=True)
+    return [template.bos_id] + [t for _, seg in segments for t in seg], segments
