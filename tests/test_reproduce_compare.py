@@ -96,6 +96,7 @@ def test_reproduce_compare_writes_a_report_and_a_rerun_reuses_it(tmp_path, corpu
     text = reproduce("compare", **_options(tmp_path, corpus, cache)).read_text()
     assert "kept no held-out curve: fresh-fbt." in text
     assert re.search(row.format(rf" \({record['threads']} threads\)"), text)
+    assert "; 1 of them trained with another number of CPU threads (marked in the tables)" in text
     record["key"]["overrides"].append("optim.lr=0.01")
     (figs / "records" / "fresh-lrt.json").write_text(json.dumps(record))
     reproduce("compare", **_options(tmp_path, corpus, cache))

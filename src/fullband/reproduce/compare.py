@@ -313,14 +313,17 @@ def _kept_record(p: Planned, figs: Path, settings: Settings, sc: Scale) -> dict 
     return record if kept and kept.get("key") == key else None
 
 
-def _train_time(done: tuple[Path, float, int | None]) -> str:
-    """A run's training wall time, with the CPU threads it had when they differ from this process's (the report's
-    machine line)."""
+def _other_threads(done: tuple[Path, float, int | None]) -> bool:
+    """Whether a run trained with another number of CPU threads than this process has (the report's machine line)."""
     import torch
 
+    return done[2] is not None and done[2] != torch.get_num_threads()
+
+
+def _train_time(done: tuple[Path, float, int | None]) -> str:
+    """A run's training wall time, with the CPU threads it had when they were not this process's."""
     threads = done[2]
-    differ = threads is not None and threads != torch.get_num_threads()
-    return f"{done[1] / 60:.1f} min" + (f" ({threads} thread{'s' * (threads != 1)})" if differ else "")
+    return f"{done[1] / 60:.1f} min" + (f" ({threads} thread{'s' * (threads != 1)})" if _other_threads(done) else "")
 
 
 def _looping(model, loops: int | None):
@@ -489,8 +492,10 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
                   f"reused from records that kept no held-out curve: {', '.join(uncurved)}.", ""]
     lines += _implications(planned, results, tracking, costs, curves)
     total = sum(w for _, w, _ in done.values())
+    other = sum(map(_other_threads, done.values()))
     lines += ["", f"Training the {len(done)} finished runs took {total / 60:.1f} min (their own wall times, summed; "
-                  f"{hardware()}).", ""]
+                  f"{hardware()})" + (f"; {other} of them trained with another number of CPU threads (marked in "
+                                      "the tables), so their times are not this process's." if other else "."), ""]
     if pending:
         lines += [f"**Pending ({len(pending)} runs, not started within this invocation's budget of {budget:g} min):** "
                   + ", ".join(p.name for p in pending) + ". Rerun the same command to go on; finished runs are "
