@@ -497,7 +497,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
                   f"{hardware()})" + (f"; {other} of them trained with another number of CPU threads (marked in "
                                       "the tables), so their times are not this process's." if other else "."), ""]
     if pending:
-        lines += [f"**Pending ({len(pending)} runs, not started within this invocation's budget of {budget:g} min):** "
+        lines += [f"**Pending ({len(pending)} run{'s' * (len(pending) != 1)}, not started within this invocation's budget of {budget:g} min):** "
                   + ", ".join(p.name for p in pending) + ". Rerun the same command to go on; finished runs are "
                   "reused.", ""]
     lines += [f"Commands (each run also gets `--set log.run_dir=runs/repro/compare/<run>` and `--set "
@@ -672,6 +672,8 @@ def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path, r
                             label=f"{p.name.split('-', 1)[1]} ({row['mode']})")
             ax.axhline(res["chance"], color="grey", lw=0.8)
             ax.set(xscale="log", xlabel="input length", title=task, ylim=(0, 1.02))
+            ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])  # L, 2L, 4L, 8L, not log decades
+            ax.minorticks_off()
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("accuracy (best read)")
         axes[0][-1].legend(fontsize=6)
