@@ -22,7 +22,7 @@ from fullband.data.chat.templates import chat_prompt, chat_template
 from fullband.decode.generate import DecodeState, advance, prefill
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
-from fullband.model.mode import DecodeMode
+from fullband.model.mode import DecodeMode, default_mode
 from fullband.validate import integer
 
 
@@ -42,11 +42,12 @@ class ChatSession:
     `reply(text)` adds a user message and yields the answer's text as it is generated; stopping the iteration
     early (Ctrl-C in the terminal) keeps what was answered so far as the assistant's turn."""
 
-    def __init__(self, model, tokenizer, *, mode: str | DecodeMode = "soft", prefill_passes: int | str | None = None,
+    def __init__(self, model, tokenizer, *, mode: str | DecodeMode | None = None, prefill_passes: int | str | None = None,
                  system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.template = chat_template(tokenizer)
+        mode = default_mode(model.config) if mode is None else mode  # the model's: SOFT, or STANDARD if untrained
         self.mode = DecodeMode.of(mode, prefill_passes).check(model.config)
         integer("max_new_tokens", max_new_tokens, 1, error=InputError)
         self.sampling = Sampling(temperature, top_k, top_p, seed)

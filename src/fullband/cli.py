@@ -124,17 +124,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fullband.decode.generate import stream
     from fullband.decode.sampling import Sampling
     from fullband.loader import load_model
-    from fullband.model.mode import DecodeMode
 
     prompt_text = _utf8(args.prompt, "--prompt")
-    mode = DecodeMode.of(args.mode, args.prefill_passes, tol=args.prefill_tol)
+    asked = _mode_arg(args.mode, args.prefill_passes, args.prefill_tol)  # checked before the model is loaded
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     model = load_model(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype))
     tokenizer = load_tokenizer(args.checkpoint)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise FullbandError(f"the checkpoint's tokenizer has {tokenizer.vocab_size} ids but the model only "
                             f"{model.config.vocab_size}")
-    prompt = tokenizer.encode(prompt_text, bos=True)
+    mode = _model_mode(asked, model.config)
+    prompt = tokenizer.encode(prompt_text)  # with a BOS where the model's tokenizer adds one (its add_bos)
     stops = [] if args.ignore_eos else [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
     t0 = time.perf_counter()
     steps = stream(model, [prompt], args.max_new_tokens, mode=mode, sampling=sampling, stop_tokens=stops,
@@ -153,8 +153,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out.flush()
     ids, dt = text.ids, time.perf_counter() - t0  # the last line, on stderr: tokens, mode, speed, why it stopped
     why = f"; stopped at EOS id {ids[-1]} (--ignore-eos to go on)" if ids and ids[-1] in stops else ""
-    print(f"[{len(ids)} tokens, {args.mode}, {len(ids) / dt:.1f} tok/s{why}]", file=sys.stderr)
+    print(f"[{len(ids)} tokens, {mode.label}, {len(ids) / dt:.1f} tok/s{why}]", file=sys.stderr)
     return 0
+
+
+def _mode_arg(text: str | None, prefill_passes, tol: float | None = None):
+    """--mode (MODE or fused:K) with --prefill-passes / --prefill-tol as a DecodeMode; None when no --mode was given
+    (the model's default, known once it is loaded)."""
+    from fullband.model.mode import DecodeMode
+
+    if text is None:
+        return None
+    if ":" in text:
+        return DecodeMode.parse(text)
+    return DecodeMode.of(text, prefill_passes, tol=tol)
+
+
+def _model_mode(asked, config):
+    """The mode asked for, checked against the model, or the model's default (said on stderr when it is STANDARD
+    because the model's feedback weights are untrained)."""
+    from fullband.model.mode import default_mode, default_note
+
+    if asked is not None:
+        return asked.check(config)
+    note = default_note(config)
+    if note:
+        print(f"[{note}]", file=sys.stderr, flush=True)
+    return default_mode(config)
 
 
 CHAT_HELP = """commands: /mode MODE (standard | soft | fused | fused:K | exact), /reset (a new conversation),
@@ -168,10 +193,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from fullband.model.mode import DecodeMode
     from fullband.loader import load_model
 
+    asked = _mode_arg(args.mode, args.prefill_passes)
     model = load_model(args.checkpoint, device=_device(args.device), dtype=_dtype(args.dtype))
     tokenizer = load_tokenizer(args.checkpoint)
     check_chat_model(model, tokenizer)
-    mode = DecodeMode.parse(args.mode) if ":" in args.mode else DecodeMode.of(args.mode, args.prefill_passes)
+    mode = _model_mode(asked, model.config)
     session = ChatSession(model, tokenizer, mode=mode, system=args.system and _utf8(args.system, "--system"),
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed)
@@ -446,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", parents=[sampling], help="stream a continuation of a prompt")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--prompt", required=True)
-    s.add_argument("--mode", default="soft", help="standard | soft | fused | exact (default soft)")
+    s.add_argument("--mode", default=None, help="standard | soft | fused | fused:K | exact (default: soft; standard "
+                   "for a model whose feedback weights are untrained, e.g. a converted Llama)")
     s.add_argument("--prefill-passes", type=_prefill_passes, default=1,
                    help="extra fused passes over the prompt (fused mode), or 'auto': iterate until the RMS state "
                         "update < --prefill-tol (at most 32)")
@@ -462,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("chat", parents=[sampling], help="talk to a chat model in the terminal (/mode, /reset, /exit; Ctrl-C stops)")
     s.add_argument("--checkpoint", required=True, help="a model folder trained on chat data (fullband train, "
                    "data.format = \"chat\")")
-    s.add_argument("--mode", default="soft", help="standard | soft | fused | fused:K | exact (default soft)")
+    s.add_argument("--mode", default=None, help="standard | soft | fused | fused:K | exact (default: soft; standard "
+                   "for a model whose feedback weights are untrained, e.g. a converted Llama)")
     s.add_argument("--prefill-passes", type=_prefill_passes, default=1, help="fused passes over the prompt (fused)")
     s.add_argument("--system", help="a system message that opens the conversation")
     s.add_argument("--max-new-tokens", type=_count(1), default=256, help="the longest answer")

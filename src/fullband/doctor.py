@@ -126,7 +126,7 @@ def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
         if foreign:
             report.add(WARN, label("."), f"holds files fullband does not write: {', '.join(foreign[:5])}")
     _weights(report, folder, label, data, config)
-    _tokenizer(report, folder, label, config.vocab_size)
+    _tokenizer(report, folder, label, config)
     if trainer:
         _trainer_files(report, folder, label)
     return sum(f.level == FAIL for f in report.findings) == n_fail
@@ -154,21 +154,121 @@ def _weights(report: Report, folder: Path, label, data: dict, config) -> None:
                                         "every value is finite")
 
 
-def _tokenizer(report: Report, folder: Path, label, vocab_size: int) -> None:
-    from fullband.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+def _tokenizer(report: Report, folder: Path, label, config, hf: dict | None = None) -> None:
+    """The tokenizer against the model and its config: the vocabulary fits the embedding, the special and stop
+    ids are ids of the model, BOS agrees with the model's document start; for a transformers folder (`hf`, its
+    config.json) also what transformers and vLLM read: the tokenizer AutoTokenizer loads (same special tokens,
+    left padding, the same chat template rendering the same ids) and the end ids in config.json."""
+    from fullband.data.tokenizer import BYTE_TOKENIZER_FILE, TOKENIZER_FILE, load_tokenizer
 
-    if not (folder / TOKENIZER_FILE).is_file():
-        report.add(WARN, label(TOKENIZER_FILE), "missing: the byte tokenizer will be assumed")
+    where = label(TOKENIZER_FILE)
+    if not ((folder / TOKENIZER_FILE).is_file() or (folder / BYTE_TOKENIZER_FILE).is_file()):
+        report.add(WARN, where, "missing: the byte tokenizer will be assumed")
         return
     try:
         tok = load_tokenizer(folder)
     except FullbandError as err:
-        report.add(FAIL, label(TOKENIZER_FILE), str(err))
+        report.add(FAIL, where, f"fullband cannot read it: {err}")
         return
-    if tok.vocab_size > vocab_size:
-        report.add(FAIL, label(TOKENIZER_FILE), f"{tok.vocab_size} ids, more than the model's vocab_size={vocab_size}")
-    else:
-        report.add(OK, label(TOKENIZER_FILE), f"{tok.kind} tokenizer, {tok.vocab_size} ids")
+    vocab = config.vocab_size
+    problems = []
+    if tok.vocab_size > vocab:
+        problems.append(f"{tok.vocab_size} ids, more than the model's vocab_size={vocab}: ids past {vocab - 1} have no "
+                        "embedding row")
+    named = {"BOS": tok.bos_id, "EOS": tok.eos_id, "PAD": tok.pad_id, **{f"stop id {i}": i for i in tok.stop_ids}}
+    problems += [f"its {what} {i} is not an id of the model (vocab_size={vocab})" for what, i in named.items()
+                 if not 0 <= i < vocab]
+    if config.bos_token_id is not None and config.bos_token_id != tok.bos_id:
+        problems.append(f"its BOS id {tok.bos_id} differs from the model's bos_token_id={config.bos_token_id} (the "
+                        "document start whose position is read plainly)")
+    for text in problems:
+        report.add(FAIL, where, text)
+    if not problems:
+        policy = "" if getattr(tok, "add_bos", True) else ", no BOS added to a text (as the model's own tokenizer)"
+        report.add(OK, where, f"{tok.kind} tokenizer, {tok.vocab_size} ids; BOS, EOS, PAD and stop ids "
+                              f"{list(tok.stop_ids)} are ids of the model{policy}")
+    _chat_agrees(report, folder, label, tok)
+    if hf is not None:
+        _transformers_view(report, folder, tok, hf)
+    if config.has_feedback and not config.feedback_trained:
+        report.add(WARN, label("config.json"), "feedback_trained = false: the fusion weights are freshly initialised "
+                                               "(a converted model); it decodes STANDARD unless a mode is asked for")
+
+
+def _chat_agrees(report: Report, folder: Path, label, tok) -> None:
+    """A chat template, when the tokenizer has one, renders a conversation into ids of this vocabulary."""
+    from fullband.data.chat.templates import chat_prompt, hf_chat_template
+
+    if not hf_chat_template(tok):
+        report.add(OK, label("chat template"), "none (a base model: fullband chat and the chat API refuse it)")
+        return
+    try:
+        ids = chat_prompt(tok, SAMPLE_CHAT)
+    except FullbandError as err:
+        report.add(FAIL, label("chat template"), f"cannot render a conversation: {err}")
+        return
+    report.add(OK, label("chat template"), f"renders a two-message conversation into {len(ids)} ids")
+
+
+SAMPLE_CHAT = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi!"},
+               {"role": "user", "content": "What is 2 + 3?"}]
+
+
+def _transformers_view(report: Report, folder: Path, tok, hf: dict) -> None:
+    """What transformers and vLLM read from the folder agrees with what fullband reads."""
+    from fullband.data.chat.templates import chat_prompt, hf_chat_template
+
+    stops = sorted(tok.stop_ids) if hf_chat_template(tok) or getattr(tok, "kind", "") == "pretrained" else []
+    for name in ("config.json", "generation_config.json"):
+        data = (hf if name == "config.json" else _json(folder / name)) or {}
+        eos = data.get("eos_token_id")
+        declared = sorted(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        missing = [i for i in stops if i not in declared]
+        if (folder / name).is_file() and missing:
+            report.add(FAIL, name, f"eos_token_id={eos!r} lacks the stop id(s) {missing} fullband ends a turn at: "
+                                   "transformers' and vLLM's generate would not stop there")
+    try:
+        import transformers
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            auto = transformers.AutoTokenizer.from_pretrained(str(folder))
+    except ImportError:
+        return
+    except Exception as err:  # transformers' own errors
+        report.add(FAIL, "tokenizer (transformers)", f"AutoTokenizer cannot read it: {err}")
+        return
+    problems = []
+    if len(auto) > int(hf.get("vocab_size", len(auto))):
+        problems.append(f"AutoTokenizer has {len(auto)} ids, more than vocab_size={hf.get('vocab_size')}")
+    for what, ours in (("bos", tok.bos_id), ("eos", tok.eos_id)):
+        theirs = getattr(auto, f"{what}_token_id")
+        if theirs != ours:
+            problems.append(f"its {what}_token_id is {theirs}, fullband's {ours}")
+    if getattr(auto, "padding_side", "left") != "left":
+        problems.append(f"padding_side={auto.padding_side!r}: a batch of prompts for generate must be padded on the "
+                        "left (right-padded rows continue after their padding)")
+    if hf_chat_template(tok):
+        try:
+            ids = auto.apply_chat_template(SAMPLE_CHAT, add_generation_prompt=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        except Exception as err:  # jinja's and transformers' errors
+            problems.append(f"apply_chat_template fails ({err}): the server cannot answer chat requests")
+        else:
+            if ids != chat_prompt(tok, SAMPLE_CHAT):
+                problems.append("apply_chat_template renders other ids than fullband's template: the server and "
+                                "fullband chat would read different prompts")
+    for text in problems:
+        report.add(FAIL, "tokenizer (transformers)", text)
+    if not problems:
+        report.add(OK, "tokenizer (transformers)", "AutoTokenizer agrees: special ids, left padding"
+                                                    f"{', the chat template' if hf_chat_template(tok) else ''}")
+
+
+def _json(path: Path) -> dict | None:
+    from fullband.files import read_json
+
+    return read_json(path)
 
 
 def _trainer_files(report: Report, folder: Path, label) -> None:
@@ -208,6 +308,16 @@ def _hf_folder(report: Report, folder: Path, hashes: bool) -> bool:
         report.add(FAIL, "config.json", str(err))
     except Exception as err:  # transformers' own errors
         report.add(FAIL, "config.json", f"cannot be read by transformers: {err}")
+    try:
+        from fullband.folder import load_transformers_folder
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = load_transformers_folder(folder).config
+    except FullbandError:
+        config = None  # the weights' findings below say why
+    if config is not None:
+        _tokenizer(report, folder, lambda name: name, config, hf=_json(folder / "config.json") or {})
     if (folder / "model.safetensors").is_file():
         try:
             from safetensors.torch import load_file

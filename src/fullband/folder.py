@@ -26,7 +26,7 @@ HF_CONFIG_KEY = "hf_config"  # in config.json of a wrapped Hugging Face model: i
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "fullband"
 FORMAT_VERSION = 1
-MODEL_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, "tokenizer.json", "special_ids.json"})
+MODEL_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, "tokenizer.json", "special_ids.json", "chat_template.jinja"})
 FILES_KEY = "files"  # in config.json: {name: {"bytes", "sha256"}} of every other file, recorded at save time
 
 
@@ -134,13 +134,17 @@ def read_config_file(directory: str | Path) -> dict:
     return data
 
 
+# fields a folder written before they existed leaves out, whose default is what such a folder meant
+QUIET_DEFAULTS = ("feedback_trained",)
+
+
 def _model_config(directory: str | Path, data: dict) -> ModelConfig:
     path = Path(directory) / CONFIG_FILE
     try:
         config = ModelConfig.from_dict(data["model"], source=str(path))
     except (ConfigError, TypeError) as err:
         raise CheckpointError(f"{path}: invalid model config: {err}") from None
-    filled = [f"{k}={v!r}" for k, v in config.to_dict().items() if k not in data["model"]]
+    filled = [f"{k}={v!r}" for k, v in config.to_dict().items() if k not in data["model"] and k not in QUIET_DEFAULTS]
     if filled:
         warnings.warn(f"{path} does not set {len(filled)} model field(s); defaults used: {', '.join(filled)}",
                       FullbandWarning, stacklevel=3)

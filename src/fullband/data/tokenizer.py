@@ -69,8 +69,12 @@ class ByteTokenizer:
     def fingerprint(self) -> str:
         return _short_hash(self._payload())
 
-    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
+    add_bos = True  # a prompt starts with BOS (fullband's own vocabularies; a pretrained model's says)
+
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
+        """Ids of `text`, with BOS in front when `bos` is true (default: the vocabulary's add_bos)."""
         _check_text(text)
+        bos = self.add_bos if bos is None else bos
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
@@ -114,8 +118,8 @@ class ByteTokenizer:
             single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", self.bos_id)])
         return tokenizer
 
-    def save(self, directory: str | Path) -> None:
-        (Path(directory) / TOKENIZER_FILE).write_text(json.dumps(self._payload(), indent=2) + "\n")
+    def save(self, directory: str | Path, *, name: str = TOKENIZER_FILE) -> None:
+        (Path(directory) / name).write_text(json.dumps(self._payload(), indent=2) + "\n")
 
 
 def _byte_chars() -> dict[int, str]:
@@ -197,8 +201,13 @@ class BPETokenizer:
 
     stop_ids = ByteTokenizer.stop_ids
 
-    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
+    add_bos = ByteTokenizer.add_bos
+
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
+        """Ids of `text` (special-token text read as text), with BOS in front when `bos` is true (default: the
+        vocabulary's add_bos: always for fullband's own BPE, as the model's tokenizer does for a pretrained one)."""
         _check_text(text)
+        bos = self.add_bos if bos is None else bos
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
@@ -226,9 +235,10 @@ class PretrainedTokenizer(BPETokenizer):
 
     def __init__(self, hf_tokenizer: Any, *, source: str = "the given tokenizer",
                  special_ids: tuple[int, int, int] | None = None, stop_ids: tuple[int, ...] = (),
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, add_bos: bool = True) -> None:
         super().__init__(hf_tokenizer, source=source, special_ids=special_ids)
         self._stop_ids = tuple(stop_ids) or (self.eos_id,)
+        self.add_bos = bool(add_bos)  # whether the model's own tokenizer starts a text with BOS (SmolLM2's: no)
         self.chat_template = chat_template or None
         if self.chat_template:  # the template is part of what a run trains on
             self._fingerprint = _short_hash([self._fingerprint, self.chat_template])
@@ -236,7 +246,7 @@ class PretrainedTokenizer(BPETokenizer):
     @classmethod
     def _grown(cls, old: "BPETokenizer", grown: Any) -> "BPETokenizer":
         return cls(grown, source="the tokenizer with chat markers", special_ids=(old.bos_id, old.eos_id, old.pad_id),
-                   stop_ids=old.stop_ids, chat_template=old.chat_template)
+                   stop_ids=old.stop_ids, chat_template=old.chat_template, add_bos=old.add_bos)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -245,16 +255,25 @@ class PretrainedTokenizer(BPETokenizer):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, stop_ids: tuple[int, ...] = ()) -> "PretrainedTokenizer":
-        """The fast tokenizer of the model at `path` (a folder, or a hub id when online); `stop_ids` (default: its
-        EOS) are the ids that end a generation."""
+        """The fast tokenizer of the model at `path` (a folder, a GGUF file, or a hub id when online); `stop_ids`
+        (default: its EOS) are the ids that end a generation."""
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise InputError("a pretrained model's tokenizer needs transformers: pip install 'fullband[hf]'") from None
+        from fullband.hf.gguf import pretrained_args
+
+        name, extra = pretrained_args(path)
         try:
-            tok = AutoTokenizer.from_pretrained(str(path))
+            tok = AutoTokenizer.from_pretrained(name, **extra)
         except (OSError, ValueError) as err:
             raise InputError(f"no tokenizer could be loaded from {str(path)!r}: {err}") from None
+        return cls.from_hf(tok, source=str(path), stop_ids=stop_ids)
+
+    @classmethod
+    def from_hf(cls, tok: Any, *, source: str, stop_ids: tuple[int, ...] = ()) -> "PretrainedTokenizer":
+        """A transformers fast tokenizer as fullband reads it: its ids, special tokens, BOS policy and template."""
+        path = source
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is None:
             raise InputError(f"the tokenizer of {str(path)!r} ({type(tok).__name__}) is not a fast tokenizer; "
@@ -267,13 +286,26 @@ class PretrainedTokenizer(BPETokenizer):
         eos = eos if eos is not None else bos
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         template = getattr(tok, "chat_template", None)
+        # the model's BOS policy, as its tokenizer applies it: does encoding a text put BOS in front?
+        plain = tok("a", add_special_tokens=False)["input_ids"]
+        full = tok("a")["input_ids"]
+        add_bos = len(full) > len(plain) and full[:1] == [tok.bos_token_id]
         return cls(backend, source=str(path), special_ids=(bos, eos, pad), stop_ids=stop_ids,
-                   chat_template=template if isinstance(template, str) else None)
+                   chat_template=template if isinstance(template, str) else None, add_bos=add_bos)
+
+    def save_ids(self, directory: str | Path) -> None:
+        """special_ids.json: what the vocabulary alone does not say (BOS / EOS / PAD, the stop ids, the BOS policy)."""
+        ids = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id, "stop_ids": list(self.stop_ids),
+               "add_bos": self.add_bos}
+        (Path(directory) / SPECIAL_IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
+
+    def token(self, i: int) -> str:
+        """The text of id `i` in the vocabulary (a special token's name, e.g. '<|im_end|>')."""
+        return self._tok.id_to_token(i)
 
     def save(self, directory: str | Path) -> None:
         super().save(directory)
-        ids = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id, "stop_ids": list(self.stop_ids)}
-        (Path(directory) / SPECIAL_IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
+        self.save_ids(directory)
         if self.chat_template:
             (Path(directory) / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
 
@@ -351,11 +383,14 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
                              error=CheckpointError)
             special = (int(ids["bos_id"]), int(ids["eos_id"]), int(ids["pad_id"]))
             stops = tuple(int(i) for i in ids.get("stop_ids", ()))
+            add_bos = ids.get("add_bos", True)  # folders written before the policy was kept: BOS, as then
+            if not isinstance(add_bos, bool):
+                raise ValueError(f"add_bos={add_bos!r}; accepted: true or false")
             template_path = Path(directory) / CHAT_TEMPLATE_FILE
             template = read_text(template_path, "the chat template", error=CheckpointError) if \
                 template_path.is_file() else None
             return PretrainedTokenizer(_hf_tokenizers().Tokenizer.from_str(text), source=str(path), special_ids=special,
-                                       stop_ids=stops, chat_template=template)
+                                       stop_ids=stops, chat_template=template, add_bos=add_bos)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{ids_path} is corrupted: {err}") from None
         except Exception as err:  # the Rust side raises a plain Exception on any schema problem

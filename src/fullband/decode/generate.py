@@ -21,7 +21,7 @@ from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.cache import KVCache
 from fullband.model.core import FeedbackModel, ModelOutput, check_fed_mode
-from fullband.model.mode import MODES, DecodeMode
+from fullband.model.mode import MODES, DecodeMode, default_mode
 from fullband.validate import integer, spans
 
 __all__ = ["MODES", "DecodeMode", "DecodeState", "Sampling", "Step", "advance", "generate", "prefill", "stream"]
@@ -133,7 +133,7 @@ def make_stepper(model: FeedbackModel, state: DecodeState, *, compile: bool = Fa
 
 
 # ---------------------------------------------------------------------- the loop
-def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | DecodeMode = "soft",
+def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | DecodeMode | None = None,
            sampling: Sampling | None = None, stop_tokens: Sequence[int] | None = None, compile: bool = False,
            forced_tokens=None, prefill_passes: int | str | None = None, prefill_tol: float | None = None,
            max_prefill_passes: int | None = None, temperature: float | None = None, top_k: int | None = None,
@@ -141,7 +141,8 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
     """Yield one Step per generated position of `prompts` (a list of token-id lists of any lengths, or a (B, T) /
     (T,) tensor) decoded by `model` (any FeedbackModel) in `mode`. Arguments are checked now, before the first step.
 
-    `mode` is a DecodeMode or its name; `sampling` a Sampling (default greedy). The keywords prefill_passes (an
+    `mode` is a DecodeMode or its name (default: the model's, `default_mode`: SOFT, or STANDARD for a model whose
+    feedback weights are untrained or absent); `sampling` a Sampling (default greedy). The keywords prefill_passes (an
     integer, or "auto": adaptive prefill with prefill_tol and max_prefill_passes) and temperature / top_k / top_p /
     seed spell the same settings one by one. `compile=True` runs the decode step through torch.compile (the first
     call compiles for a while; later ones are faster than eager, on CPU mostly at batch 1). `forced_tokens`
@@ -155,7 +156,7 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
                          "FeedbackModel: a FullbandLM, a model wrapped with fullband.hf.add_latent_feedback, or a "
                          "transformers FullbandForCausalLM's .model")
     cfg = model.config
-    dm = DecodeMode.of(mode, prefill_passes, tol=prefill_tol, max_passes=max_prefill_passes).check(cfg)
+    dm = DecodeMode.of(default_mode(cfg) if mode is None else mode, prefill_passes, tol=prefill_tol, max_passes=max_prefill_passes).check(cfg)
     sampler = Sampling.of(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
     integer("max_new_tokens", max_new_tokens, 1, error=InputError)

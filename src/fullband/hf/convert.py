@@ -3,19 +3,21 @@
   native   config.json with "format": "fullband" + model.safetensors (+ tokenizer.json)   FullbandLM.load
   hf       config.json with "model_type": "fullband" + model.safetensors                 AutoModelForCausalLM
   llama    a LlamaForCausalLM folder (read only; converted through fullband.hf.from_llama)
+  gguf     a GGUF file of a Llama-family model (read only; dequantized by transformers' GGUF reader, then as llama)
 
 Weights are copied unchanged (HF names are the native ones under `model.`), so native -> hf -> native is
-bitwise. The destination is written to a temporary sibling folder and renamed into place when complete."""
+bitwise. A pretrained model's tokenizer travels untouched in every direction: its vocabulary (no id added), its
+special tokens, BOS policy, chat template and end-of-turn ids (special_ids.json beside tokenizer.json, so fullband
+reads a transformers folder as transformers does). The destination is written to a temporary sibling folder and
+renamed into place when complete."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from fullband.data.tokenizer import BYTE_TOKENIZER_FILE
+from fullband.data.tokenizer import BYTE_TOKENIZER_FILE, SPECIAL_IDS_FILE
 from fullband.errors import CheckpointError, ConfigError
 from fullband.files import Kind, atomic_folder, check_destination, read_json, read_json_file
 from fullband.folder import HF_INDEX_FILE, HF_MODEL_TYPE, is_transformers_folder, load_transformers_folder
@@ -29,13 +31,18 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 HF_KIND = Kind("transformers fullband folder",
                frozenset({"config.json", "generation_config.json", "model.safetensors", HF_INDEX_FILE,
                           "modeling_fullband.py", "chat_template.jinja", "added_tokens.json", BYTE_TOKENIZER_FILE,
+                          SPECIAL_IDS_FILE,
                           *HF_TOKENIZER_FILES}),
                patterns=(r"model-\d{5}-of-\d{5}\.safetensors", r"fullband_[a-z_]+\.py"),
                marker=is_transformers_folder)
 
 
 def detect(src: str | Path) -> str:
-    """The kind of checkpoint folder `src` is: 'native', 'hf' or 'llama'."""
+    """The kind of checkpoint `src` is: 'native', 'hf' or 'llama' (folders), or 'gguf' (a .gguf file)."""
+    from fullband.hf.gguf import is_gguf
+
+    if is_gguf(src):
+        return "gguf"
     path = Path(src) / "config.json"
     if not (path.exists() or path.is_symlink()):
         raise CheckpointError(f"{str(src)!r} is not a checkpoint folder: {path.name} is missing")
@@ -59,6 +66,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
 
     src, dst = Path(src), Path(dst)
     kind = detect(src)
+    if kind == "gguf":  # refused by name before anything is written or loaded
+        from fullband.hf.gguf import require_native
+
+        require_native(src, use="fullband convert")
     target = to if to is not None else ("hf" if kind == "native" else "native")
     if target not in TARGETS:
         raise ConfigError(f"to={target!r} is not a target format; accepted: {', '.join(TARGETS)}")
@@ -69,33 +80,30 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
     flag = "overwrite=True (--overwrite)"
     # before the (slow) read, and again before the rename
     check_destination(dst, out_kind, overwrite=overwrite, sources=[src], flag=flag, error=CheckpointError)
-    native = _read_native(src, kind, fusion)
+    native, tokenizer = _read(src, kind, fusion)
     if target == "hf":
         require_one_slot(native.config, "a transformers folder (convert to='hf')")
+    if tokenizer is not None and tokenizer.vocab_size > native.config.vocab_size:
+        raise CheckpointError(f"{src}: its tokenizer has {tokenizer.vocab_size} ids, more than the model's "
+                              f"{native.config.vocab_size} embedding rows; nothing was written")
     if dtype is not None:
         native = native.to(dtype)
-    stops = source_stop_ids(src) if kind == "llama" else _chat_stop_ids(src)
+    stops = list(getattr(tokenizer, "stop_ids", ())) if _ends_turns(tokenizer) else []
     with atomic_folder(dst, out_kind, overwrite=overwrite, sources=[src], flag=flag, error=CheckpointError,
                        action=f"write the {target} folder") as tmp:
         if target == "hf":
-            _write_hf(native, tmp, src, kind, stops)
+            _write_hf(native, tmp, src, tokenizer, stops)
         else:
-            _write_native(native, tmp, src, kind, stops)
+            _write_native(native, tmp, src, tokenizer)
     return kind, target
 
 
-def _chat_stop_ids(src: Path) -> list[int]:
-    """A chat vocabulary's stop ids (EOS and the end-of-turn marker), so transformers' and vLLM's generate end a
-    turn where fullband's does; [] for other folders (their converted config names no EOS, as before)."""
-    from fullband.data.tokenizer import load_tokenizer
+def _ends_turns(tokenizer) -> bool:
+    """Whether a tokenizer's stop ids belong in the converted config (eos_token_id), so that transformers' and
+    vLLM's generate end where fullband's does: a pretrained model's own, or a chat vocabulary's."""
+    from fullband.data.tokenizer import PretrainedTokenizer
 
-    if not (src / "tokenizer.json").is_file():
-        return []
-    try:
-        tokenizer = load_tokenizer(src)
-    except CheckpointError:
-        return []
-    return list(tokenizer.stop_ids) if tokenizer.chat_ids else []
+    return isinstance(tokenizer, PretrainedTokenizer) or bool(getattr(tokenizer, "chat_ids", None))
 
 
 def source_stop_ids(src: Path) -> list[int]:
@@ -111,69 +119,105 @@ def source_stop_ids(src: Path) -> list[int]:
     return []
 
 
-def _read_native(src: Path, kind: str, fusion: str):
+def _read(src: Path, kind: str, fusion: str):
+    """(native model, tokenizer or None) of a source: a Llama folder or GGUF file with its own tokenizer (its EOS
+    ids the stop ids, as transformers' generate stops there), a folder of ours with the tokenizer it holds."""
+    from fullband.data.tokenizer import PretrainedTokenizer, load_tokenizer
+
     if kind == "native":
         from fullband.model.decoder import FullbandLM
 
-        return FullbandLM.load(src)
-    if kind == "llama":
+        native = FullbandLM.load(src)
+    elif kind == "hf":
+        native = load_transformers_folder(src)
+    else:
         from fullband.hf.llama import from_llama
 
-        return from_llama(str(src), fusion=fusion)
-    return load_transformers_folder(src)
+        if kind == "gguf":
+            from fullband.hf.gguf import load_causal_lm
+
+            hf = load_causal_lm(src)
+            stops = hf_stop_ids(hf.generation_config) or hf_stop_ids(hf.config)
+        else:
+            hf, stops = str(src), source_stop_ids(src)
+        native = from_llama(hf, fusion=fusion)
+        has_tokenizer = kind == "gguf" or any((src / name).is_file() for name in HF_TOKENIZER_FILES)
+        return native, PretrainedTokenizer.from_pretrained(src, stop_ids=tuple(stops)) if has_tokenizer else None
+    if not ((src / "tokenizer.json").is_file() or (src / BYTE_TOKENIZER_FILE).is_file()):
+        return native, None
+    try:
+        return native, load_tokenizer(src)
+    except CheckpointError:  # a tokenizer the native tools cannot read: left behind, as before
+        return native, None
 
 
-def _write_hf(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int]) -> None:
+def hf_stop_ids(config) -> list[int]:
+    """The EOS id(s) a transformers (generation) config declares, as a list ([] when none)."""
+    eos = getattr(config, "eos_token_id", None)
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+
+
+def _write_hf(native, out: Path, src: Path, tokenizer, stops: list[int]) -> None:
     from fullband.hf.modeling import FullbandForCausalLM
 
     eos = {"eos_token_id": stops if len(stops) > 1 else stops[0]} if stops else {}
     FullbandForCausalLM.from_native(native, **eos).save_pretrained(out)
-    if kind == "llama":  # an HF tokenizer already: copy its files
-        for name in HF_TOKENIZER_FILES:
-            if (tokenizer_dir / name).is_file():
-                shutil.copy2(tokenizer_dir / name, out / name)
-        return
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        return
+    if tokenizer is not None:
+        save_hf_tokenizer(tokenizer, out, src)
+
+
+def save_hf_tokenizer(tokenizer, out: Path, src: Path | None = None) -> None:
+    """The tokenizer as transformers (AutoTokenizer) and vLLM read it, into folder `out`, padding on the left (a
+    batch of prompts for generate ends where each prompt ends; right-padded rows would continue after their
+    padding, silently). A pretrained model's tokenizer keeps its own special tokens, BOS policy and chat template
+    (and special_ids.json, so fullband reads the folder back as it was); fullband's byte and BPE vocabularies get
+    their <bos> / <eos> / <pad> and, for a chat vocabulary, the marker template."""
     from transformers import PreTrainedTokenizerFast
 
     from fullband.data.chat.templates import hf_chat_template
-    from fullband.data.tokenizer import SPECIAL_TOKENS, BPETokenizer, load_tokenizer
+    from fullband.data.tokenizer import SPECIAL_TOKENS, BPETokenizer, PretrainedTokenizer
 
-    tokenizer = load_tokenizer(tokenizer_dir)
-    bos, eos, pad = SPECIAL_TOKENS
-    # a chat vocabulary carries its template, so AutoTokenizer.apply_chat_template and vLLM's chat API render
-    # conversations exactly as fullband's own template does
     chat = {"chat_template": hf_chat_template(tokenizer)} if hf_chat_template(tokenizer) else {}
+    if isinstance(tokenizer, PretrainedTokenizer):
+        # from a Llama folder or GGUF file: transformers' own tokenizer, with everything it keeps beside the vocabulary
+        hf = _hf_tokenizer_source(src) if src is not None else None
+        if hf is None:
+            backend = type(tokenizer.hf_tokenizer).from_str(tokenizer.hf_tokenizer.to_str())
+            names = {k: tokenizer.token(i) for k, i in
+                     (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))}
+            hf = PreTrainedTokenizerFast(tokenizer_object=backend, **names, **chat)
+        hf.padding_side = hf.init_kwargs["padding_side"] = "left"  # init_kwargs: what save_pretrained records
+        for key in ("is_local", "local_files_only"):  # where it was read from, not what it is
+            hf.init_kwargs.pop(key, None)
+        hf.save_pretrained(out)
+        tokenizer.save_ids(out)
+        return
+    bos, eos, pad = SPECIAL_TOKENS
     bpe = isinstance(tokenizer, BPETokenizer)  # AutoTokenizer reads a BPE as a fast tokenizer
     # the byte tokenizer: its transformers equivalent for other tools, and itself for the way back
-    file = str(tokenizer_dir / "tokenizer.json")
-    source = {"tokenizer_file": file} if bpe else {"tokenizer_object": tokenizer.to_hf()}
-    # left padding: a batch of prompts for generate ends where each prompt ends (right-padded rows would
-    # continue after their padding, silently)
+    source = {"tokenizer_object": type(tokenizer.hf_tokenizer).from_str(tokenizer.hf_tokenizer.to_str())} if bpe \
+        else {"tokenizer_object": tokenizer.to_hf()}
     PreTrainedTokenizerFast(**source, bos_token=bos, eos_token=eos, pad_token=pad, padding_side="left",
                             **chat).save_pretrained(out)
     if not bpe:
-        shutil.copy2(tokenizer_dir / "tokenizer.json", out / BYTE_TOKENIZER_FILE)
+        tokenizer.save(out, name=BYTE_TOKENIZER_FILE)
 
 
-def _write_native(native, out: Path, tokenizer_dir: Path, kind: str, stops: list[int]) -> None:
+def _hf_tokenizer_source(src: Path):
+    """transformers' own tokenizer of a Llama folder or GGUF file (None for folders of ours)."""
+    from transformers import AutoTokenizer
+
+    from fullband.hf.gguf import is_gguf, pretrained_args
+
+    if not is_gguf(src) and detect(src) != "llama":
+        return None
+    name, extra = pretrained_args(src)
+    return AutoTokenizer.from_pretrained(name, **extra)
+
+
+def _write_native(native, out: Path, src: Path, tokenizer) -> None:
     """model.safetensors + tokenizer + config.json (last: it records the other files)."""
     from fullband.folder import write_model_files
-    from fullband.data.tokenizer import PretrainedTokenizer, load_tokenizer
 
-    tokenizer = None
-    byte = tokenizer_dir / BYTE_TOKENIZER_FILE
-    if (tokenizer_dir / "tokenizer.json").is_file() and kind == "llama":
-        # its own tokenizer, with its BOS and EOS ids: fullband generate stops at the EOS, as transformers does
-        tokenizer = PretrainedTokenizer.from_pretrained(tokenizer_dir, stop_ids=tuple(stops))
-    elif byte.is_file():
-        shutil.copy2(byte, out / "tokenizer.json")
-    elif (tokenizer_dir / "tokenizer.json").is_file():
-        try:
-            load_tokenizer(tokenizer_dir)
-        except CheckpointError:  # a tokenizer the native tools cannot read: leave it with its model
-            pass
-        else:
-            shutil.copy2(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
     write_model_files(out, native.config, native.state_dict(), tokenizer=tokenizer)

@@ -65,7 +65,8 @@ def config_from_llama(hf_config: Any, *, fusion: str = "gated", max_seq_len: int
                   max_seq_len=min(max_seq_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings),
                   rope_theta=float(rope_theta), norm_eps=float(hf_config.rms_norm_eps), qk_norm=False,
                   input_norm=False, tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-                  bos_token_id=getattr(hf_config, "bos_token_id", None), fusion=fusion)
+                  bos_token_id=getattr(hf_config, "bos_token_id", None), fusion=fusion,
+                  feedback_trained=False)  # the fusion is initialised here: decoders default to STANDARD
     values.update(overrides)
     return ModelConfig(**values)
 

@@ -27,7 +27,7 @@ from fullband.hf.remote import write_shipped
 from fullband.model.config import ModelConfig, require_one_slot
 from fullband.model.decoder import FullbandLM
 from fullband.model.layers import Rotary
-from fullband.model.mode import DecodeMode
+from fullband.model.mode import DecodeMode, default_mode
 from fullband.model.weights import init_parameter_
 from fullband.train.objective import objective
 from fullband.validate import integer
@@ -44,7 +44,8 @@ class FullbandConfig(PretrainedConfig):
     """A ModelConfig as a transformers config, plus the default decoding mode of `generate`.
 
     Every ModelConfig field is an attribute of the same name (standard aliases such as `hidden_size` map to
-    them); `feedback_mode` ("standard" | "soft" | "fused" | "exact", default "soft", as `fullband.generate`) and
+    them); `feedback_mode` ("standard" | "soft" | "fused" | "exact"; default the model's, as `fullband.generate`:
+    "soft", or "standard" when its feedback weights are untrained or absent) and
     `prefill_passes` (fused passes over the prompt, default 1, or "auto") are what `generate` and `forward` use
     unless given per call."""
 
@@ -53,7 +54,7 @@ class FullbandConfig(PretrainedConfig):
                      "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff",
                      "max_position_embeddings": "max_seq_len", "initializer_range": "init_std"}
 
-    def __init__(self, feedback_mode: str = "soft", prefill_passes: int = 1, use_cache: bool = True,
+    def __init__(self, feedback_mode: str | None = None, prefill_passes: int = 1, use_cache: bool = True,
                  **kwargs: Any) -> None:
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_FIELDS}
         for alias, name in self.attribute_map.items():
@@ -64,6 +65,7 @@ class FullbandConfig(PretrainedConfig):
         for name, value in resolved.to_dict().items():
             if name != "bos_token_id":
                 setattr(self, name, value)
+        feedback_mode = default_mode(resolved).name if feedback_mode is None else feedback_mode
         DecodeMode.of(feedback_mode, prefill_passes, error=ConfigError, field="feedback_mode").check(
             resolved, ConfigError, weights=False)
         self.feedback_mode, self.prefill_passes = feedback_mode, prefill_passes

@@ -87,6 +87,10 @@ class ModelConfig:
     # Warm start from a Hugging Face causal LM (a folder, or a hub id when online): `fullband train` wraps it with
     # latent feedback (fullband.hf.add_latent_feedback); the sizes above then come from that model.
     hf_path: str = ""
+    # Whether the feedback weights were trained: false for a model converted from a standard checkpoint (a Llama, a
+    # GGUF file) whose fusion is freshly initialised, so its decoders default to STANDARD (default_mode) until a
+    # multi-pass training run sets it.
+    feedback_trained: bool = True
     # Training-time behaviour of the multi-pass forward (all inactive in eval mode).
     jitter: float = 0.02
     prefix_mixin_prob: float = 0.5
@@ -123,7 +127,8 @@ class ModelConfig:
         integer("global_every", self.global_every, 0)
         if not isinstance(self.hf_path, str):
             raise ConfigError(f"hf_path={self.hf_path!r} must be a string (a folder or a hub id; empty: none)")
-        for name in ("qk_norm", "attn_gate", "detach_between_passes", "input_norm", "tie_embeddings", "ponder"):
+        for name in ("qk_norm", "attn_gate", "detach_between_passes", "input_norm", "tie_embeddings", "ponder",
+                     "feedback_trained"):
             boolean(name, getattr(self, name))
         choice("fusion", self.fusion, FUSIONS)
         choice("feedback", self.feedback, FEEDBACKS)
@@ -233,6 +238,11 @@ class ModelConfig:
     def has_feedback(self) -> bool:
         """Whether a pass after the first reads a state: fusion weights, or ponder slots."""
         return self.fusion != "none" or self.ponder
+
+    @property
+    def feedback_ready(self) -> bool:
+        """Whether a mode that feeds the state is worth running by default: feedback weights that were trained."""
+        return self.has_feedback and self.feedback_trained
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -143,3 +143,21 @@ class DecodeMode:
                         f"is exact after as many passes as it has tokens, so more cannot change anything; accepted: "
                         f"0 <= {name} <= {config.max_seq_len}")
         return self
+
+
+def default_mode(config) -> DecodeMode:
+    """The mode a decoder runs when none is asked for: SOFT for a model whose feedback weights were trained
+    (ModelConfig.feedback_ready), STANDARD for a model without feedback weights or with freshly initialised ones
+    (a converted Llama or GGUF file, until a multi-pass training run): fed through untrained weights, its state
+    would turn the model's text into noise."""
+    return DecodeMode("soft") if getattr(config, "feedback_ready", True) else DecodeMode("standard")
+
+
+def default_note(config) -> str | None:
+    """What to tell a user whose model decodes STANDARD by default because its feedback weights are untrained."""
+    if getattr(config, "has_feedback", False) and not getattr(config, "feedback_trained", True):
+        return ("mode standard: this model's feedback weights are untrained (converted from a standard model; "
+                "feedback_trained = false), so it decodes as the original model. Train it with several passes "
+                "(fullband train), or pass --mode soft to feed the untrained state anyway")
+    return None
+
