@@ -209,3 +209,78 @@ metric_list:
     ours = lls(FullbandHarnessLM(checkpoint=str(smollm2.native), mode="standard"))
     stock = lls(HFLM(pretrained=smollm2.reference, tokenizer=smollm2.tokenizer, batch_size=4))
     assert len(ours) == 7 and ours == pytest.approx(stock, abs=1e-4)
+
+
+# ---------------------------------------------------------------------- post-training
+def test_fullband_rl_runs_a_step_on_the_real_model_with_an_earnable_reward(smollm2, tmp_path, capsys):
+    """configs/rl-smollm2.toml (the quiz and the `contains` reward) for one step: rewards that differ within a
+    group (something to learn from), a checkpoint, and the held-out reward under the run's own reward."""
+    from fullband.rl.run import load_rl_recipe, metric_rows, rl_train
+
+    recipe = load_rl_recipe("configs/rl-smollm2.toml", [
+        f"rl.init_from={smollm2.native}", f"rl.run_dir={tmp_path / 'rl'}", "rl.steps=1", "rl.group=4",
+        "rl.prompts_per_step=2", "rl.max_new_tokens=12", "rl.eval_prompts=4", "rl.eval_every=0", "rl.seed=1"])
+    run = rl_train(recipe, progress=False)
+    rows = metric_rows(run / "metrics.jsonl")
+    step = rows[-1]
+    assert step["step"] == 1 and 0 < step["reward"] < 1 and step["flat_groups"] < 2
+    assert "eval" in step and 0 <= step["eval"]["accuracy"] <= 1
+    assert (run / "step_000001" / "model.safetensors").is_file()
+    out = capsys.readouterr()
+    assert "held-out reward" in out.err + out.out and "changed nothing" not in out.err + out.out
+
+
+def test_trl_grpo_trainer_takes_a_step_on_the_real_model(smollm2, tmp_path):
+    """TRL's GRPOTrainer (fullband.rl.trl.FeedbackGRPOTrainer) on the converted transformers folder: the model's own
+    chat template renders the prompts, replies end at <|im_end|>, the quiz reward scores them and a step is taken."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from fullband.rl.rewards import contains_answer
+    from fullband.rl.trl import FeedbackGRPOTrainer
+
+    rows = [json.loads(line) for line in open("configs/quiz.jsonl")][:2]
+    dataset = datasets.Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in rows])
+    seen = []
+
+    def reward(completions, answer, **_):  # TRL's signature: conversational completions and the dataset's columns
+        scores = [contains_answer("", c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
+        seen.extend(scores)
+        return scores
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
+                          max_completion_length=12, max_steps=1, learning_rate=1e-6, beta=0.0, use_cpu=True,
+                          bf16=False, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
+                          gradient_checkpointing=False)
+    trainer = FeedbackGRPOTrainer(model=str(smollm2.hf), reward_funcs=reward, args=args, train_dataset=dataset)
+    before = trainer.model.model.embed.weight.detach().clone()
+    result = trainer.train()
+    assert len(seen) == 4 and max(seen) == 1.0  # the model earns the reward on the quiz
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(before, trainer.model.model.embed.weight.detach())  # a step was taken
+
+
+# ---------------------------------------------------------------------- a warm start from the GGUF file
+def test_warmstart_recipe_takes_its_sizes_weights_and_tokenizer_from_the_gguf_file(smollm2, prose, tmp_path, capsys):
+    """configs/warmstart-smollm2.toml with train.init_from the GGUF file: the model is the Llama's (STANDARD logits
+    are transformers'), the run reads the model's own tokenizer, states its memory before the first step, trains a
+    two-pass step, and its checkpoint decodes SOFT by default (feedback_trained)."""
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import train
+
+    cfg = load_run_config("configs/warmstart-smollm2.toml", [
+        f"train.init_from={smollm2.gguf}", f"log.run_dir={tmp_path / 'run'}", "train.steps=1", "train.seq_len=32",
+        "train.global_batch_tokens=64", "train.micro_batch=2", 'train.passes="three-pass"', "train.warmup_steps=0",
+        "log.eval_windows=2", f"data.cache_dir={tmp_path / 'cache'}", f"data.corpus={prose}",
+        "data.val_percent=50", "log.progress=false", "optim.adam_lr=1e-12"])  # a step that moves nothing visible
+    result = train(cfg)
+    out = capsys.readouterr().out
+    assert "memory: about" in out and "warm start from" in out
+    ckpt = tmp_path / "run" / "step_000001"
+    tok = fullband.load_tokenizer(ckpt)
+    assert tok.vocab_size == 49152 and not tok.add_bos and tok.stop_ids == (2,) and tok.chat_template
+    model = fullband.load_model(ckpt)
+    assert model.config.feedback_trained and model.config.d_model == 576 and model.config.n_layers == 30
+    assert result["steps"] == 1 and all(v == v for v in result["eval"].values())
+    x = torch.tensor([smollm2.tokenizer(TEXT)["input_ids"]])
+    with torch.no_grad():
+        assert (model(x).logits - smollm2.reference(x).logits).abs().max() < 1e-4  # the Llama's weights

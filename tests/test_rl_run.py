@@ -64,7 +64,7 @@ def test_a_run_logs_evaluates_checkpoints_and_plots(tmp_path, model):
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # step 0: the starting model, evaluated
     assert all(0 <= r["reward"] <= 1 and 1 <= r["length"] <= 8 and r["tokens"] > 0 for r in rows[1:])
-    assert [r["step"] for r in rows if "eval" in r] == [0, 3, 6] and "held-out accuracy" in done.stdout
+    assert [r["step"] for r in rows if "eval" in r] == [0, 3, 6] and "held-out reward" in done.stdout
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["metrics.jsonl", "rl.png", "run.json",
                                                                    "step_000002", "step_000004", "step_000006"]
     assert run("doctor", str(tmp_path / "a" / "step_000006")).returncode == 0  # a checkpoint like train's
@@ -151,3 +151,30 @@ def test_rejection_sft_on_a_prompt_file_runs_from_the_cli(tmp_path, model, capsy
     rows = [json.loads(line) for line in (tmp_path / "rs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(0 <= r["kept"] <= 4 for r in rows[1:])
     assert rows[0]["eval"]["accuracy"] == 0.0  # an untrained model answers none of the held-out sums
+
+
+def test_a_step_whose_rewards_are_all_equal_is_said(model, tmp_path, capsys):
+    """A reward the model never earns (the tiny model never writes 'Answer: N'): every group's rewards are equal,
+    every advantage is 0, and each such step says so in one line; rejection-sft says it kept nothing."""
+    from fullband.rl.run import load_rl_recipe, metric_rows, rl_train
+
+    path = tmp_path / "flat.toml"
+    path.write_text(RECIPE.format(model=model, steps=2, run=tmp_path / "flat", reward="answer"))
+    rl_train(load_rl_recipe(path), progress=False)
+    said = [line for line in capsys.readouterr().out.splitlines() if "changed nothing" in line]
+    assert [line.split(":")[0] for line in said] == ["step 1", "step 2"]
+    assert "every reply to each of the 2 prompts scored the same (mean reward 0)" in said[0]
+    assert all(row["flat_groups"] == 2 for row in metric_rows(tmp_path / "flat" / "metrics.jsonl") if "reward" in row)
+    rl_train(load_rl_recipe(path, ["rl.algorithm=rejection-sft", f"rl.run_dir={tmp_path / 'sft'}"]), progress=False)
+    assert "step 1: no reply reached rl.accept=1 (mean reward 0), so this step trained on nothing" in \
+        capsys.readouterr().out
+
+
+def test_contains_reward_finds_the_answer_as_a_word():
+    from fullband.rl.rewards import load_reward
+
+    contains = load_reward("contains")
+    assert contains("q", "The capital of France is Paris.", {"answer": "Paris"}) == 1.0
+    assert contains("q", "paris, of course", {"answer": "Paris"}) == 1.0
+    assert contains("q", "Parisian food", {"answer": "Paris"}) == 0.0
+    assert contains("q", "It is 12.", {"answer": "2"}) == 0.0 and contains("q", "2 + 3 = 5", {"answer": "5"}) == 1.0

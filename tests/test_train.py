@@ -486,3 +486,59 @@ def test_tensorboard_and_wandb_receive_every_step(tmp_path, corpus, cache, monke
     offline = list((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
     assert wandb.run is None  # finished, not left open
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_bitwise(tmp_path, corpus, cache, monkeypatch,
+                                                                          capsys):
+    """The first Ctrl-C (SIGINT) lets the step it lands in finish, writes that step's checkpoint (here one the
+    schedule would not have written) and stops; --resume then ends with the uninterrupted run's weights. The memory
+    estimate is printed before the first step."""
+    from fullband.train.trainer import Trainer
+
+    whole = write_config(tmp_path, corpus, cache, "whole")
+    part = write_config(tmp_path, corpus, cache, "part")
+    train(load_run_config(whole))
+    assert re.search(r"memory: about [\d.]+ GB at a 3-pass step \(weights .*; [\d.]+ GB available",
+                     capsys.readouterr().out)
+    step = Trainer.train_step
+
+    def interrupted(self, i):
+        stats = step(self, i)
+        if i == 2:  # in the middle of the run's third step, as a user's Ctrl-C would land
+            os.kill(os.getpid(), signal.SIGINT)
+        return stats
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_run_config(part))
+    out = capsys.readouterr()
+    assert "Ctrl-C: stopping after this step" in out.err
+    assert f"interrupted after step 3: checkpoint {tmp_path / 'part' / 'step_000003'}" in out.out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    monkeypatch.setattr(Trainer, "train_step", step)
+    train(load_run_config(part), resume=tmp_path / "part")
+    assert losses(tmp_path / "part") == losses(tmp_path / "whole")
+    a = load_file(str(tmp_path / "whole" / "step_000008" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "step_000008" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_memory_estimate_and_a_warning_when_it_does_not_fit(monkeypatch):
+    """The estimate (weights, gradients, optimizer state, activations per pass) and the warning when a step may
+    not fit what is available."""
+    from fullband.errors import FullbandWarning
+    from fullband.model.config import ModelConfig
+    from fullband.train import memory, trainer
+    from fullband.train.config import RunConfig, TrainConfig
+
+    smol = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536)
+    one = memory.step_memory(smol, passes=1, tokens=1024, optimizer="adamw")
+    three = memory.step_memory(smol, passes=3, tokens=1024, optimizer="adamw")
+    assert three.activations == 3 * one.activations and 1.8e9 < one.activations < 2.4e9  # measured: 1.9 GB
+    assert one.optimizer == 2 * one.weights == 2 * one.gradients
+    cfg = RunConfig(model=smol, train=TrainConfig(seq_len=256, global_batch_tokens=1024, micro_batch=4,
+                                                   passes="three-pass", warmup_steps=0))
+    monkeypatch.setattr(memory, "available_memory", lambda device: 4e9)
+    with pytest.warns(FullbandWarning, match=r"may not fit: about \d+\.\d GB against 4\.0 GB available; lower "
+                                             "train.micro_batch"):
+        trainer.say_memory(cfg, torch.device("cpu"))

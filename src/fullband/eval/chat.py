@@ -42,9 +42,10 @@ def _mean_se(values) -> tuple[float, float]:
 
 
 def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: list[DecodeMode], *,
-              max_new_tokens: int = 192, batch_size: int = 16, progress: bool = True) -> dict:
+              max_new_tokens: int = 192, batch_size: int = 16, progress: bool = True, score=None) -> dict:
     """Per mode: accuracy and response length (mean ± s.e.), the share of answers that ended with the end-of-turn
-    token, paired differences to the first mode, and every answer (for inspection)."""
+    token, paired differences to the first mode, and every answer (for inspection). Accuracy is the mean of
+    `score(messages, answer text, reference)` (default: 1 for an exact match of the final 'Answer: ...')."""
     template = chat_template(tokenizer)
     prompts = [chat_prompt(tokenizer, msgs, template=template) for msgs, _ in items]
     stops = list(tokenizer.stop_ids)
@@ -67,7 +68,8 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
             for i, ids in zip(batch, generate(model, [prompts[i] for i in batch], new, mode=mode, stop_tokens=stops)):
                 answers[i] = ids
         texts = [tokenizer.decode([t for t in a if t not in stops]) for a in answers]
-        correct = [float(final_answer(t) == ref) for t, (_, ref) in zip(texts, items)]
+        correct = [float(final_answer(t) == ref) if score is None else float(score(msgs, t, ref))
+                   for t, (msgs, ref) in zip(texts, items)]
         lengths = [len(a) for a in answers]
         ended = [float(bool(a) and a[-1] in stops) for a in answers]
         acc, acc_se = _mean_se(correct)

@@ -67,9 +67,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
     src, dst = Path(src), Path(dst)
     kind = detect(src)
     if kind == "gguf":  # refused by name before anything is written or loaded
-        from fullband.hf.gguf import require_native
+        from fullband.hf.gguf import gguf_path, require_native
 
         require_native(src, use="fullband convert")
+        src = gguf_path(src)
     target = to if to is not None else ("hf" if kind == "native" else "native")
     if target not in TARGETS:
         raise ConfigError(f"to={target!r} is not a target format; accepted: {', '.join(TARGETS)}")

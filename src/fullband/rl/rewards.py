@@ -1,4 +1,5 @@
-"""Verifiable rewards: the built-in exact-match checker of a final 'Answer: N', or a user function
+"""Verifiable rewards: the built-in checkers (`answer`: exact match of a final 'Answer: N'; `contains`: the
+reference answer anywhere in the reply, as a word), or a user function
 `module:function(prompt, response, example) -> float` (module a dotted name or a .py file), checked on every call."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,14 @@ def exact_answer(prompt: str, response: str, example: dict) -> float:
     return float(final_answer(response) == str(example["answer"]).strip())
 
 
-BUILT_IN = {"answer": exact_answer}
+def contains_answer(prompt: str, response: str, example: dict) -> float:
+    """1.0 when the example's answer occurs in the response as a whole word or number (case-insensitive), else 0:
+    a reward an instruction-tuned model earns without a fixed answer format ("Paris", "The capital is Paris.")."""
+    answer = str(example["answer"]).strip()
+    return float(bool(answer) and re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", response, re.IGNORECASE) is not None)
+
+
+BUILT_IN = {"answer": exact_answer, "contains": contains_answer}
 
 
 def load_reward(spec: str) -> Reward:

@@ -25,6 +25,7 @@ from fullband.files import replace_file, writing
 from fullband.train import checkpoint as ckpt
 from fullband.train.metrics import METRICS_FILE
 from fullband.train.parallel import Dist
+from fullband.train.trainer import stop_after_step
 from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
                                    truncate_metrics)
 from fullband.rl.step import RLSettings
@@ -168,14 +169,33 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
                 return reward(items.texts[j], text, {"answer": items.answers[j]})
             return one
 
+        def held_out(messages, text: str, answer: str) -> float:  # the run's own reward, on greedy replies
+            return reward(messages[-1].content, text, {"answer": answer})
+
         def evaluate(row: dict) -> None:
             result = chat_eval(model, tokenizer, val_items, [mode], max_new_tokens=cfg.max_new_tokens,
-                               progress=False)["rows"][0]
+                               progress=False, score=held_out)["rows"][0]
             row["eval"] = {"accuracy": result["accuracy"], "length": result["tokens"]}
-            bar.write(f"step {row['step']}: held-out accuracy {result['accuracy']:.3f}, reply length "
+            bar.write(f"step {row['step']}: held-out reward {result['accuracy']:.3f} ({cfg.reward}), reply length "
                       f"{result['tokens']:.1f} tokens ({mode.label}, greedy)")
 
-        with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as log:
+        def nothing_learned(row: dict) -> str | None:
+            """What to tell the user when a step's samples cannot move the model."""
+            groups = len(idx)
+            if cfg.algorithm == "grpo" and row["flat_groups"] == groups:
+                return (f"step {row['step']}: every reply to each of the {groups} prompts scored the same (mean reward "
+                        f"{row['reward']:.3g}), so every advantage is 0 and this step changed nothing; rl.reward "
+                        f"{cfg.reward!r} needs replies that this model earns sometimes, not always or never (README, "
+                        "'Reinforcement learning')")
+            if cfg.algorithm == "rejection-sft" and row.get("kept") == 0:
+                return (f"step {row['step']}: no reply reached rl.accept={cfg.accept:g} (mean reward "
+                        f"{row['reward']:.3g}), so this step trained on nothing")
+            return None
+
+        if mode.feeds_state and not model.config.feedback_ready:
+            bar.write(f"rl.mode={cfg.mode!r} on {cfg.init_from}, whose feedback weights are untrained (a converted "
+                      "model): its replies read an untrained state; rl.mode = \"standard\" samples the model as it is")
+        with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as log, stop_after_step() as stop:
             if step == 0 and cfg.eval_every:  # the starting model, for the curve to start from
                 row = {"step": 0}
                 evaluate(row)
@@ -196,11 +216,19 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
                 log.flush()
                 bar.set_postfix(reward=f"{row['reward']:.3f}", length=f"{row['length']:.1f}")
                 bar.update(1)
-                if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
+                said = nothing_learned(row)
+                if said:
+                    bar.write(said)
+                interrupted = step < cfg.steps and stop.agreed(d)
+                if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps or interrupted:
                     state = {"tokens": tokens, "compute_tokens": tokens, "elapsed": elapsed, "sampler": {},
                              "config": recipe.to_dict()}
-                    ckpt.save_checkpoint(run_dir, step, model, optimizer, state, d=d, tokenizer=tokenizer,
-                                         keep_last=cfg.keep_last)
+                    path = ckpt.save_checkpoint(run_dir, step, model, optimizer, state, d=d, tokenizer=tokenizer,
+                                                keep_last=cfg.keep_last)
+                if interrupted:  # Ctrl-C: the step is whole and kept; stop here
+                    bar.write(f"interrupted after step {step}: checkpoint {path}; continue with fullband rl RECIPE "
+                              f"--resume {run_dir}")
+                    raise KeyboardInterrupt
         bar.close()
         plot_rl(run_dir / METRICS_FILE, run_dir / "rl.png")
         return run_dir
@@ -218,7 +246,7 @@ def metric_rows(metrics: Path) -> list[dict]:
 
 
 def plot_rl(metrics: Path, out: Path) -> Path | None:
-    """Reward and reply length per step (and the held-out accuracy where it was measured), as a PNG."""
+    """Reward and reply length per step (and the held-out reward, greedy, where it was measured), as a PNG."""
     from fullband.eval.report import plt, save_figure
 
     rows = metric_rows(metrics)
@@ -231,7 +259,7 @@ def plot_rl(metrics: Path, out: Path) -> Path | None:
     evals = [r for r in rows if "eval" in r]
     if evals:
         top.plot([r["step"] for r in evals], [r["eval"]["accuracy"] for r in evals], "o--",
-                 label="held-out exact match (greedy)")
+                 label="held-out reward (greedy)")
     top.set(ylabel="reward / accuracy")
     top.legend(fontsize=8)
     bottom.plot(steps, [r["length"] for r in sampled], label="sampled replies", lw=1)

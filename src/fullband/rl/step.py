@@ -91,8 +91,10 @@ def rl_step(model: FeedbackModel, optimizer: torch.optim.Optimizer, prompts: Seq
     lengths = torch.tensor([len(y) for y in r.responses], dtype=torch.float64)
     tokens = int(r.mask.sum())
     dt = time.perf_counter() - t0
+    groups = rewards.view(-1, settings.group)
+    flat = int((groups == groups[:, :1]).all(dim=1).sum())  # groups whose replies all scored the same
     return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "length": float(lengths.mean()),
-            **row, "tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt}
+            "flat_groups": flat, **row, "tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt}
 
 
 def _grpo(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, rewards: Tensor,

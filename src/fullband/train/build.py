@@ -31,9 +31,71 @@ def resolve(cfg: RunConfig, d: Dist, *, run_dir: Path | None = None) -> tuple[Ru
     """The run config with its model config resolved — a pretrained model's sizes (model.hf_path, checked first),
     then the tokenizer's BOS (the vocabulary checked) — and the run's (corpus, tokenizer) (the run's own when
     resuming from run_dir). The resolved config is what run.json and every checkpoint record."""
-    model = hf_model_config(cfg) if cfg.model.hf_path else cfg.model
+    if cfg.model.hf_path:
+        model = hf_model_config(cfg)
+    elif pretrained_source(cfg.train.init_from):
+        model = llama_model_config(cfg)
+    else:
+        model = cfg.model
     source = run_tokenizer(cfg, d, run_dir=run_dir)
+    model = model.replace(feedback_trained=feedback_trained(cfg, model))
     return replace(cfg, model=fit_model_config(model, source[1])), source
+
+
+def feedback_trained(cfg: RunConfig, model: ModelConfig) -> bool:
+    """Whether the run's checkpoints hold trained feedback weights (ModelConfig.feedback_trained: decoders default
+    to SOFT on them): a schedule with several passes trains them; a one-pass run keeps what it started from (a
+    pretrained model's fusion is fresh; a folder of ours says)."""
+    if cfg.train.schedule.max_passes > 1:
+        return True
+    if pretrained_source(cfg.train.init_from):
+        return False
+    if cfg.train.init_from:
+        from fullband.folder import read_config
+
+        return read_config(cfg.train.init_from).feedback_trained
+    return model.feedback_trained
+
+
+def pretrained_source(path: str) -> bool:
+    """Whether train.init_from names a standard pretrained model fullband converts (a GGUF file or a transformers
+    Llama folder) rather than a folder fullband wrote: the model then takes its sizes and tokenizer."""
+    from fullband.files import read_json
+    from fullband.hf.gguf import is_gguf
+
+    if not path:
+        return False
+    if is_gguf(path):
+        return True
+    data = read_json(Path(path) / "config.json")
+    return isinstance(data, dict) and data.get("model_type") == "llama"
+
+
+# the recipe's [model] fields a warm start from a pretrained Llama keeps (how feedback is added and trained); every
+# size comes from the pretrained model
+FEEDBACK_FIELDS = ("fusion", "feedback", "feedback_source", "feedback_target", "jitter", "prefix_mixin_prob",
+                   "detach_between_passes", "pass_loss_weight")
+
+
+def llama_model_config(cfg: RunConfig) -> ModelConfig:
+    """The model of a warm start from a pretrained Llama (train.init_from: a GGUF file or a transformers folder): its
+    sizes, with the recipe's feedback fields."""
+    from fullband.hf.gguf import is_gguf, pretrained_args, require_native
+    from fullband.hf.llama import _transformers, config_from_llama
+
+    path = cfg.train.init_from
+    if is_gguf(path):
+        require_native(path, use="train.init_from")
+    name, extra = pretrained_args(path)
+    try:
+        hf_config = _transformers().AutoConfig.from_pretrained(name, **extra)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"train.init_from={path!r} could not be read as a Llama model: {err}") from None
+    model = config_from_llama(hf_config, **{f: getattr(cfg.model, f) for f in FEEDBACK_FIELDS})
+    if cfg.train.seq_len > model.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds the context of {path} ({model.max_seq_len} "
+                          "positions); lower train.seq_len")
+    return model
 
 
 def build(cfg: RunConfig, d: Dist, *, warm: bool = True) -> Built:
@@ -71,8 +133,11 @@ def hf_model_config(cfg: RunConfig) -> ModelConfig:
     if cfg.train.init_from:
         raise ConfigError(f"model.hf_path={model.hf_path!r} and train.init_from={cfg.train.init_from!r} both name a "
                           "warm start; accepted: one of them")
+    from fullband.hf.gguf import pretrained_args
+
+    name, extra = pretrained_args(model.hf_path)
     try:
-        hf_config = _transformers().AutoConfig.from_pretrained(model.hf_path)
+        hf_config = _transformers().AutoConfig.from_pretrained(name, **extra)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.hf_path={model.hf_path!r} is not a Hugging Face model folder (or reachable hub id): "
                           f"{err}") from None
@@ -85,11 +150,21 @@ def hf_model_config(cfg: RunConfig) -> ModelConfig:
 
 def warm_start(model: FullbandLM, path: str) -> dict:
     """Copy every weight of the model folder `path` whose name and shape match (e.g. a standard checkpoint into
-    a full-bandwidth model: the fusion weights keep their fresh initialisation). Returns what was copied/kept."""
+    a full-bandwidth model: the fusion weights keep their fresh initialisation), or of a pretrained Llama (a GGUF
+    file or transformers folder, converted as `fullband convert` converts it; its fusion weights are not copied:
+    the run's own initialisation stays). Returns what was copied/kept."""
     from fullband.folder import load_state, read_config
 
-    read_config(path)  # a clear error for a missing or broken folder
-    source = load_state(path)
+    if pretrained_source(path):
+        from fullband.hf.gguf import is_gguf, load_causal_lm
+        from fullband.hf.llama import from_llama
+
+        converted = from_llama(load_causal_lm(path) if is_gguf(path) else path, fusion=model.config.fusion)
+        source = {k: v for k, v in converted.state_dict().items() if not k.startswith("fusion.")}
+        del converted
+    else:
+        read_config(path)  # a clear error for a missing or broken folder
+        source = load_state(path)
     own = model.state_dict()
     copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
     grown = {}

@@ -46,13 +46,45 @@ def run_tokenizer(cfg, d: Dist, *, run_dir: Path | None = None):
     trained on the corpus once and cached). A chat run's corpus is its spec, its tokenizer the recipe's with the
     chat markers (or a pretrained model's own chat template)."""
     data = cfg.data
+    pretrained = pretrained_model(cfg)
     if data.format == "chat":
-        return data.corpus, _chat_tokenizer(data, run_dir, cfg.model.hf_path)
+        return data.corpus, _chat_tokenizer(data, run_dir, pretrained)
     if data.format == "tracking":
         return data.corpus, load_tokenizer(run_dir) if run_dir is not None else _tokenizer(
-            data, None, cache_root(data.cache_dir), d, None, cfg.model.hf_path)
+            data, None, cache_root(data.cache_dir), d, None, pretrained)
     corpus = resolve_corpus(data.corpus, text_field=data.text_field, val_percent=data.val_percent)
-    return corpus, _tokenizer(data, corpus, cache_root(data.cache_dir), d, run_dir, cfg.model.hf_path)
+    return corpus, _tokenizer(data, corpus, cache_root(data.cache_dir), d, run_dir, pretrained)
+
+
+def pretrained_model(cfg) -> str:
+    """The pretrained model whose own tokenizer a run reads (model.hf_path, or a train.init_from that is a GGUF file
+    or a transformers Llama folder); '' for none."""
+    from fullband.train.build import pretrained_source
+
+    if cfg.model.hf_path:
+        return cfg.model.hf_path
+    return cfg.train.init_from if pretrained_source(cfg.train.init_from) else ""
+
+
+def _pretrained_tokenizer(path: str) -> PretrainedTokenizer:
+    """A pretrained model's tokenizer, its EOS id(s) (generation_config.json, else config.json) the stop ids."""
+    from fullband.hf.gguf import is_gguf, pretrained_args
+
+    stops: tuple[int, ...] = ()
+    try:
+        from transformers import GenerationConfig
+
+        from fullband.hf.convert import hf_stop_ids
+
+        name, extra = pretrained_args(path)
+        stops = tuple(hf_stop_ids(GenerationConfig.from_pretrained(name, **extra)))
+    except (ImportError, OSError, ValueError, TypeError):
+        stops = ()
+    if not stops and not is_gguf(path):
+        from fullband.hf.convert import source_stop_ids
+
+        stops = tuple(source_stop_ids(Path(path)))
+    return PretrainedTokenizer.from_pretrained(path, stop_ids=stops)
 
 
 def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None, source=None) -> RunData:
@@ -87,10 +119,10 @@ def _chat_tokenizer(data, run_dir: Path | None, hf_path: str):
     if run_dir is not None:
         return load_tokenizer(run_dir)
     if data.tokenizer == "byte" and hf_path:
-        base = PretrainedTokenizer.from_pretrained(hf_path)
+        base = _pretrained_tokenizer(hf_path)
         if not base.chat_template:
-            raise ConfigError(f"model.hf_path={hf_path!r} has no chat_template; accepted for data.format='chat': a "
-                              "model whose tokenizer carries one (an instruction-tuned model's folder)")
+            raise ConfigError(f"{hf_path!r} has no chat_template; accepted for data.format='chat': a model whose "
+                              "tokenizer carries one (an instruction-tuned model's folder or GGUF file)")
         return base
     if data.tokenizer == "byte":
         base = ByteTokenizer()
@@ -134,7 +166,7 @@ def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None, hf_path
     if run_dir is not None:  # resuming: the run's own tokenizer, whatever the recipe says
         return load_tokenizer(run_dir)
     if data.tokenizer == "byte" and hf_path:  # a pretrained model reads its own vocabulary
-        return PretrainedTokenizer.from_pretrained(hf_path)
+        return _pretrained_tokenizer(hf_path)
     if data.tokenizer == "byte":
         return ByteTokenizer()
     if data.tokenizer == "bpe":

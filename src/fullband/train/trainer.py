@@ -84,6 +84,8 @@ class Trainer:
         # the model config, resolved once (what run.json records), and the run's corpus and tokenizer
         self.cfg, source = resolve(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
         cfg = self.cfg
+        if self.d.main:
+            say_memory(cfg, self.d.device)
         self.resume_from: Path | None = None
         if resume is not None:
             self.resume_from = resume_checkpoint(Path(resume), self.run_dir)
@@ -225,45 +227,13 @@ class Trainer:
                                     tokenizer=self.data.tokenizer, keep_last=self.cfg.log.keep_last)
 
     def run(self) -> dict:
-        cfg, d = self.cfg, self.d
-        total = cfg.train.steps
-        tokens_per_step = cfg.train.global_batch_tokens
-        bar = progress_bar(cfg, d, self.step, total)
-        last_eval: dict[str, float] = {}
+        """Train to the last step (from a resumed one); a Ctrl-C stops after the step it is in, with a checkpoint."""
+        d = self.d
+        bar = progress_bar(self.cfg, d, self.step, self.cfg.train.steps)
+        self.last_eval: dict[str, float] = {}
         try:
-            while self.step < total:
-                t0 = time.perf_counter()
-                stats = self.train_step(self.step)
-                dt = time.perf_counter() - t0
-                self.step += 1
-                self.tokens += tokens_per_step
-                self.compute_tokens += tokens_per_step * stats.k
-                self.flops += self.step_flops(stats.k, stats.loops)
-                self.elapsed += dt
-                lr = {name: opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers.items()
-                      if opt.param_groups}
-                row = {"step": self.step, "k": stats.k, "loss": stats.loss, "loss_pass": stats.pass_losses, "lr": lr,
-                       "grad_norm": stats.grad_norm, "state_rms": stats.state_rms, "tokens": self.tokens,
-                       "compute_tokens": self.compute_tokens, "flops": self.flops, "tok_per_s": tokens_per_step / dt,
-                       "time": self.elapsed}
-                if cfg.model.has_loop:
-                    row["loops"] = stats.loops
-                if self.loggers:
-                    self.loggers.log(row)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{stats.loss:.3f}", pass1=f"{stats.pass_losses[0]:.3f}", k=stats.k,
-                                    tok_s=f"{tokens_per_step / dt:,.0f}")  # loss: the objective, as metrics.jsonl
-                    bar.update(1)
-                done = self.step == total
-                if (cfg.log.eval_every and self.step % cfg.log.eval_every == 0) or done:
-                    last_eval = self.evaluate()
-                    if self.loggers:
-                        self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens,
-                                          "flops": self.flops})
-                    msg = "  ".join(f"passes={k}: {v:.4f}" for k, v in last_eval.items())
-                    (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
-                if (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done:
-                    self.save()
+            with stop_after_step() as stop:
+                self._loop(bar, stop)
         finally:
             if bar is not None:
                 bar.close()
@@ -273,12 +243,118 @@ class Trainer:
             with writing(self.run_dir / "loss.png", "plot the losses"):
                 plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
         return {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
-                "elapsed": self.elapsed, "eval": last_eval, "run_dir": str(self.run_dir)}
+                "elapsed": self.elapsed, "eval": self.last_eval, "run_dir": str(self.run_dir)}
+
+    def _loop(self, bar, stop) -> None:
+        cfg, d = self.cfg, self.d
+        total = cfg.train.steps
+        tokens_per_step = cfg.train.global_batch_tokens
+        while self.step < total:
+            t0 = time.perf_counter()
+            stats = self.train_step(self.step)
+            dt = time.perf_counter() - t0
+            self.step += 1
+            self.tokens += tokens_per_step
+            self.compute_tokens += tokens_per_step * stats.k
+            self.flops += self.step_flops(stats.k, stats.loops)
+            self.elapsed += dt
+            lr = {name: opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers.items()
+                  if opt.param_groups}
+            row = {"step": self.step, "k": stats.k, "loss": stats.loss, "loss_pass": stats.pass_losses, "lr": lr,
+                   "grad_norm": stats.grad_norm, "state_rms": stats.state_rms, "tokens": self.tokens,
+                   "compute_tokens": self.compute_tokens, "flops": self.flops, "tok_per_s": tokens_per_step / dt,
+                   "time": self.elapsed}
+            if cfg.model.has_loop:
+                row["loops"] = stats.loops
+            if self.loggers:
+                self.loggers.log(row)
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats.loss:.3f}", pass1=f"{stats.pass_losses[0]:.3f}", k=stats.k,
+                                tok_s=f"{tokens_per_step / dt:,.0f}")  # loss: the objective, as metrics.jsonl
+                bar.update(1)
+            done = self.step == total
+            if (cfg.log.eval_every and self.step % cfg.log.eval_every == 0) or done:
+                self.last_eval = last_eval = self.evaluate()
+                if self.loggers:
+                    self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens,
+                                      "flops": self.flops})
+                msg = "  ".join(f"passes={k}: {v:.4f}" for k, v in last_eval.items())
+                (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
+            due = (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done
+            path = self.save() if due else None
+            if not done and stop.agreed(d):  # Ctrl-C: this step is whole; keep it, then stop
+                path = path or (None if due else self.save())
+                kept = f"checkpoint {path}" if path else "no checkpoint (the weights are not finite)"
+                _print0(d, f"interrupted after step {self.step}: {kept}; continue with fullband train RECIPE "
+                           f"--resume {self.run_dir}")
+                raise KeyboardInterrupt
 
     def close(self) -> None:
         if self.lock is not None:
             self.lock.release()
         shutdown(self.d)
+
+
+class StopRequest:
+    """Set by the first Ctrl-C (SIGINT) while a run trains: the loop finishes the step it is in, writes a checkpoint
+    and stops; a second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def agreed(self, d: Dist) -> bool:
+        """Whether to stop now: any rank was interrupted (every rank stops after the same step)."""
+        if d.world == 1:
+            return self.requested
+        return float(all_reduce_max(torch.tensor(float(self.requested), device=d.device), d)) > 0
+
+
+@contextlib.contextmanager
+def stop_after_step():
+    """A StopRequest the SIGINT handler sets for the time of the block (only in the main thread, and only where
+    Ctrl-C would otherwise raise KeyboardInterrupt: another handler installed by the caller is left alone)."""
+    import signal
+    import sys
+    import threading
+
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if stop.requested:
+            raise KeyboardInterrupt
+        stop.requested = True
+        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again stops now, without one)",
+              file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def say_memory(cfg: RunConfig, device) -> None:
+    """Print the estimated memory of the run's largest step and what is available; warn when it may not fit."""
+    import warnings
+
+    from fullband.errors import FullbandWarning
+    from fullband.train.memory import GB, available_memory, step_memory
+
+    t = cfg.train
+    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and getattr(device, "type", "cpu") == "cuda")
+    est = step_memory(cfg.model, passes=t.schedule.max_passes, tokens=t.micro_batch * t.seq_len,
+                      optimizer=cfg.optim.name, checkpointing=t.activation_checkpointing, dtype_bytes=2 if bf16 else 4)
+    free = available_memory(device)
+    print(f"memory: {est.describe(cfg.optim.name)}"
+          + (f"; {free / GB:.1f} GB available" if free is not None else ""), flush=True)
+    if free is not None and est.total > free:
+        warnings.warn(f"the largest step may not fit: about {est.total / GB:.1f} GB against {free / GB:.1f} GB "
+                      f"available; lower train.micro_batch (gradient accumulation keeps the global batch) or set "
+                      "train.activation_checkpointing = true", FullbandWarning, stacklevel=2)
 
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
