@@ -1,5 +1,5 @@
 """A GGUF model rewritten with every tensor dequantized to F32 or F16, metadata kept: the same weights at the
-precision fullband's float32 decode runs at, for a like-for-like llama.cpp comparison (benchmarks/llamacpp_decode.py)."""
+precision fullband's float32 decode runs at, for a like-for-like llama.cpp benchmark (benchmarks/llamacpp_decode.py)."""
 
 from __future__ import annotations
 
