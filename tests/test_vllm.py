@@ -421,6 +421,58 @@ def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
         shut(ours)
 
 
+# ---------------------------------------------------------------------------------------------------- the real model
+@pytest.fixture(scope="module")
+def smollm2_folders(smollm2_gguf, tmp_path_factory):
+    """SmolLM2-135M-Instruct (make install's GGUF file) as a transformers Llama folder (vLLM's own model reads it)
+    and through `fullband convert` as a native and a served folder (its fusion untrained: STANDARD by default)."""
+    from transformers import AutoTokenizer
+
+    from fullband.hf.convert import convert
+    from fullband.hf.gguf import load_causal_lm
+
+    root = tmp_path_factory.mktemp("smollm2")
+    load_causal_lm(smollm2_gguf).save_pretrained(root / "llama")
+    AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name).save_pretrained(root / "llama")
+    convert(root / "llama", root / "native")
+    convert(root / "native", root / "hf")
+    return root
+
+
+def test_real_model_plugin_equals_vllms_llama_and_fullband_generate(smollm2_folders):
+    """On SmolLM2-135M: the plugin's default (STANDARD: the fusion is untrained) equals vLLM's own
+    LlamaForCausalLM on the same weights, token for token; every mode equals fullband.generate; vLLM's chat API
+    renders the model's ChatML template from the served folder and stops at <|im_end|>."""
+    from fullband.data.chat.templates import chat_prompt
+    from fullband.data.tokenizer import load_tokenizer
+    from fullband.loader import load_model
+
+    root = smollm2_folders
+    tok = load_tokenizer(root / "native")
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    batch = [chat_prompt(tok, chat), tok.encode("The Python standard library is"), tok.encode("def fibonacci(n):"),
+             chat_prompt(tok, [{"role": "user", "content": "Name three colors."}])]
+    settings = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0)
+    theirs = vllm.LLM(str(root / "llama"), **settings)
+    try:
+        want = run(theirs, batch, vllm.SamplingParams(max_tokens=16, temperature=0.0))
+    finally:
+        shut(theirs)
+    native = load_model(root / "native")
+    im_end = tok.stop_ids[0]
+    ours = vllm.LLM(str(root / "hf"), enable_prefix_caching=True, block_size=32, **settings)
+    try:
+        assert run(ours, batch, vllm.SamplingParams(max_tokens=16, temperature=0.0)) == want
+        assert want[0][-1] == im_end  # the reply ended its turn
+        for mode, k in (("standard", 1), ("soft", 1), ("fused", 1), ("fused", 2)):
+            got = run(ours, batch, mode_params(mode, k, max_tokens=16))
+            assert got == generate(native, batch, 16, mode=mode, prefill_passes=k, stop_tokens=[im_end]), mode
+        out = ours.chat(chat, vllm.SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+        assert list(out[0].prompt_token_ids) == batch[0] and list(out[0].outputs[0].token_ids) == want[0]
+    finally:
+        shut(ours)
+
+
 # ---------------------------------------------------------------------------------------------------- the server
 def _free_port() -> int:
     import socket

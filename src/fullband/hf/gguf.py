@@ -158,7 +158,11 @@ def load_causal_lm(path: str | Path, dtype=None):
     from fullband.hf.llama import _transformers, dtype_kwarg
 
     name, extra = pretrained_args(path)
-    model = _transformers().AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype or torch.float32), **extra)
+    try:
+        model = _transformers().AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype or torch.float32),
+                                                                     **extra)
+    except (OSError, ValueError, ImportError) as err:  # a missing reader package, an architecture it does not map
+        raise ConfigError(f"{path} could not be loaded by transformers: {err}") from None
     return unquantized(model)
 
 
