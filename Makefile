@@ -17,7 +17,7 @@ LLAMA_BIN := $(LLAMA_VENV)/bin
 LLAMA_STAMP := $(LLAMA_VENV)/.installed
 LLAMA_CPP := llama-cpp-python==0.3.36
 
-.PHONY: demo test install serve-env llama-env bench bench-vllm clean
+.PHONY: demo test install serve-env llama-env bench bench-vllm bench-real clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,23 @@ bench: $(STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python benchmarks/vllm_bench.py
+
+# Speed on the real model's shapes, every side in one run (about 40 minutes on 2 cores; keep the machine otherwise
+# idle): fullband's decode against transformers and the machine's bounds, training steps against transformers',
+# llama.cpp on the same weights (the shipped Q4_1 file, F32 and F16 copies written here), vLLM with the plugin
+# against vLLM's Llama; the tables in docs/benchmarks/real-smollm2.md.
+REAL := shipped:smollm2
+REAL_OUT := docs/benchmarks/real-smollm2
+bench-real: $(STAMP) $(VLLM_STAMP) $(LLAMA_STAMP)
+	mkdir -p $(REAL_OUT) runs/gguf
+	$(BIN)/python -m fullband.bench.gguf_types $(REAL) runs/gguf
+	$(LLAMA_BIN)/python benchmarks/llamacpp_decode.py --model "$$($(BIN)/python -c 'from fullband.hf.gguf import gguf_path; print(gguf_path("$(REAL)"))')" \
+		--model runs/gguf/SmolLM2-135M-Instruct.F32.gguf --model runs/gguf/SmolLM2-135M-Instruct.F16.gguf \
+		--threads 1 2 --batch 1 8 --repeats 5 --json $(REAL_OUT)/llamacpp.json
+	$(BIN)/fullband bench decode --model $(REAL) --threads 1 2 --batch-sizes 1 8 --new-tokens 128 --json $(REAL_OUT)/decode.json
+	$(BIN)/fullband bench train --model $(REAL) --batch 4 --seq-len 256 --rounds 3 --json $(REAL_OUT)/train.json
+	$(VLLM_BIN)/python benchmarks/vllm_bench.py --model $(REAL) --parts soft,llama --batches 16,64 --reps 3 --json $(REAL_OUT)/vllm.json
+	$(BIN)/python benchmarks/real_report.py $(REAL_OUT) > docs/benchmarks/real-smollm2.md
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) runs .pytest_cache

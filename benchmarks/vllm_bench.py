@@ -55,6 +55,18 @@ def llama_folder(cfg: ModelConfig, path: Path) -> None:
     transformers.LlamaForCausalLM(llama).save_pretrained(path)
 
 
+def real_llama_folder(spec: str, path: Path) -> None:
+    """A real Llama as a transformers folder (a GGUF file dequantized by transformers, or the folder copied)."""
+    from fullband.hf.gguf import is_gguf, load_causal_lm
+
+    if not is_gguf(spec):
+        import shutil
+
+        shutil.copytree(spec, path)
+        return
+    load_causal_lm(spec).save_pretrained(path)
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -69,28 +81,36 @@ def main() -> None:
     ap.add_argument("--parts", default="soft,llama,generate,prefix",
                     help="which comparisons to run (comma-separated: soft, llama, generate, prefix)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--model", help="a real model instead of the random bench-91m Llama: a .gguf file "
+                    "(shipped:smollm2) or a transformers Llama folder")
+    ap.add_argument("--batches", default="1,32", help="concurrent requests of the SOFT and Llama comparisons")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     import vllm
 
-    cfg = ModelConfig(**PRESETS["bench-91m"])
     root = Path(tempfile.mkdtemp(prefix="fullband-vllm-bench-"))
-    llama_folder(cfg, root / "llama")
+    if args.model:
+        real_llama_folder(args.model, root / "llama")
+    else:
+        cfg = ModelConfig(**PRESETS["bench-91m"])
+        llama_folder(cfg, root / "llama")
     convert(root / "llama", root / "native", to="native")
     convert(root / "native", root / "fb", to="hf")
     native = FullbandLM.load(root / "native").eval()
+    cfg = native.config
     D = cfg.d_model
     # weights a STANDARD decode step reads: every matrix but the fusion's, the embedding only as a tied head
     read_standard = sum(p.numel() for n, p in native.named_parameters() if p.ndim == 2 and not n.startswith("fusion.")
                         and (n != "embed.weight" or native.lm_head is None))
     theory = 2 * D * D / read_standard
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, vLLM {vllm.__version__}; threads {torch.get_num_threads()}")
-    print(f"shape bench-91m: D={D}, L={cfg.n_layers}, V={cfg.vocab_size}; weights read per token "
+    print(f"{args.model or 'shape bench-91m'}: D={D}, L={cfg.n_layers}, V={cfg.vocab_size}; weights read per token "
           f"{read_standard / 1e6:.1f}M, fusion 2·D² = {2 * D * D / 1e6:.2f}M -> theory SOFT overhead {theory:+.2%}")
 
+    batches = [int(b) for b in args.batches.split(",")]
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist() for _ in range(32)]
-    settings = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=32, seed=0)
+    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist() for _ in range(max(batches))]
+    settings = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=max(batches), seed=0)
 
     def sampling(mode: str):
         return vllm.SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=0.0,
@@ -100,10 +120,11 @@ def main() -> None:
         return llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
 
     results: dict = {"cpu": cpu_model(), "theory_soft_overhead": theory, "reps": args.reps,
-                     "new_tokens": args.new_tokens}
+                     "new_tokens": args.new_tokens, "model": args.model or "bench-91m (random)",
+                     "load_average": os.getloadavg()}
     parts = set(args.parts.split(","))
     ours = vllm.LLM(str(root / "fb"), **settings)
-    for batch in (1, 32) if "soft" in parts else ():
+    for batch in batches if "soft" in parts else ():
         rows = prompts[:batch]
         gen(ours, rows, sampling("soft"))  # warm-up
         std, soft = [], []
@@ -121,11 +142,11 @@ def main() -> None:
         plain = vllm.SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=0.0,
                                     ignore_eos=True)
         ours.llm_engine.engine_core.shutdown()
-        speeds: dict[int, list[float]] = {1: [], 32: []}
+        speeds: dict[int, list[float]] = {b: [] for b in batches}
         for first in ("fullband", "llama"):
             names = ["fb", "llama"] if first == "fullband" else ["llama", "fb"]
             engines = {name: vllm.LLM(str(root / name), **settings) for name in names}
-            for batch in (1, 32):
+            for batch in batches:
                 rows = prompts[:batch]
                 gen(engines["llama"], rows, plain)
                 gen(engines["fb"], rows, sampling("standard"))
@@ -135,8 +156,9 @@ def main() -> None:
                     b.append(timed(lambda: gen(engines["llama"], rows, plain)))
                 speed = statistics.median(t / s for s, t in zip(a, b))
                 speeds[batch].append(speed)
+                results[f"llama_tok_s_b{batch}_{first}_first"] = batch * args.new_tokens / statistics.median(b)
                 print(f"batch {batch:2d} ({first} engine started first): fullband STANDARD speed / vLLM Llama "
-                      f"speed = {speed:.3f}x")
+                      f"speed = {speed:.3f}x; vLLM Llama {batch * args.new_tokens / statistics.median(b):.0f} tok/s")
             for engine in engines.values():
                 engine.llm_engine.engine_core.shutdown()
         for batch, pair in speeds.items():
@@ -146,6 +168,7 @@ def main() -> None:
         ours = vllm.LLM(str(root / "fb"), **settings) if "generate" in parts else None
 
     sp = sampling("soft")
+    prompts = prompts[:32]
     generate(native, prompts[:2], 4, mode="soft")
     a, b = [], []
     for _ in range(max(1, args.reps // 2) if "generate" in parts else 0):

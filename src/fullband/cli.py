@@ -263,6 +263,15 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     from fullband.bench.decode import format_report, run_decode_bench
     from fullband.presets import load_model_config
 
+    if args.model:  # a real model: its weights, transformers on them, the machine's bounds (fullband.bench.real)
+        from fullband.bench.real import format_model_decode, run_model_decode
+
+        _check_json_out(args.json)
+        result = run_model_decode(args.model, batches=args.batch_sizes, threads=args.threads,
+                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                  prefill_passes=args.prefill_passes, repeats=args.repeats, hf=not args.no_hf,
+                                  log=lambda s: print(s, file=sys.stderr))
+        return _report(format_model_decode(result), result, args.json)
     cfg = load_model_config(args.config, args.set)
     device = _device(args.device)
     _check_json_out(args.json)
@@ -306,6 +315,12 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     from fullband.bench.train import format_train_report, run_train_bench
 
     _check_json_out(args.json)
+    if args.model:  # k-pass steps against transformers' own step of the same model (fullband.bench.real)
+        from fullband.bench.real import format_model_steps, run_model_steps
+
+        result = run_model_steps(args.model, batch=args.batch, seq_len=args.seq_len, repeats=args.rounds,
+                                 log=lambda s: print(s, file=sys.stderr))
+        return _report(format_model_steps(result), result, args.json)
     result = run_train_bench(args.config, overrides=args.set, steps=args.steps, warmup=args.warmup,
                              rounds=args.rounds, log=lambda s: print(s, file=sys.stderr))
     return _report(format_train_report(result), result, args.json)
@@ -501,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = b.add_parser("decode", help="STANDARD vs SOFT vs FUSED decode tokens/s, matmul bound, HF generate")
     s.add_argument("--config", default="bench-91m")
     s.add_argument("--set", action="append", metavar="KEY=VALUE")
+    s.add_argument("--model", help="a real model instead of --config: a .gguf file (shipped:smollm2), a transformers "
+                   "Llama folder or a fullband folder; float32, against transformers and the machine's bounds")
+    s.add_argument("--threads", type=_count(1), nargs="+", default=[1, 2], help="with --model: torch threads")
     s.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     s.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"])
     s.add_argument("--prompt-len", type=int, default=32)
@@ -544,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
     s.add_argument("--warmup", type=int, default=2)
     s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--model", help="instead of a recipe: forward + backward of k = 1, 2, 3 passes on this model (a "
+                   ".gguf file, a Llama folder or a fullband folder) against transformers' own step, in one process")
+    s.add_argument("--batch", type=_count(1), default=4, help="with --model: sequences per step")
+    s.add_argument("--seq-len", type=_count(2), default=256, help="with --model: tokens per sequence")
     s.add_argument("--json", help="also write the results to this JSON file")
     s.set_defaults(func=cmd_bench_train)
 
@@ -682,6 +704,10 @@ def _show_warnings(command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.command in HEAVY:  # the command as a program (not called from Python)
+        from fullband.machine import restart_keeping_freed_memory
+
+        restart_keeping_freed_memory()
     _show_warnings(args.command)
     threads = _fit_threads(args.command)
     try:
@@ -716,6 +742,10 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(threads)
+
+
+# commands whose steps take and free gigabytes: they run with glibc keeping freed memory (fullband.machine)
+HEAVY = ("train", "rl", "eval", "bench", "demo", "reproduce")
 
 
 def _fit_threads(command: str) -> int | None:

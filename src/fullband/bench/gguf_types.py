@@ -106,3 +106,27 @@ def retype_gguf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "F3
             pass
         raise
     return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m fullband.bench.gguf_types SRC OUT_DIR`: OUT_DIR/NAME.F32.gguf and NAME.F16.gguf from SRC (a .gguf
+    file or shipped:smollm2), each written unless it is already there."""
+    import argparse
+
+    from fullband.hf.gguf import gguf_path
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("src")
+    ap.add_argument("out")
+    args = ap.parse_args(argv)
+    src = gguf_path(args.src)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = src.name.split(".")[0]
+    for dtype in DTYPES:
+        dst = out / f"{stem}.{dtype}.gguf"
+        print(f"{dst} (kept)" if dst.exists() else retype_gguf(src, dst, dtype))
+
+
+if __name__ == "__main__":
+    main()
