@@ -94,7 +94,8 @@ bench-real: $(STAMP) $(VLLM_STAMP) $(LLAMA_STAMP)
 		--threads 1 2 --batch 1 8 --repeats 5 --json $(REAL_OUT)/llamacpp.json
 	$(BIN)/fullband bench decode --model $(REAL) --threads 1 2 --batch-sizes 1 8 --new-tokens 128 --json $(REAL_OUT)/decode.json
 	$(BIN)/fullband bench train --model $(REAL) --batch 4 --seq-len 256 --rounds 3 --json $(REAL_OUT)/train.json
-	$(VLLM_BIN)/python benchmarks/vllm_bench.py --model $(REAL) --parts soft,llama --batches 16,64 --reps 3 --json $(REAL_OUT)/vllm.json
+	$(VLLM_BIN)/python benchmarks/vllm_bench.py --model $(REAL) --parts llama --batches 16,64 --reps 3 --json $(REAL_OUT)/vllm.json
+	$(VLLM_BIN)/python benchmarks/vllm_bench.py --model $(REAL) --parts soft --batches 1,16,64 --reps 9 --json $(REAL_OUT)/vllm-soft.json
 	$(BIN)/python benchmarks/real_report.py $(REAL_OUT) > docs/benchmarks/real-smollm2.md
 
 clean:

@@ -133,6 +133,7 @@ def main() -> None:
             soft.append(timed(lambda: gen(ours, rows, sampling("soft"))))
         ratio = statistics.median(s / t for s, t in zip(soft, std))
         results[f"soft_vs_standard_b{batch}"] = ratio - 1
+        results[f"standard_tok_s_b{batch}"] = batch * args.new_tokens / statistics.median(std)
         print(f"batch {batch:2d}: SOFT time / STANDARD time = {ratio:.4f} (overhead {ratio - 1:+.2%}; theory "
               f"{theory:+.2%}); STANDARD {batch * args.new_tokens / statistics.median(std):.1f} tok/s")
 

@@ -302,3 +302,15 @@ def test_a_conversation_read_fed_is_the_session_s_cache():
         generate(model, [ids], 2, mode="fused", fed=[spans])
     with pytest.raises(InputError, match=r"fed\[0\]=\[\(5, 3\)\] is invalid"):
         generate(model, [ids], 2, fed=[[(5, 3)]])
+
+
+def test_chat_on_a_folder_without_a_chat_template_is_one_line(tmp_path, capsys):
+    """A base model (a byte vocabulary without chat markers, no template) asked to chat: one line, before any turn."""
+    from conftest import tiny_model
+    from fullband import ByteTokenizer
+    from fullband.cli import main
+
+    tiny_model().save(tmp_path / "base", tokenizer=ByteTokenizer())
+    assert main(["chat", "--checkpoint", str(tmp_path / "base")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "neither a chat template nor fullband's chat markers" in err

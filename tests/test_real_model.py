@@ -180,30 +180,18 @@ def test_lm_eval_fullband_equals_the_stock_hf_backend(smollm2, tmp_path):
     from lm_eval.tasks import TaskManager
 
     from fullband.lmeval import FullbandHarnessLM
+    from test_lmeval import MC  # the local multiple-choice task of the lm-eval tests (task fb_mc)
 
-    task = """task: real_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
     rows = [{"question": "The capital of France is", "choices": ["Paris", "Berlin", "a river"], "answer": 0},
             {"question": "2 + 2 =", "choices": ["4", "5"], "answer": 0},
             {"question": "Water freezes at", "choices": ["0 degrees Celsius", "50 degrees Celsius"], "answer": 0}]
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "real_mc.yaml").write_text(task.format(data=tmp_path / "mc.jsonl"))
+    (tmp_path / "fb_mc.yaml").write_text(MC.format(data=tmp_path / "mc.jsonl"))
     manager = TaskManager(include_path=str(tmp_path))
 
     def lls(model):
-        res = lm_eval.simple_evaluate(model=model, tasks=["real_mc"], task_manager=manager, log_samples=True)
-        return [float(r[0][0]) for s in sorted(res["samples"]["real_mc"], key=lambda s: s["doc_id"])
+        res = lm_eval.simple_evaluate(model=model, tasks=["fb_mc"], task_manager=manager, log_samples=True)
+        return [float(r[0][0]) for s in sorted(res["samples"]["fb_mc"], key=lambda s: s["doc_id"])
                 for r in s["resps"]]
 
     ours = lls(FullbandHarnessLM(checkpoint=str(smollm2.native), mode="standard"))

@@ -162,7 +162,7 @@ class FullbandHarnessLM(LM):
                     ids += self.tokenizer.encode(piece, bos=False)
         else:  # the template writes a pretrained model's special tokens as text: its tokenizer reads them so
             ids = template.encode_text(text)
-        return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+        return ids if bos is None or not template.prompt_bos or ids[:1] == [bos] else [bos, *ids]
 
     # ------------------------------------------------------------------ tokens
     def _encode(self, context: str) -> list[int]:

@@ -273,7 +273,7 @@ class PretrainedTokenizer(BPETokenizer):
     @classmethod
     def from_hf(cls, tok: Any, *, source: str, stop_ids: tuple[int, ...] = ()) -> "PretrainedTokenizer":
         """A transformers fast tokenizer as fullband reads it: its ids, special tokens, BOS policy and template."""
-        path = source
+        path = source  # what the messages name
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is None:
             raise InputError(f"the tokenizer of {str(path)!r} ({type(tok).__name__}) is not a fast tokenizer; "

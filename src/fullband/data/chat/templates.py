@@ -82,6 +82,7 @@ class MarkerTemplate:
         self.marker = {role: ids[f"<|{role}|>"] for role in ROLES}
         self.end = ids["<|end|>"]
         self.bos_id = tokenizer.bos_id
+        self.prompt_bos = True  # fullband's template opens with BOS
 
     def segments(self, messages: Sequence[Message], *, generation_prompt: bool = False) -> Segments:
         """The rendered conversation as ("prompt" | "response", ids) segments, BOS not included."""
@@ -123,6 +124,10 @@ class JinjaTemplate:
         self.tokenizer = tokenizer
         self.bos_id = tokenizer.bos_id
         self.stops = set(tokenizer.stop_ids)
+        # whether a prompt starts with BOS, as transformers' apply_chat_template gives it: when the template writes
+        # it (SmolLM2's ChatML opens with <|im_start|>, its BOS), or else when the tokenizer adds one
+        probe = self.encode_text(self.text([Message("user", "x")], generation_prompt=True))
+        self.prompt_bos = probe[:1] == [self.bos_id] or bool(getattr(tokenizer, "add_bos", True))
 
     def text(self, messages: Sequence[Message], *, generation_prompt: bool = False,
              continue_final: bool = False) -> str:
@@ -210,7 +215,7 @@ def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], l
     if sum(kind == "response" for kind, _ in segments) != len(replies):  # replies the template does not set apart
         return ids, []
     spans: list[tuple[int, int]] = []
-    at, reply = 1, iter(replies)
+    at, reply = int(template.prompt_bos), iter(replies)
     for kind, seg in segments:
         if kind == "response":
             before = _prompt(template, msgs[:next(reply)])
@@ -231,7 +236,8 @@ def _prompt(template, msgs: Sequence[Message]) -> list[int]:
 
 
 def _prompt_segments(template, msgs: Sequence[Message]) -> tuple[list[int], Segments]:
-    """The prompt's ids (BOS, the rendered conversation, the assistant's turn marker) and the segments they are
-    made of."""
+    """The prompt's ids (BOS where the template or the tokenizer puts one, the rendered conversation, the
+    assistant's turn marker) and the segments they are made of."""
     segments = template.segments(msgs, generation_prompt=True)
-    return [template.bos_id] + [t for _, seg in segments for t in seg], segments
+    head = [template.bos_id] if template.prompt_bos else []
+    return head + [t for _, seg in segments for t in seg], segments
