@@ -48,7 +48,7 @@ def _log(level, text, user_data):  # llama.cpp's errors only (its info lines wou
         sys.stderr.write(text.decode("utf-8", "replace"))
 
 
-def cpu_model() -> str:
+def cpu_model() -> str:  # fullband.machine.cpu_model's rule: this environment has no fullband (nor torch)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

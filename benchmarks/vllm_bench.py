@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -28,19 +27,10 @@ import torch
 
 from fullband.decode.generate import generate
 from fullband.hf.convert import convert
+from fullband.machine import cpu_model
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.presets import PRESETS
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def llama_folder(cfg: ModelConfig, path: Path) -> None:

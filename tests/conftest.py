@@ -14,6 +14,10 @@ from fullband import FullbandLM, ModelConfig
 # against each other (docs/benchmarks: 2 threads on a busy core run 1.6-2x slower than 1).
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The `fullband` processes tests start run with glibc's settings that a heavy command otherwise restarts itself to
+# get (fullband.machine.KEEP_FREED_MEMORY): the same process, started once (tests/test_machine.py tests the restart)
+for _key, _value in {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**36)}.items():
+    os.environ.setdefault(_key, _value)
 
 
 def tiny_config(**changes) -> ModelConfig:

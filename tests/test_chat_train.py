@@ -73,7 +73,9 @@ def test_the_loss_falls_exactly_on_assistant_tokens_for_every_template(kind, bpe
     seq = encode_chat(template, check_messages(CONVERSATION, "x"))
     end = "<|im_end|>" if kind == "pretrained" else "<|end|>"
     assert _responses(tok, seq) == ["2 + 2 = 4. Answer: 4" + end, "4 * 3 = 12. Answer: 12" + end]
-    assert seq.ids[0] == tok.bos_id
+    # BOS in front where inference reads one: fullband's templates write it; this ChatML template does not and the
+    # tokenizer adds none, so neither training nor the prompt has it (as transformers' apply_chat_template)
+    assert (seq.ids[0] == tok.bos_id) == (kind != "pretrained")
     # fed: the response tokens the model generates (not the end marker, which is read with the next prompt)
     fed_text = tok.decode([i for i, f in zip(seq.ids, seq.fed) if f], skip_special=False)
     assert fed_text == "2 + 2 = 4. Answer: 4" + "4 * 3 = 12. Answer: 12"
@@ -85,6 +87,12 @@ def test_the_loss_falls_exactly_on_assistant_tokens_for_every_template(kind, bpe
     # the inference prompt is the conversation so far with the generation prompt, as training renders it
     prompt = chat_prompt(tok, CONVERSATION["messages"][:2])
     assert seq.ids[: len(prompt)] == prompt
+    if kind == "pretrained":
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(tmp_path / "pretrained").apply_chat_template(
+            CONVERSATION["messages"][:1], add_generation_prompt=True)
+        assert chat_prompt(tok, CONVERSATION["messages"][:1]) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def test_chat_vocabularies_grow_save_and_reload(bpe, tmp_path):
@@ -163,8 +171,10 @@ def test_the_chat_sampler_reads_prompts_plainly_or_fed_and_replays_exactly():
             w = sampler.windows(step, micro)
             assert torch.equal(inputs, torch.from_numpy(packed.ids[w]))
             for r in range(4):
-                if not plain[r].any():
-                    fused_rows += 1  # FUSED prefill: every position fed (BOS stays plain in the model)
+                starts = torch.from_numpy(packed.start[w[r]])  # each conversation's first position (its BOS here)
+                assert torch.equal(starts, inputs[r] == tok.bos_id) and bool(plain[r][starts].all())
+                if torch.equal(plain[r], starts):
+                    fused_rows += 1  # FUSED prefill: every position fed but each conversation's first
                 else:
                     soft_rows += 1
                     assert torch.equal(plain[r], torch.from_numpy(~packed.fed[w[r]]))

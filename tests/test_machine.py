@@ -59,3 +59,23 @@ def test_a_command_on_a_busy_machine_says_so_and_gives_the_caller_its_threads_ba
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_heavy_command_restarts_once_keeping_freed_memory(tmp_path, model):
+    """`fullband bench train` as a program: started without glibc's settings it re-executes itself with them (the
+    run reports freed_memory_kept); FULLBAND_MALLOC=default keeps the default allocator and starts once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model.save(tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if k not in threads.KEEP_FREED_MEMORY}
+    for setting, kept in ((None, True), ("default", False)):
+        if setting:
+            env["FULLBAND_MALLOC"] = setting
+        out = tmp_path / f"{setting}.json"
+        subprocess.run([sys.executable, "-m", "fullband.cli", "bench", "train", "--model", str(tmp_path / "tiny"),
+                        "--batch", "1", "--seq-len", "8", "--rounds", "1", "--json", str(out)], env=env, check=True,
+                       capture_output=True, timeout=120)
+        assert json.loads(out.read_text())["freed_memory_kept"] is kept

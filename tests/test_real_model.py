@@ -207,7 +207,7 @@ def test_fullband_rl_runs_a_step_on_the_real_model_with_an_earnable_reward(smoll
 
     recipe = load_rl_recipe("configs/rl-smollm2.toml", [
         f"rl.init_from={smollm2.native}", f"rl.run_dir={tmp_path / 'rl'}", "rl.steps=1", "rl.group=4",
-        "rl.prompts_per_step=2", "rl.max_new_tokens=12", "rl.eval_prompts=4", "rl.eval_every=0", "rl.seed=1"])
+        "rl.prompts_per_step=2", "rl.max_new_tokens=12", "rl.eval_prompts=2", "rl.eval_every=0", "rl.seed=1"])
     run = rl_train(recipe, progress=False)
     rows = metric_rows(run / "metrics.jsonl")
     step = rows[-1]
@@ -272,3 +272,23 @@ def test_warmstart_recipe_takes_its_sizes_weights_and_tokenizer_from_the_gguf_fi
     x = torch.tensor([smollm2.tokenizer(TEXT)["input_ids"]])
     with torch.no_grad():
         assert (model(x).logits - smollm2.reference(x).logits).abs().max() < 1e-4  # the Llama's weights
+
+
+# ---------------------------------------------------------------------- speed on its shapes
+def test_bench_decode_and_train_take_a_real_model(smollm2, capsys):
+    """`fullband bench decode --model` and `bench train --model` on the converted folder (smoke test: one thread,
+    a few tokens): every row, the read bound, transformers at the same shape; `shipped:smollm2` names the file."""
+    from fullband.hf.gguf import SHIPPED, gguf_path
+
+    assert gguf_path(SHIPPED) == smollm2.gguf
+    folder = str(smollm2.native)
+    assert main(["bench", "decode", "--model", folder, "--threads", "1", "--batch-sizes", "1", "--new-tokens", "4",
+                 "--repeats", "1", "--pairs", "4"]) == 0
+    out = capsys.readouterr().out
+    for row in ("fullband standard", "fullband soft", "fullband fused k=1", "transformers generate",
+                "weight mat-vec chain (torch)", "streaming read of the weights"):
+        assert row in out
+    assert "513 MiB of weights read per decode step" in out
+    assert main(["bench", "train", "--model", folder, "--batch", "1", "--seq-len", "16", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"k={k}" in out for k in (1, 2, 3)) and "transformers" in out

@@ -76,7 +76,7 @@ def test_the_built_in_reward_and_user_functions(tmp_path):
         load_reward(f"{mine}:missing")
     with pytest.raises(ConfigError, match="cannot import 'no_such_module_here'"):
         load_reward("no_such_module_here:f")
-    with pytest.raises(ConfigError, match="accepted: answer, or 'module:function'"):
+    with pytest.raises(ConfigError, match="accepted: answer, contains, or 'module:function'"):
         load_reward("answr")
 
 

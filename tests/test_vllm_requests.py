@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from conftest import tiny_model
+
 from fullband.cli import main
 from fullband.model.mode import DecodeMode
 from fullband.errors import InputError
@@ -74,8 +76,9 @@ def test_serving_a_folder_without_a_chat_template_says_what_chat_requests_will_m
     from fullband.hf.convert import convert
     from fullband.vllm.serve import chat_note
 
-    for chat in (False, True):
-        model.save(tmp_path / f"native{chat}", tokenizer=ByteTokenizer(chat=chat))
+    for chat in (False, True):  # a chat vocabulary's markers need embedding rows: a model of 263 ids
+        (tiny_model(vocab_size=263) if chat else model).save(tmp_path / f"native{chat}",
+                                                              tokenizer=ByteTokenizer(chat=chat))
         convert(tmp_path / f"native{chat}", tmp_path / f"hf{chat}", to="hf")
     assert "has no chat template (a base model): instruction-tune it first" in chat_note(
         tmp_path / "hfFalse", ["--port", "8000"])
@@ -100,7 +103,7 @@ def test_a_chat_request_to_a_base_folder_meets_our_sentence(tmp_path, model, mon
     with pytest.raises(jinja2.TemplateError, match="has no chat template .a base model.: instruction-tune it first"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template, tokenize=False)
     chat = tmp_path / "chat"
-    model.save(chat / "native", tokenizer=ByteTokenizer(chat=True))
+    tiny_model(vocab_size=263).save(chat / "native", tokenizer=ByteTokenizer(chat=True))
     convert(chat / "native", chat / "hf", to="hf")
     command = serve.server_command(chat / "hf", ["--port", "8000"])
     assert "--chat-template" not in command

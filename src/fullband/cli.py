@@ -270,7 +270,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         result = run_model_decode(args.model, batches=args.batch_sizes, threads=args.threads,
                                   prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                   prefill_passes=args.prefill_passes, repeats=args.repeats, hf=not args.no_hf,
-                                  log=lambda s: print(s, file=sys.stderr))
+                                  pairs=args.pairs, log=lambda s: print(s, file=sys.stderr))
         return _report(format_model_decode(result), result, args.json)
     cfg = load_model_config(args.config, args.set)
     device = _device(args.device)
@@ -519,6 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="a real model instead of --config: a .gguf file (shipped:smollm2), a transformers "
                    "Llama folder or a fullband folder; float32, against transformers and the machine's bounds")
     s.add_argument("--threads", type=_count(1), nargs="+", default=[1, 2], help="with --model: torch threads")
+    s.add_argument("--pairs", type=_count(2), default=400, help="with --model: paired STANDARD / SOFT decode steps "
+                   "that measure SOFT's overhead (per threads x batch)")
     s.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     s.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"])
     s.add_argument("--prompt-len", type=int, default=32)

@@ -12,16 +12,21 @@ from pathlib import Path
 OVERRIDE = "FULLBAND_THREADS"  # a thread count that wins over the measurement
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), cpu)
+    except OSError:
+        return cpu
+
+
 def hardware() -> str:
     """'CPU model, N cores, torch version (threads), GPU' in one line."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
 
@@ -99,11 +104,14 @@ def restart_keeping_freed_memory() -> None:
     on SmolLM2-135M (4 x 256 tokens, 2 threads): a three-pass step 3.48x transformers' one-pass step by default,
     3.12x with the memory kept (docs/benchmarks/real-smollm2.md). The process keeps its peak memory until it exits.
     Setting the variables with mallopt once Python runs did not give the same (measured 3.50x): they must be there
-    from the start, before the first allocation."""
+    from the start, before the first allocation. Not under torchrun (its agent watches the worker it started):
+    there, `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 torchrun ...` does the same."""
     import sys
 
     if keeps_freed_memory() or os.environ.get("FULLBAND_MALLOC") == "default":
         return
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        return  # a worker torchrun started and watches: set the variables on torchrun's command line instead
     argv = list(getattr(sys, "orig_argv", []))
     if not argv:
         return

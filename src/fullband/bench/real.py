@@ -83,9 +83,10 @@ def same_shape_llama(model):
 
 
 def run_model_decode(spec: str, *, batches=(1, 8), threads=(1, 2), prompt_len: int = 32, new_tokens: int = 128,
-                     prefill_passes: int = 1, repeats: int = 5, hf: bool = True, log=print) -> dict:
+                     prefill_passes: int = 1, repeats: int = 5, hf: bool = True, pairs: int = 400, log=print) -> dict:
     """The decode table of a real model (module docstring). Tokens/s are decode steps only (prefill excluded) for
-    fullband, end to end for transformers' generate (its prefill is one forward of a short prompt)."""
+    fullband, end to end for transformers' generate (its prefill is one forward of a short prompt); SOFT's overhead
+    over STANDARD from `pairs` paired decode steps per cell (bench.decode.paired_soft_overhead)."""
     model, hf_model, what = load_pair(spec)
     if hf and hf_model is None:
         hf_model = same_shape_llama(model)
@@ -118,7 +119,7 @@ def run_model_decode(spec: str, *, batches=(1, 8), threads=(1, 2), prompt_len: i
                     if hf_run is not None:
                         times["hf"].append(hf_run())
                     log(f"[bench] {n} thread(s), batch {batch}: repetition {r + 1}/{repeats}")
-                paired[f"t{n}/b{batch}"] = paired_soft_overhead(model, prompts)
+                paired[f"t{n}/b{batch}"] = paired_soft_overhead(model, prompts, pairs)
                 steps = new_tokens - 1
                 cell = dict(threads=n, batch=batch)
                 for name in timers:

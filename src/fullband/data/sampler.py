@@ -136,7 +136,8 @@ class ChatSampler(WindowSampler):
     """The WindowSampler's order over packed chat windows (fullband.data.chat.packing.PackedChat). A batch is (inputs,
     targets, plain): `plain` (B, T) marks the positions read with plain embeddings in passes > 1. A window reads
     its prompts plainly, as SOFT decoding does (plain = not fed), or, with probability `fused_prompts`, feeds
-    them too, as FUSED prefill does (plain = nothing beyond BOS); the draw is a function of (seed, step, sample)."""
+    them too, as FUSED prefill does (plain = only each conversation's first position); the draw is a function of
+    (seed, step, sample)."""
 
     def __init__(self, packed, global_batch: int, micro_batch: int, seed: int, *, fused_prompts: float = 0.0,
                  rank: int = 0, world_size: int = 1) -> None:
@@ -150,7 +151,7 @@ class ChatSampler(WindowSampler):
         draws = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 1, int(step)])))
         fused = draws.random(self.global_batch)[first : first + self.micro_batch] < self.fused_prompts
         packed = self.stream
-        plain = ~packed.fed[windows] & ~fused[:, None]
+        plain = (~packed.fed[windows] & ~fused[:, None]) | packed.start[windows]
         return (torch.from_numpy(packed.ids[windows]), torch.from_numpy(packed.targets[windows]),
                 torch.from_numpy(plain))
 
@@ -162,5 +163,6 @@ def chat_validation_batches(packed, n_windows: int, batch_size: int) -> list[tup
     total = packed.ids.shape[0]
     n = min(n_windows, total)
     picks = np.arange(n, dtype=np.int64) * total // n
-    return [(torch.from_numpy(packed.ids[w]), torch.from_numpy(packed.targets[w]), torch.from_numpy(~packed.fed[w]))
-            for w in (picks[i : i + batch_size] for i in range(0, n, batch_size))]
+    batches = (picks[i : i + batch_size] for i in range(0, n, batch_size))
+    return [(torch.from_numpy(packed.ids[w]), torch.from_numpy(packed.targets[w]),
+             torch.from_numpy(~packed.fed[w] | packed.start[w])) for w in batches]

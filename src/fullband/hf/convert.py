@@ -58,6 +58,19 @@ def detect(src: str | Path) -> str:
     return kind
 
 
+def pretrained_source(path: str | Path) -> bool:
+    """Whether `path` names a standard pretrained model fullband converts (a GGUF file, or a transformers Llama
+    folder) rather than a folder fullband wrote: train.init_from then takes its sizes and tokenizer."""
+    from fullband.hf.gguf import is_gguf
+
+    if not path:
+        return False
+    if is_gguf(path):
+        return True
+    data = read_json(Path(path) / "config.json")
+    return isinstance(data, dict) and data.get("model_type") == "llama"
+
+
 def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: torch.dtype | None = None,
             fusion: str = "gated", overwrite: bool = False) -> tuple[str, str]:
     """Convert folder `src` into `dst` (format `to`: 'hf' or 'native'; default the other one, 'native' for a

@@ -201,8 +201,8 @@ def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torc
     from fullband.hf.llama import _transformers, dtype_kwarg
 
     tf = _transformers()
-    name, extra = pretrained_args(path)
     try:
+        name, extra = pretrained_args(path, config="config" not in kwargs)
         model = tf.AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype), **extra, **kwargs)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.hf_path={path!r} could not be loaded as a causal LM: {err}") from None

@@ -113,14 +113,39 @@ def _field(reader, key: str) -> Any:
         return None
 
 
-def pretrained_args(path: str | Path) -> tuple[str, dict[str, Any]]:
+def pretrained_args(path: str | Path, *, config: bool = False) -> tuple[str, dict[str, Any]]:
     """(name_or_folder, keyword arguments) for transformers' `from_pretrained` readers: a GGUF file becomes its
-    folder and `gguf_file=NAME` (its header checked first); anything else is passed as it is."""
+    folder and `gguf_file=NAME` (its header checked first), with `config=` its model config when asked (a model
+    reader then parses the file once, not twice); anything else is passed as it is."""
     if not is_gguf(path):
         return str(path), {}
     inspect_gguf(path)
+    extra: dict[str, Any] = {"config": pretrained_config(path)} if config else {}
     path = gguf_path(path)
-    return str(path.parent), {"gguf_file": path.name}
+    return str(path.parent), {"gguf_file": path.name, **extra}
+
+
+def pretrained_config(path: str | Path):
+    """transformers' config of a folder or GGUF file. A GGUF file's is read once per file version (its reader parses
+    every metadata field, the whole vocabulary included: seconds for each read); each caller gets its own copy.
+    OSError / ValueError as transformers raises them."""
+    import copy
+
+    from fullband.hf.llama import _transformers
+
+    name, extra = pretrained_args(path)
+    if not extra:
+        return _transformers().AutoConfig.from_pretrained(name)
+    file = gguf_path(path)
+    stat = file.stat()
+    return copy.deepcopy(_gguf_config(file.resolve(), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config(path: Path, size: int, mtime: int):
+    from fullband.hf.llama import _transformers
+
+    return _transformers().AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def require_native(path: str | Path, *, use: str) -> dict[str, Any]:
@@ -157,8 +182,8 @@ def load_causal_lm(path: str | Path, dtype=None):
 
     from fullband.hf.llama import _transformers, dtype_kwarg
 
-    name, extra = pretrained_args(path)
     try:
+        name, extra = pretrained_args(path, config=True)
         model = _transformers().AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype or torch.float32),
                                                                      **extra)
     except (OSError, ValueError, ImportError) as err:  # a missing reader package, an architecture it does not map

@@ -57,20 +57,6 @@ def feedback_trained(cfg: RunConfig, model: ModelConfig) -> bool:
     return model.feedback_trained
 
 
-def pretrained_source(path: str) -> bool:
-    """Whether train.init_from names a standard pretrained model fullband converts (a GGUF file or a transformers
-    Llama folder) rather than a folder fullband wrote: the model then takes its sizes and tokenizer."""
-    from fullband.files import read_json
-    from fullband.hf.gguf import is_gguf
-
-    if not path:
-        return False
-    if is_gguf(path):
-        return True
-    data = read_json(Path(path) / "config.json")
-    return isinstance(data, dict) and data.get("model_type") == "llama"
-
-
 # the recipe's [model] fields a warm start from a pretrained Llama keeps (how feedback is added and trained); every
 # size comes from the pretrained model
 FEEDBACK_FIELDS = ("fusion", "feedback", "feedback_source", "feedback_target", "jitter", "prefix_mixin_prob",
@@ -80,15 +66,14 @@ FEEDBACK_FIELDS = ("fusion", "feedback", "feedback_source", "feedback_target", "
 def llama_model_config(cfg: RunConfig) -> ModelConfig:
     """The model of a warm start from a pretrained Llama (train.init_from: a GGUF file or a transformers folder): its
     sizes, with the recipe's feedback fields."""
-    from fullband.hf.gguf import is_gguf, pretrained_args, require_native
-    from fullband.hf.llama import _transformers, config_from_llama
+    from fullband.hf.gguf import is_gguf, pretrained_config, require_native
+    from fullband.hf.llama import config_from_llama
 
     path = cfg.train.init_from
     if is_gguf(path):
         require_native(path, use="train.init_from")
-    name, extra = pretrained_args(path)
     try:
-        hf_config = _transformers().AutoConfig.from_pretrained(name, **extra)
+        hf_config = pretrained_config(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"train.init_from={path!r} could not be read as a Llama model: {err}") from None
     model = config_from_llama(hf_config, **{f: getattr(cfg.model, f) for f in FEEDBACK_FIELDS})
@@ -127,17 +112,15 @@ def build_model(cfg: RunConfig, *, warm: bool = True) -> tuple[torch.nn.Module, 
 def hf_model_config(cfg: RunConfig) -> ModelConfig:
     """cfg.model with the sizes of the pretrained model at model.hf_path (its feedback and multi-pass fields kept)."""
     from fullband.hf.feedback import config_for
-    from fullband.hf.llama import _transformers
 
     model = cfg.model
     if cfg.train.init_from:
         raise ConfigError(f"model.hf_path={model.hf_path!r} and train.init_from={cfg.train.init_from!r} both name a "
                           "warm start; accepted: one of them")
-    from fullband.hf.gguf import pretrained_args
+    from fullband.hf.gguf import pretrained_config
 
-    name, extra = pretrained_args(model.hf_path)
     try:
-        hf_config = _transformers().AutoConfig.from_pretrained(name, **extra)
+        hf_config = pretrained_config(model.hf_path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.hf_path={model.hf_path!r} is not a Hugging Face model folder (or reachable hub id): "
                           f"{err}") from None
@@ -191,3 +174,10 @@ VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # one row per token id
 
 def _grows(old: torch.Tensor, new: torch.Tensor) -> bool:
     return old.ndim == 2 and new.ndim == 2 and old.shape[1] == new.shape[1] and old.shape[0] < new.shape[0]
+
+
+def pretrained_source(path: str) -> bool:
+    """fullband.hf.convert.pretrained_source, imported when asked (fullband.hf brings transformers)."""
+    from fullband.hf.convert import pretrained_source as is_pretrained
+
+    return is_pretrained(path)

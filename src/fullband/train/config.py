@@ -165,6 +165,6 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Run
 
 def _pretrained_file(init_from: str) -> bool:
     """Whether train.init_from names a pretrained model whose sizes the run takes (a GGUF file or a Llama folder)."""
-    from fullband.train.build import pretrained_source
+    from fullband.hf.convert import pretrained_source
 
     return pretrained_source(init_from)

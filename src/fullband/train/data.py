@@ -59,7 +59,7 @@ def run_tokenizer(cfg, d: Dist, *, run_dir: Path | None = None):
 def pretrained_model(cfg) -> str:
     """The pretrained model whose own tokenizer a run reads (model.hf_path, or a train.init_from that is a GGUF file
     or a transformers Llama folder); '' for none."""
-    from fullband.train.build import pretrained_source
+    from fullband.hf.convert import pretrained_source
 
     if cfg.model.hf_path:
         return cfg.model.hf_path

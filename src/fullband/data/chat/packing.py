@@ -17,12 +17,15 @@ OPEN_WINDOWS = 16
 
 @dataclass
 class PackedChat:
-    """Conversations packed whole into windows of seq_len positions (each starts with BOS, none is split across
-    windows; the rest of a window is padding, plain and without loss). Row r of the arrays is window r."""
+    """Conversations packed whole into windows of seq_len positions (none is split across windows; the rest of a
+    window is padding, plain and without loss). Each conversation's first position is plain in every pass (`start`):
+    it is its BOS where the template writes one, and where it writes none no state crosses from the conversation
+    before it either. Row r of the arrays is window r."""
 
     ids: np.ndarray  # (N, T) int64
     targets: np.ndarray  # (N, T) int64, IGNORE off responses
     fed: np.ndarray  # (N, T) bool
+    start: np.ndarray  # (N, T) bool: each conversation's first position
     conversations: int
     dropped: int  # longer than a window (too_long="drop"), or left without a response token by truncation
     truncated: int
@@ -61,8 +64,8 @@ def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, 
     (too_long="truncate") cut to one window (kept when a response token survives)."""
     if too_long not in TOO_LONG:
         raise DataError(f"too_long={too_long!r}; accepted: {', '.join(TOO_LONG)}")
-    rows: list[tuple[list[int], list[int], list[bool]]] = []
-    open_rows: list[tuple[list[int], list[int], list[bool]]] = []
+    rows: list[tuple[list[int], list[int], list[bool], list[bool]]] = []
+    open_rows: list[tuple[list[int], list[int], list[bool], list[bool]]] = []
     count = dropped = truncated = 0
     for seq in sequences:
         ids, targets, fed = seq.ids, seq.targets, seq.fed
@@ -78,12 +81,12 @@ def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, 
         # first fit among the windows still open (the last OPEN_WINDOWS started), else a new window
         row = next((r for r in open_rows if len(r[0]) + len(ids) <= seq_len), None)
         if row is None:
-            row = ([], [], [])
+            row = ([], [], [], [])
             rows.append(row)
             open_rows.append(row)
             if len(open_rows) > OPEN_WINDOWS:
                 open_rows.pop(0)
-        for part, new in zip(row, (ids, targets, fed)):
+        for part, new in zip(row, (ids, targets, fed, [True] + [False] * (len(ids) - 1))):
             part.extend(new)
         count += 1
     if not rows and not dropped:
@@ -92,8 +95,9 @@ def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, 
         raise DataError(f"no conversation fits a window of seq_len={seq_len} tokens ({dropped} dropped); raise "
                         "train.seq_len or set data.chat_too_long = \"truncate\"")
     shape = (len(rows), seq_len)
-    out = (np.full(shape, pad_id, dtype=np.int64), np.full(shape, IGNORE, dtype=np.int64), np.zeros(shape, dtype=bool))
-    for r, row in enumerate(rows):  # (ids, targets, fed) of window r
+    out = (np.full(shape, pad_id, dtype=np.int64), np.full(shape, IGNORE, dtype=np.int64), np.zeros(shape, dtype=bool),
+           np.zeros(shape, dtype=bool))
+    for r, row in enumerate(rows):  # (ids, targets, fed, start) of window r
         for array, part in zip(out, row):
             array[r, : len(part)] = part
     return PackedChat(*out, count, dropped, truncated)

@@ -191,8 +191,8 @@ def hf_chat_template(tokenizer) -> str | None:
 
 
 def encode_chat(template, messages: Sequence[Message]) -> ChatSequence:
-    """The training sequence of a conversation (see `assemble`)."""
-    return assemble(template.segments(messages), template.bos_id)
+    """The training sequence of a conversation (see `assemble`): with BOS in front where inference has one."""
+    return assemble(template.segments(messages), template.bos_id if template.prompt_bos else None)
 
 
 def chat_prompt(tokenizer, messages, *, template=None) -> list[int]:
