@@ -66,7 +66,7 @@ def test_the_built_in_reward_and_user_functions(tmp_path):
                                       "def text(p, y, e): return 'yes'\n")
     mine = str(tmp_path / "mine.py")
     assert load_reward(f"{mine}:r")("p", "abcde", {}) == 0.5
-    with pytest.raises(DataError, match=r"returned nan; accepted: a finite number"):
+    with pytest.raises(DataError, match=r"returned nan \(prompt 'p', response 'y'\); accepted: a finite number"):
         load_reward(f"{mine}:nan")("p", "y", {})
     with pytest.raises(DataError, match=r"raised KeyError: 'answer'"):
         load_reward(f"{mine}:boom")("p", "y", {})
@@ -78,6 +78,48 @@ def test_the_built_in_reward_and_user_functions(tmp_path):
         load_reward("no_such_module_here:f")
     with pytest.raises(ConfigError, match="accepted: answer, contains, or 'module:function'"):
         load_reward("answr")
+
+
+def test_a_reward_that_hangs_or_exits_is_one_line_naming_it_and_the_prompt(tmp_path):
+    """A call that never returns ends at rl.reward_timeout, a sys.exit() inside it is an error (not a silent end of
+    the run), each naming the reward and the prompt; a slow call within the limit is fine; Ctrl-C still stops."""
+    import time
+
+    (tmp_path / "bad.py").write_text("import sys, time\n"
+                                     "def hang(p, y, e):\n    while True: pass\n"
+                                     "def sleepy(p, y, e):\n    time.sleep(0.05); return 1\n"
+                                     "def leave(p, y, e):\n    sys.exit(3)\n"
+                                     "def interrupted(p, y, e):\n    raise KeyboardInterrupt\n")
+    bad = str(tmp_path / "bad.py")
+    t0 = time.perf_counter()
+    with pytest.raises(DataError, match=r"the reward '.*bad.py:hang' did not return within rl.reward_timeout=0.2 s "
+                                        r"\(prompt 'What is 2 \+ 2\?', response 'four'\)"):
+        load_reward(f"{bad}:hang", timeout=0.2)("What is 2 + 2?", "four", {})
+    assert time.perf_counter() - t0 < 5
+    assert load_reward(f"{bad}:sleepy", timeout=5)("p", "y", {}) == 1.0
+    import signal
+
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]  # pytest-timeout's own alarm, where it uses one: kept
+    assert outer == 0 or 800 < outer <= 900
+
+    class Outer(Exception):
+        pass
+
+    def outer_alarm(signum, frame):
+        raise Outer
+
+    before = signal.signal(signal.SIGALRM, outer_alarm)  # someone else's alarm, due before the reward's: it fires
+    saved = signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(Outer):
+            load_reward(f"{bad}:hang", timeout=30)("p", "y", {})
+    finally:
+        signal.signal(signal.SIGALRM, before)
+        signal.setitimer(signal.ITIMER_REAL, *saved)
+    with pytest.raises(DataError, match=r"called sys.exit\(3\) \(prompt 'p', response 'y'\)"):
+        load_reward(f"{bad}:leave")("p", "y", {})
+    with pytest.raises(KeyboardInterrupt):
+        load_reward(f"{bad}:interrupted", timeout=5)("p", "y", {})
 
 
 def test_bad_settings_are_named():

@@ -38,9 +38,9 @@ REWARD = ("def digits(prompt, response, example):\n"
           "    return sum(c.isdigit() for c in response) / max(1, len(response))\n")
 
 
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: float = 120, threads: str = "1") -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": threads})
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,10 @@ def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
     timing = ("seconds", "time", "tok_per_s")
     strip = [[{k: v for k, v in json.loads(line).items() if k not in timing} for line in r] for r in rows]
     assert strip[0] == strip[1]
+    # the run's thread count is part of the run: recorded at its start, another one refused on resume
+    assert json.loads((tmp_path / "cut" / "run.json").read_text())["rl"]["threads"] == 1
+    other = run("rl", str(config), "--resume", str(tmp_path / "cut"), threads="2")
+    assert other.returncode == 2 and "OMP_NUM_THREADS=2, but the run started with 1 thread(s) (rl.threads" in other.stderr
 
 
 @pytest.mark.parametrize("override,words", [
@@ -178,3 +182,42 @@ def test_contains_reward_finds_the_answer_as_a_word():
     assert contains("q", "paris, of course", {"answer": "Paris"}) == 1.0
     assert contains("q", "Parisian food", {"answer": "Paris"}) == 0.0
     assert contains("q", "It is 12.", {"answer": "2"}) == 0.0 and contains("q", "2 + 3 = 5", {"answer": "5"}) == 1.0
+
+
+OVERFLOW = ("calls = [0]\n"
+            "def huge(prompt, response, example):  # finite rewards whose group sums overflow float64\n"
+            "    calls[0] += 1\n"
+            "    return 1.7e308 if calls[0] % 2 else 1e308\n")
+
+
+@pytest.mark.parametrize("override,words", [
+    ("rl.reward='{huge}'", "step 1: the rewards (1e+308 to 1.7e+308) overflow their groups' mean or standard "
+                           "deviation, so the advantages are not finite; stopped before the update"),
+    ("rl.lr=1e30", "step 2: the "),  # step 1's update takes the weights to ~1e30; step 2's loss or update overflows
+])
+def test_nothing_non_finite_is_written(tmp_path, model, override, words, capsys):
+    """An RL step whose rewards overflow the group statistics, or whose update overflows the weights, stops the run
+    in one line before anything non-finite is logged or saved; the last good checkpoint stays the newest."""
+    from fullband.cli import main
+
+    (tmp_path / "huge.py").write_text(OVERFLOW)
+    config = recipe(tmp_path, model, "run")
+    code = main(["rl", str(config), "--set", override.format(huge=f"{tmp_path / 'huge.py'}:huge"), "--set",
+                 "rl.eval_every=0", "--set", "rl.ckpt_every=1"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in err, err[-2000:]
+    saved = sorted(p for p in (tmp_path / "run").iterdir() if p.name.startswith("step_"))
+    assert f"Last good checkpoint: {saved[-1] if saved else 'none yet'}" in lines[0]
+    for step in saved:  # whatever was written is finite
+        assert all(torch.isfinite(t).all() for t in load_file(step / "model.safetensors").values())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [int(p.name[5:]) for p in saved] and all(
+        v == v and abs(v) != float("inf") for r in rows for v in r.values() if isinstance(v, float))
+
+
+def test_a_learning_rate_the_optimizer_cannot_hold_is_refused(tmp_path, model, capsys):
+    from fullband.cli import main
+
+    assert main(["rl", str(recipe(tmp_path, model, "run")), "--set", "rl.lr=1e39"]) == 2
+    assert "rl.lr=1e+39 is invalid; accepted: 0 < rl.lr <= 3.40282e+38" in capsys.readouterr().err

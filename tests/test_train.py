@@ -20,9 +20,10 @@ from safetensors.torch import load_file
 
 from fullband.errors import ConfigError
 from fullband.train.config import load_run_config
+import fullband.train.trainer as trainer_module
 from fullband.train.trainer import TrainingDiverged, train
 
-from conftest import losses, write_config  # the corpus and cache fixtures live in conftest too
+from conftest import assert_resume_is_bitwise, losses, write_config  # the corpus and cache fixtures live in conftest too
 
 
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -542,3 +543,40 @@ def test_the_memory_estimate_and_a_warning_when_it_does_not_fit(monkeypatch):
     with pytest.warns(FullbandWarning, match=r"may not fit: about \d+\.\d GB against 4\.0 GB available; lower "
                                              "train.micro_batch"):
         trainer.say_memory(cfg, torch.device("cpu"))
+
+
+WIDE_MODEL = "vocab_size = 259\nd_model = 256\nn_layers = 2\nn_heads = 4\nmax_seq_len = 128"  # threads change its bits
+
+
+def test_a_resume_keeps_the_runs_thread_count_on_any_machine_load(tmp_path, corpus, cache, monkeypatch, capsys):
+    """A run started on a busy machine (1 thread) and resumed where 2 would be chosen ends bitwise as the run that
+    never stopped: the count is recorded in run.json and the resume uses it, saying so; a FULLBAND_THREADS or a
+    recipe count that differs is refused by name. The caller's count comes back after each run."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("FULLBAND_THREADS", raising=False)
+    kw = dict(steps=6, ckpt_every=2, model=WIDE_MODEL)
+    whole, part = (write_config(tmp_path, corpus, cache, name, **kw) for name in ("whole", "part"))
+    torch.set_num_threads(2)
+    ones = torch.set_num_threads  # every run before the resume starts with 1 thread: the busy machine
+
+    def resume_on_an_idle_machine(cfg, resume=None, _train=trainer_module.train):
+        ones(2 if resume is not None else 1)
+        return _train(cfg, resume=resume)
+
+    monkeypatch.setattr(trainer_module, "train", resume_on_an_idle_machine)
+    try:
+        assert_resume_is_bitwise(whole, part, monkeypatch, stop_before=3, last="step_000006")
+    finally:
+        torch.set_num_threads(1)
+    out = capsys.readouterr().out
+    assert "resuming with the run's 1 thread(s) (train.threads, as it started), not the 2" in out
+    assert json.loads((tmp_path / "part" / "run.json").read_text())["train"]["threads"] == 1
+    assert torch.get_num_threads() == 1
+    run = tmp_path / "part"
+    monkeypatch.setenv("FULLBAND_THREADS", "2")
+    with pytest.raises(ConfigError, match=r"FULLBAND_THREADS=2, but the run started with 1 thread\(s\) "
+                                          r"\(train.threads in its run.json\): unset it or set it to 1"):
+        trainer_module.Trainer(load_run_config(part), resume=run)
+    monkeypatch.delenv("FULLBAND_THREADS")
+    with pytest.raises(ConfigError, match=r"train.threads=3, but the run started with train.threads=1"):
+        trainer_module.Trainer(load_run_config(part, ["train.threads=3"]), resume=run)

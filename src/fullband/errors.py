@@ -26,6 +26,10 @@ class CheckpointError(FullbandError, OSError):
     """A checkpoint folder is missing, incomplete, corrupted or does not match its config."""
 
 
+class TrainingDiverged(FullbandError):
+    """A loss, gradient or weight became NaN or infinite (training or RL); the run stopped before writing it."""
+
+
 class FullbandWarning(UserWarning):
     """Something was accepted but deserves a look (e.g. config keys filled with defaults)."""
 

@@ -84,6 +84,40 @@ def fit_threads() -> str | None:
             f"(more would spin against them; {OVERRIDE}=N sets the count)")
 
 
+def run_threads(asked: int, key: str, *, resume: bool = False, recorded: int | None = None) -> tuple[int, str | None]:
+    """Set torch's threads for a run and return (the count it records, a line to print or None). torch's results
+    differ in the last bits with the thread count, so a run keeps one count from its start to its end:
+    - a new run takes `asked` (its recipe's `key`) or, for 0, the count this process runs with (the free cores, or
+      FULLBAND_THREADS / OMP_NUM_THREADS);
+    - a resumed run takes the count it `recorded` at its start (None: a run from before counts were recorded keeps
+      this process's); a recipe's count, FULLBAND_THREADS or OMP_NUM_THREADS that differ are refused (ConfigError
+      naming both), and the line says when this process would have chosen another count (the machine's load)."""
+    import torch
+
+    from fullband.errors import ConfigError
+
+    if not resume:
+        if asked:
+            torch.set_num_threads(asked)
+        return torch.get_num_threads(), None
+    current = torch.get_num_threads()
+    if not recorded:
+        return current, None
+    fix = f"unset it or set it to {recorded}; a resume with another count is not bit-for-bit"
+    if asked and asked != recorded:
+        raise ConfigError(f"{key}={asked}, but the run started with {key}={recorded} (its run.json): {fix}")
+    for var in (OVERRIDE, "OMP_NUM_THREADS"):
+        value = os.environ.get(var)
+        if value and value.strip() != str(recorded):
+            raise ConfigError(f"{var}={value}, but the run started with {recorded} thread(s) ({key} in its "
+                              f"run.json): {fix}")
+    torch.set_num_threads(recorded)
+    if current == recorded:
+        return recorded, None
+    return recorded, (f"resuming with the run's {recorded} thread(s) ({key}, as it started), not the {current} this "
+                      "machine's load would choose now: torch's results differ in the last bits with the thread count")
+
+
 # glibc malloc settings, read when a process starts: blocks over 32 MB are not served by an mmap of their own, and
 # freed memory is not handed back to the kernel (trimmed) while under 64 GiB.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**36)}

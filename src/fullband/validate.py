@@ -10,6 +10,11 @@ from typing import Any
 from fullband.errors import ConfigError, FullbandError, closest
 
 
+# the largest float32: torch's optimizers take a learning rate as a scalar of the weights' dtype, and a larger one
+# fails inside their step ("value cannot be converted to type float without overflow")
+MAX_LR = 3.4028234663852886e38
+
+
 def integer(name: str, value: Any, minimum: int | None = None, *, below: int | None = None,
             error: type[FullbandError] = ConfigError) -> int:
     """An int (not a bool) with minimum <= value (< below)."""

@@ -4,10 +4,14 @@ reference answer anywhere in the reply, as a word), or a user function
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
 import re
+import signal
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,8 +37,10 @@ def contains_answer(prompt: str, response: str, example: dict) -> float:
 BUILT_IN = {"answer": exact_answer, "contains": contains_answer}
 
 
-def load_reward(spec: str) -> Reward:
-    """'answer' (the built-in checker) or 'module:function' / 'path/to/file.py:function' -> a checked reward."""
+def load_reward(spec: str, *, timeout: float = 0.0) -> Reward:
+    """'answer' (the built-in checker) or 'module:function' / 'path/to/file.py:function' -> a checked reward: each
+    call returns a finite number within `timeout` seconds (0: no limit), or a one-line DataError naming the reward
+    and the prompt (for what it raised, a sys.exit, a call that never returns, a value that is not a number)."""
     if spec in BUILT_IN:
         return BUILT_IN[spec]
     module_name, sep, name = spec.rpartition(":")
@@ -56,18 +62,72 @@ def load_reward(spec: str) -> Reward:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"rl.reward={spec!r}: {module_name!r} has no function {name!r}")
-    return _checked(fn, spec)
+    return _checked(fn, spec, timeout)
 
 
-def _checked(fn: Callable, spec: str) -> Reward:
+class _TimedOut(BaseException):  # raised inside the user's function by the alarm; no `except Exception` catches it
+    pass
+
+
+class _Outer(BaseException):  # what an outer alarm's own handler raised, carried past the user's function
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _checked(fn: Callable, spec: str, timeout: float) -> Reward:
     def reward(prompt: str, response: str, example: dict) -> float:
+        where = f"(prompt {prompt[-60:]!r}, response {response[:60]!r})"
         try:
-            value: Any = fn(prompt, response, example)
+            with _deadline(timeout):
+                value: Any = fn(prompt, response, example)
+        except _Outer as outer:
+            raise outer.error from None
+        except _TimedOut:
+            raise DataError(f"the reward {spec!r} did not return within rl.reward_timeout={timeout:g} s {where}; "
+                            "make it return sooner or raise rl.reward_timeout (0: no limit)") from None
+        except SystemExit as err:  # sys.exit() inside a reward would end the run without a word
+            raise DataError(f"the reward {spec!r} called sys.exit({err.code!r}) {where}; accepted: a function that "
+                            "returns a finite number") from None
         except Exception as err:  # noqa: BLE001 -- the user's function, named with what it raised
-            raise DataError(f"the reward {spec!r} raised {type(err).__name__}: {err} (response {response[:60]!r})") \
-                from None
+            raise DataError(f"the reward {spec!r} raised {type(err).__name__}: {err} {where}") from None
         if not isinstance(value, int | float) or not math.isfinite(value):  # a bool is 0 / 1
-            raise DataError(f"the reward {spec!r} returned {value!r}; accepted: a finite number")
+            raise DataError(f"the reward {spec!r} returned {value!r} {where}; accepted: a finite number")
         return float(value)
 
     return reward
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise _TimedOut in the calling code after `seconds` (a real-time alarm, SIGALRM), in the main thread of a POSIX
+    process (elsewhere: no limit). An alarm someone else set (a test runner's timeout) keeps its own time and
+    handler: whichever is due first fires, and the other's is set again after."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+    outer, interval = signal.getitimer(signal.ITIMER_REAL)
+    previous = signal.getsignal(signal.SIGALRM)
+    ours_first = not outer or seconds < outer
+    start = time.monotonic()
+
+    def expire(signum, frame):
+        if ours_first:
+            raise _TimedOut
+        signal.signal(signal.SIGALRM, previous)  # the outer alarm is due: its own handler, as if we were not here
+        if callable(previous):
+            try:
+                previous(signum, frame)
+            except BaseException as err:  # noqa: BLE001 -- the outer handler's own, raised as it is by `reward`
+                raise _Outer(err) from None
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGALRM)
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds if ours_first else outer)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3), interval)

@@ -14,25 +14,27 @@ import copy
 import json
 import random
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
-from fullband.errors import ConfigError, DataError, InputError
+from fullband.errors import ConfigError, DataError, InputError, TrainingDiverged
 from fullband.files import replace_file, writing
+from fullband.machine import run_threads
 from fullband.train import checkpoint as ckpt
 from fullband.train.metrics import METRICS_FILE
 from fullband.train.parallel import Dist
 from fullband.train.trainer import stop_after_step
 from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
-                                   truncate_metrics)
+                                   saved_setting, truncate_metrics)
 from fullband.rl.step import RLSettings
-from fullband.validate import integer, number
+from fullband.validate import MAX_LR, integer, number
 
 # settings a resumed run may change (how often it logs and evaluates); every other one must match run.json
-MAY_CHANGE = ("eval_every", "eval_prompts", "ckpt_every", "keep_last", "device")
+MAY_CHANGE = ("eval_every", "eval_prompts", "ckpt_every", "keep_last", "device", "reward_timeout",
+              "threads")  # threads: the run's own count, checked on its own (fullband.machine.run_threads)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class RLConfig(RLSettings):
     data: str = "arithmetic"  # a chat corpus (as data.corpus for chat training); train / val split by hash
     val_percent: float = 2.0
     reward: str = "answer"  # "answer" (final 'Answer: ...' exact match) or "module:function" / "file.py:function"
+    reward_timeout: float = 60.0  # seconds one reward call may take (0: no limit)
     prompts_per_step: int = 8
     steps: int = 100
     lr: float = 1e-5  # AdamW, no weight decay
@@ -54,6 +57,7 @@ class RLConfig(RLSettings):
     keep_last: int = 3
     run_dir: str = "runs/rl"
     device: str = "cpu"
+    threads: int = 0  # torch's threads; 0: chosen at the run's start (the free cores), recorded, used by every resume
 
     def __post_init__(self) -> None:
         if not self.init_from:
@@ -64,8 +68,10 @@ class RLConfig(RLSettings):
             integer(f"rl.{name}", getattr(self, name), 1)
         for name in ("eval_every", "ckpt_every", "seed"):
             integer(f"rl.{name}", getattr(self, name), 0)
+        integer("rl.threads", self.threads, 0, below=4097)
         number("rl.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
-        number("rl.lr", self.lr, low=0, low_open=True)
+        number("rl.lr", self.lr, low=0, high=MAX_LR, low_open=True)
+        number("rl.reward_timeout", self.reward_timeout, low=0, high=86400)
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"rl.device={self.device!r} is invalid; accepted: 'cpu', 'cuda' or 'cuda:N'")
 
@@ -121,7 +127,16 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bool = True) -> Path:
-    """Run (or resume) the recipe; returns the run directory."""
+    """Run (or resume) the recipe; returns the run directory. The run sets torch's threads (rl.threads) and gives
+    the caller its count back."""
+    before = torch.get_num_threads()
+    try:
+        return _rl_train(recipe, resume=resume, progress=progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rl_train(recipe: RLRecipe, *, resume: str | Path | None, progress: bool) -> Path:
     from tqdm.auto import tqdm
 
     from fullband.chat import check_chat_model
@@ -135,13 +150,14 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
     cfg = recipe.rl
     run_dir = resume_run_dir(Path(resume)) if resume is not None else Path(cfg.run_dir)
     lock, created = claim_run_dir(run_dir, resume=resume is not None)
+    bar = None
     try:
         # everything that can fail on the user's input, before the run directory is written to
         d = Dist(device=torch.device(cfg.device))
         model = load_model(cfg.init_from, device=d.device)
         tokenizer = load_tokenizer(cfg.init_from)
         check_chat_model(model, tokenizer)
-        reward = load_reward(cfg.reward)
+        reward = load_reward(cfg.reward, timeout=cfg.reward_timeout)
         train_items = _items(cfg, tokenizer, model.config.max_seq_len)
         val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent, split="val")
         reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
@@ -151,6 +167,13 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
         if resume is not None:
             found = resume_checkpoint(Path(resume), run_dir)
             check_resume_config(run_dir, recipe.to_dict(), MUST_MATCH)
+        threads, said = run_threads(cfg.threads, "rl.threads", resume=resume is not None,
+                                    recorded=saved_setting(run_dir, "rl.threads"))
+        if said:
+            print(said, flush=True)
+        recipe = replace(recipe, rl=replace(cfg, threads=threads))  # what run.json and the checkpoints record
+        cfg = recipe.rl
+        if resume is not None:
             if found is not None:
                 state = ckpt.load_checkpoint(found, model, optimizer, d=d)
                 step, elapsed, tokens = state["step"], state["elapsed"], state["tokens"]
@@ -204,8 +227,13 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
                 t0 = time.perf_counter()
                 rng = random.Random(step_seed(cfg.seed, step))
                 idx = rng.sample(range(len(train_items.prompts)), min(cfg.prompts_per_step, len(train_items.prompts)))
-                row = rl_step(model, optimizer, [train_items.prompts[i] for i in idx], score(train_items, idx),
-                              cfg, seed=step_seed(cfg.seed, step), stop_tokens=stops, reference=reference)
+                try:
+                    row = rl_step(model, optimizer, [train_items.prompts[i] for i in idx], score(train_items, idx),
+                                  cfg, seed=step_seed(cfg.seed, step), stop_tokens=stops, reference=reference)
+                except TrainingDiverged as err:  # nothing of this step is written; the last checkpoint stays
+                    last = ckpt.list_checkpoints(run_dir)
+                    raise TrainingDiverged(f"step {step + 1}: {err}. Last good checkpoint: "
+                                           f"{last[-1] if last else 'none yet'}") from None
                 step += 1
                 elapsed += time.perf_counter() - t0
                 tokens += row["tokens"]
@@ -233,6 +261,8 @@ def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bo
         plot_rl(run_dir / METRICS_FILE, run_dir / "rl.png")
         return run_dir
     except BaseException:
+        if bar is not None:
+            bar.close()  # an error's line starts a line of its own
         if created and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()
         raise

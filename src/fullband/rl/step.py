@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fullband.decode.sampling import Sampling
-from fullband.errors import InputError
+from fullband.errors import InputError, TrainingDiverged
 from fullband.model.core import FeedbackModel
 from fullband.rl.logprob import Rollout, logprobs, parse_path, prompt_plain, rl_mode, rollout, sequences
 from fullband.rl.objective import group_advantages, policy_loss
@@ -97,9 +97,38 @@ def rl_step(model: FeedbackModel, optimizer: torch.optim.Optimizer, prompts: Seq
             "flat_groups": flat, **row, "tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt}
 
 
+def apply_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: Tensor) -> None:
+    """loss.backward() and the optimizer's step, with nothing non-finite let through: a NaN / infinite loss or
+    gradient stops before the step (TrainingDiverged, the weights untouched), and so does a step whose update
+    overflowed the weights (they are no longer finite: whoever saves must not)."""
+    if not bool(torch.isfinite(loss)):
+        raise TrainingDiverged(f"the loss is {float(loss.detach())}; stopped before applying it")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if not _finite(p.grad for p in model.parameters()):
+        optimizer.zero_grad(set_to_none=True)
+        raise TrainingDiverged(f"the loss ({float(loss.detach()):.4g}) has non-finite gradients; stopped before "
+                               "applying them")
+    optimizer.step()
+    if not _finite(p.detach() for p in model.parameters()):
+        raise TrainingDiverged("the weights are no longer finite after the update (it overflowed); try a lower "
+                               "learning rate")
+
+
+def _finite(tensors) -> bool:
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 def _grpo(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, rewards: Tensor,
           settings: RLSettings, reference: FeedbackModel | None) -> dict:
-    advantages = group_advantages(rewards, settings.group).float()
+    advantages = group_advantages(rewards, settings.group)
+    if not bool(torch.isfinite(advantages).all()):
+        raise TrainingDiverged(f"the rewards ({float(rewards.min()):.4g} to {float(rewards.max()):.4g}) overflow "
+                               "their groups' mean or standard deviation, so the advantages are not finite; "
+                               "stopped before the update. Accepted: rewards whose sums stay finite (|reward| "
+                               "well below 1e308)")
+    advantages = advantages.float()
     ref = None
     if reference is not None and settings.kl_coef > 0:
         with torch.no_grad():
@@ -113,9 +142,7 @@ def _grpo(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, re
             error = float((old - r.logprobs.to(old.device)).abs()[r.mask].mean())
         out = policy_loss(logp, old, advantages, r.mask, clip_low=settings.clip_low, clip_high=settings.clip_high,
                           ref=ref, kl_coef=settings.kl_coef)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        optimizer.step()
+        apply_update(model, optimizer, out.loss)
         clipped.append(out.clip_fraction)
     return {"loss": float(out.loss.detach()), "kl": out.kl, "clip_fraction": sum(clipped) / len(clipped),
             "logprob_error": error}
@@ -154,8 +181,6 @@ def _rejection_sft(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Ro
     plain = None if plain is None else plain[:, :-1]
     gen = torch.Generator(device=ids.device).manual_seed(seed)
     out = objective(model, ids[:, :-1], targets, passes, plain_mask=plain, generator=gen, noise=True)
-    optimizer.zero_grad(set_to_none=True)
-    out.loss.backward()
-    optimizer.step()
+    apply_update(model, optimizer, out.loss)
     row["loss"] = float(out.loss.detach())
     return row

@@ -72,11 +72,14 @@ class TrainConfig:
     activation_checkpointing: bool = False
     parallel: str = "ddp"  # under torchrun: ddp or fsdp (FSDP2 fully_shard)
     init_from: str = ""  # warm start: a model folder whose matching weights replace the fresh initialisation
+    threads: int = 0  # torch's threads per process; 0: chosen at the run's start (the free cores). run.json records
+    # the count and every resume uses it (the last bits of a step depend on it)
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
             integer(f"train.{name}", getattr(self, name), 1)
         integer("train.seed", self.seed, 0, below=MAX_SEED)
+        integer("train.threads", self.threads, 0, below=4097)
         integer("train.warmup_steps", self.warmup_steps, 0, below=self.steps + 1)
         number("train.cooldown_fraction", self.cooldown_fraction, low=0, high=1)
         number("train.z_loss", self.z_loss, low=0)

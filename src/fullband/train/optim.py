@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from fullband.errors import ConfigError
-from fullband.validate import boolean, choice, integer, number
+from fullband.validate import MAX_LR, boolean, choice, integer, number
 from fullband.model.config import ModelConfig
 from fullband.model.weights import SPLITS, WEIGHTS, Weight
 
@@ -48,7 +48,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         choice("optim.name", self.name, OPTIMIZERS)
-        for name in ("lr", "adam_lr", "eps", "adam_eps"):
+        for name in ("lr", "adam_lr"):
+            number(f"optim.{name}", getattr(self, name), low=0.0, high=MAX_LR, low_open=True)
+        for name in ("eps", "adam_eps"):
             number(f"optim.{name}", getattr(self, name), low=0.0, low_open=True)
         for name in ("weight_decay", "adam_weight_decay", "grad_clip"):
             number(f"optim.{name}", getattr(self, name), low=0.0)

@@ -90,6 +90,16 @@ def check_resume_config(run_dir: Path, now: dict, keys: tuple[str, ...] = MUST_M
                           + "; ".join(diffs) + ". Use the run's own settings (its run.json) or start a new run")
 
 
+def saved_setting(run_dir: Path, dotted: str):
+    """One setting of a run's run.json (`dotted`, e.g. 'train.threads'); None where the file or the key is missing
+    (check_resume_config has checked the file)."""
+    try:
+        saved = read_json_file(run_dir / RUN_FILE, "the run's settings", error=ConfigError)
+    except ConfigError:
+        return None
+    return _get(saved, dotted) if isinstance(saved, dict) else None
+
+
 _UNSET = object()
 
 

@@ -15,14 +15,15 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from fullband.bench.flops import train_flops
-from fullband.errors import FullbandError
+from fullband.errors import TrainingDiverged
 from fullband.files import replace_file, writing
+from fullband.machine import run_threads
 from fullband.eval.loss import validation_loss
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
@@ -30,15 +31,11 @@ from fullband.train.build import build, resolve
 from fullband.train.data import RunData, prepare_data
 from fullband.train.objective import objective
 from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
-                                   truncate_metrics)
+                                   saved_setting, truncate_metrics)
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync,
                                      shutdown, unwrap)
 from fullband.train.schedule import in_cooldown, sample_loops, wsd_factor
-
-
-class TrainingDiverged(FullbandError):
-    """The loss became NaN or infinite; the run stopped before applying that step."""
 
 
 @dataclass
@@ -90,6 +87,11 @@ class Trainer:
         if resume is not None:
             self.resume_from = resume_checkpoint(Path(resume), self.run_dir)
             check_resume_config(self.run_dir, cfg.to_dict())
+        threads, said = run_threads(cfg.train.threads, "train.threads", resume=resume is not None,
+                                    recorded=saved_setting(self.run_dir, "train.threads"))
+        if said:
+            _print0(self.d, said)
+        cfg = self.cfg = replace(cfg, train=replace(cfg.train, threads=threads))  # what run.json records
         self.data: RunData = prepare_data(cfg, self.d, source=source)
         built = build(cfg, self.d, warm=resume is None)
         self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
@@ -358,11 +360,15 @@ def say_memory(cfg: RunConfig, device) -> None:
 
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
-    trainer = Trainer(cfg, resume=resume)
+    before = torch.get_num_threads()  # the run sets its own (train.threads); the caller gets its count back
     try:
-        return trainer.run()
+        trainer = Trainer(cfg, resume=resume)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        torch.set_num_threads(before)
 
 
 def _autocast(dtype: str, device: torch.device):
