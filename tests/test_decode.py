@@ -165,6 +165,24 @@ def test_generate_restores_training_mode_and_accepts_tensor_prompts():
     assert model.training and len(out) == 1 and len(out[0]) == 3
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_callers_grad_mode_and_train_flag_hold_between_steps(grad):
+    """stream computes its steps in inference mode (grad=True: with gradients) and eval mode, and gives the caller
+    its own back while it holds a step: a training step's backward() inside the loop works (it used to fail:
+    inference mode was left on across the yield), and a caller's no_grad holds around a grad=True stream."""
+    model, ids = tiny_model().train(), random_ids(1, 6)
+    seen = []
+    with torch.no_grad() if grad else torch.enable_grad():
+        for step in stream(model, [[1, 2, 3]], 3, mode="fused", grad=grad):
+            seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), model.training,
+                         step.logits.requires_grad))
+            if not grad:
+                model.zero_grad()
+                model(ids).logits.sum().backward()
+                assert model.embed.weight.grad is not None
+    assert seen == [(not grad, False, True, grad)] * 3 and model.training
+
+
 def test_compiled_decode_equals_eager():
     model = tiny_model()
     prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (4, 9)]

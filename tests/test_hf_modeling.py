@@ -233,6 +233,25 @@ def test_bad_input_is_named(pair):
     assert none(ids, feedback_mode="standard").logits.shape == (1, 3, 259)
 
 
+def test_a_path_that_is_not_a_transformers_folder_of_ours_is_named(pair, tmp_path):
+    """transformers' own errors do not say what to do (a native folder: a size-mismatch report, or 'Unrecognized
+    model'; a missing path: 'Repo id must be in the form ...'); from_pretrained names the path and the fix, in one
+    line."""
+    pair[0].save(tmp_path / "native")
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    cases = {"native": r"is a native fullband folder.*`fullband convert \S*native OUT --to hf`",
+             "missing": "does not exist; accepted: a transformers folder of ours", "notes.txt": "is a file",
+             "empty": "has no readable config.json", "llama": "holds model_type='llama', not 'fullband'"}
+    for load in (FullbandForCausalLM.from_pretrained, FullbandConfig.from_pretrained):
+        for name, words in cases.items():
+            with pytest.raises(CheckpointError, match=words) as err:
+                load(tmp_path / name)
+            assert "\n" not in str(err.value) and str(err.value).startswith(f"{load.__qualname__}: ")
+
+
 # ---------------------------------------------------------------------- fullband convert
 def test_convert_native_to_hf_and_back_is_bitwise(tmp_path):
     from fullband.cli import main

@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_model
 from fullband.data.tokenizer import ByteTokenizer
 from fullband.decode.sampling import Sampling
-from fullband.errors import FullbandError, InputError
+from fullband.errors import CheckpointError, FullbandError, InputError
 from fullband.model.mode import DecodeMode
 from fullband.rl.logprob import Rollout, log_softmax, logprobs, rl_mode, rollout
 from fullband.rl.objective import group_advantages, policy_loss
@@ -218,6 +218,20 @@ def test_what_trl_cannot_give_is_refused(folder, tmp_path):
         t._get_per_token_logps_and_entropies(torch.nn.Linear(1, 1), ids, mask, 1)
     with pytest.raises(InputError, match="prompts left-padded, completions right-padded"):
         t._get_per_token_logps_and_entropies(t.model, ids, torch.tensor([[1, 0, 1]]), 1)
+
+
+def test_a_model_path_trl_cannot_load_is_named(tmp_path):
+    """TRL loads a path with transformers, whose errors do not say what to do: a native folder ('Unrecognized
+    model ... model_type'), a missing path ('Repo id must be in the form ...'), a file ('not a valid JSON file')."""
+    tiny_model().save(tmp_path / "native")
+    (tmp_path / "weights.bin").write_text("x")
+    cases = {"native": r"is a native fullband folder.*`fullband convert \S*native OUT --to hf`",
+             "missing": "does not exist", "weights.bin": "is a file, not a folder"}
+    for name, words in cases.items():
+        for call in (lambda p: FeedbackGRPOTrainer(model=p), lambda p: FeedbackGRPOTrainer(p)):
+            with pytest.raises(CheckpointError, match=words) as err:
+                call(str(tmp_path / name))
+            assert "\n" not in str(err.value) and str(err.value).startswith("FeedbackGRPOTrainer(model=...): ")
 
 
 def test_without_trl_the_error_says_how_to_install_it(monkeypatch):

@@ -204,40 +204,58 @@ def collect(steps: Iterator[Step]) -> list[list[int]]:
 def _run(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_new: int, mode: DecodeMode,
          sampling: Sampling, stops: Tensor | None, compile: bool, forced: Tensor | None,
          grad: bool = False, fed: Tensor | None = None) -> Iterator[Step]:
+    """The steps of _decode, each computed in the decoding's grad mode (inference mode, or gradients with `grad`)
+    with the model in eval mode, and the caller's own grad mode and train flag back while it holds a step: a
+    backward() or a training step inside `for step in stream(...)` runs as it would outside the loop."""
+    steps = _decode(model, ids, lengths, longest, max_new, mode, sampling, stops, compile, forced, grad, fed)
+    try:
+        while True:
+            training = model.training
+            with torch.enable_grad() if grad else torch.inference_mode():
+                if training:
+                    model.eval()
+                try:
+                    step = next(steps)
+                except StopIteration:
+                    return
+                finally:
+                    if training:
+                        model.train()
+            yield step
+    finally:
+        steps.close()
+
+
+def _decode(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_new: int, mode: DecodeMode,
+            sampling: Sampling, stops: Tensor | None, compile: bool, forced: Tensor | None, grad: bool,
+            fed: Tensor | None) -> Iterator[Step]:
     device = next(model.parameters()).device
     ids, lengths = ids.to(device), lengths.to(device)
     forced = None if forced is None else forced.to(device)
     B = ids.shape[0]
     generator = sampling.generator(device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.enable_grad() if grad else torch.inference_mode():
-            state, out = prefill(model, ids, lengths, mode, room=max_new, longest=longest, fed=fed)
-            rows = torch.arange(B, device=device)
-            logits = model.head(out.top[rows, lengths - 1])  # (B, V)
-            used = out.passes_used
-            del out
-            if grad and not hasattr(state.cache, "fork"):
-                raise InputError(f"grad=True needs fullband's KV cache; {type(model).__name__} keeps another")
-            stepper = make_stepper(model, state, compile=compile)
-            finished = torch.zeros(B, dtype=torch.bool, device=device)
-            stops = None if stops is None else stops.to(device)
-            for s in range(max_new):
-                tokens = sampling(logits, generator) if forced is None else forced[:, s]
-                yield Step(tokens=tokens, logits=logits, finished=finished.clone(), prefill_passes=used,
-                           state=state.state)
-                if stops is not None:
-                    finished |= torch.isin(tokens, stops)
-                    if bool(finished.all()):
-                        return
-                if s == max_new - 1:
-                    return
-                if grad:  # the step writes the cache in place: keep the tensors autograd saved as they were
-                    state.cache.fork()
-                logits = advance(model, state, tokens, feed=mode.feeds_state, stepper=stepper)
-    finally:
-        model.train(was_training)
+    state, out = prefill(model, ids, lengths, mode, room=max_new, longest=longest, fed=fed)
+    rows = torch.arange(B, device=device)
+    logits = model.head(out.top[rows, lengths - 1])  # (B, V)
+    used = out.passes_used
+    del out
+    if grad and not hasattr(state.cache, "fork"):
+        raise InputError(f"grad=True needs fullband's KV cache; {type(model).__name__} keeps another")
+    stepper = make_stepper(model, state, compile=compile)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    stops = None if stops is None else stops.to(device)
+    for s in range(max_new):
+        tokens = sampling(logits, generator) if forced is None else forced[:, s]
+        yield Step(tokens=tokens, logits=logits, finished=finished.clone(), prefill_passes=used, state=state.state)
+        if stops is not None:
+            finished |= torch.isin(tokens, stops)
+            if bool(finished.all()):
+                return
+        if s == max_new - 1:
+            return
+        if grad:  # the step writes the cache in place: keep the tensors autograd saved as they were
+            state.cache.fork()
+        logits = advance(model, state, tokens, feed=mode.feeds_state, stepper=stepper)
 
 
 # ---------------------------------------------------------------------- argument checks

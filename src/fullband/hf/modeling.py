@@ -13,6 +13,9 @@ folder, as modeling_fullband.py (fullband.hf.remote): it imports only other ship
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +25,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fullband.decode.generate import DecodeState, advance, prefill
-from fullband.errors import ConfigError, InputError
+from fullband.errors import CheckpointError, ConfigError, InputError
 from fullband.hf.remote import write_shipped
 from fullband.model.config import ModelConfig, require_one_slot
 from fullband.model.decoder import FullbandLM
@@ -38,6 +41,45 @@ _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalL
 # save_pretrained writes the shipped modules (fullband.hf.remote) and points the Auto classes at them
 AUTO_MAP = {"AutoConfig": "modeling_fullband.FullbandConfig",
             "AutoModelForCausalLM": "modeling_fullband.FullbandForCausalLM"}
+
+
+CONVERT = "`fullband convert SRC OUT --to hf` writes one from a native folder, a Llama folder or a GGUF file"
+
+
+def check_pretrained(path: Any, who: str) -> None:
+    """Raise CheckpointError, in one line, unless `path` names a transformers folder of ours (config.json of
+    model_type "fullband") or could be a Hugging Face Hub repo id (not found here, and no local folder holds it);
+    anything else than a str or path is left to transformers. transformers' own errors for a native folder, a
+    missing path or a file do not say what to do."""
+    if not isinstance(path, str | os.PathLike):
+        return
+    folder, accepted = Path(path), f"accepted: a transformers folder of ours ({CONVERT}) or a Hub repo id"
+    if not folder.exists():
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(str(path))
+        except HFValidationError:
+            local = True
+        else:
+            local = str(folder.parent) != "." and folder.parent.exists()
+        if local:
+            raise CheckpointError(f"{who}: {str(path)!r} does not exist; {accepted}")
+        return
+    if not folder.is_dir():
+        raise CheckpointError(f"{who}: {str(path)!r} is a file, not a folder; {accepted}")
+    try:
+        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{who}: {str(path)!r} has no readable config.json ({type(err).__name__}); "
+                              f"{accepted}") from None
+    data = data if isinstance(data, dict) else {}
+    if data.get("format") == "fullband":  # fullband.folder.FORMAT: a native folder
+        raise CheckpointError(f"{who}: {str(path)!r} is a native fullband folder, which transformers cannot read; "
+                              f"convert it first with `fullband convert {path} OUT --to hf` and pass OUT")
+    if data.get("model_type") != FullbandConfig.model_type:
+        raise CheckpointError(f"{who}: {str(path)!r} holds model_type={data.get('model_type')!r}, not "
+                              f"{FullbandConfig.model_type!r}; {accepted}")
 
 
 class FullbandConfig(PretrainedConfig):
@@ -74,6 +116,12 @@ class FullbandConfig(PretrainedConfig):
         # the native model ties (or not) its own head; transformers must not tie anything
         kwargs["tie_word_embeddings"] = False
         super().__init__(**kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> "FullbandConfig":
+        """transformers' from_pretrained, for a transformers folder of ours (check_pretrained)."""
+        check_pretrained(pretrained_model_name_or_path, f"{cls.__name__}.from_pretrained")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def to_model_config(self) -> ModelConfig:
         return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS})
@@ -170,6 +218,12 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self) -> torch.nn.Module | None:
         return self.model.lm_head
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> "FullbandForCausalLM":
+        """transformers' from_pretrained, for a transformers folder of ours (check_pretrained)."""
+        check_pretrained(pretrained_model_name_or_path, f"{cls.__name__}.from_pretrained")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any):
         """transformers' generate; the feedback modes need the cache (it carries each sequence's state), so

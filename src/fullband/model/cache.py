@@ -50,8 +50,9 @@ class KVCache:
         return (keys[None, :] <= positions[:, None])[:, None, None, :]
 
     def fork(self) -> None:
-        """Fresh copies of every layer: a later write leaves the tensors an autograd graph saved untouched."""
-        self.k, self.v = [k.clone() for k in self.k], [v.clone() for v in self.v]
+        """Fresh copies of every layer: a later write leaves the tensors an autograd graph saved untouched. The lists
+        are refilled in place, so a cache wrapped over them (wrap: the decode step's) forks too."""
+        self.k[:], self.v[:] = [k.clone() for k in self.k], [v.clone() for v in self.v]
 
     def select(self, rows: Tensor) -> None:
         """Keep (and reorder, or repeat) the batch rows `rows` (R,): each layer becomes (R, max_len, H_kv, Dh)."""

@@ -177,6 +177,12 @@ class FeedbackModel(nn.Module):
         """Jacobi passes after which `length` positions are at the fixed point (position t is final after t + 1)."""
         return length
 
+    @property
+    def state_lag(self) -> int:
+        """How far back the state a fed position reads sits: 1, position t reads prev[t - 1] (jacobi_pass's shift,
+        the decode step's carried state). So prompt positions read the states at positions < prompt length - lag."""
+        return 1
+
     def jacobi_pass(self, e: Tensor, prev: Tensor | None = None, plain: Tensor | None = None, *,
                     cache=None) -> tuple[Tensor, Tensor]:
         """One Jacobi pass over all positions: position t reads prev[t - 1], the previous pass's state, unless

@@ -196,6 +196,11 @@ class FullbandLM(FeedbackModel):
         from pass j - 1, up to j - 2: length + 1 passes reach the fixed point (ModelConfig.exact_passes)."""
         return self.config.exact_passes(length)
 
+    @property
+    def state_lag(self) -> int:
+        """Under ponder 0: ponder slot t reads its own token slot's state, prev[t]. Else the core's 1."""
+        return 0 if self.config.ponder else 1
+
     def jacobi_pass(self, e: Tensor, prev: Tensor | None = None, plain: Tensor | None = None, *,
                     cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
         """Under ponder, a pass after the plain one runs [e_0, z_0, e_1, z_1, ...] (B, 2T, D): ponder slot z_t is fed
@@ -212,11 +217,14 @@ class FullbandLM(FeedbackModel):
              plain: Tensor | None = None, kv_len: int, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Under ponder, token t's two forward steps: its embedding at cache slot 2t, then that slot's state at slot
         2t + 1 (`prev` and `plain` take no part: the ponder slot reads its own token's state). -> (token slot's
-        state, ponder slot's final-norm output), each (B, D). Else the core's step."""
+        state, ponder slot's final-norm output), each (B, D). Else the core's step. With gradients, the cache is
+        forked between the two (the second write would change what the first one's attention saved)."""
         if not self.config.ponder:
             return super().step(tokens, positions, cache, prev=prev, plain=plain, kv_len=kv_len, mask=mask)
         x, token_state = self.plain_input(self.embed_tokens(tokens))[:, None], None
         for slot in (0, 1):
+            if slot and torch.is_grad_enabled():
+                cache.fork()
             at, seen = 2 * positions + slot, 2 * kv_len - 1 + slot
             visible = None if mask is None else cache.visible(at, seen)
             x, top = self._out(*self._blocks_step(x, at, cache, seen, visible, 0, self.config.n_layers, pairs=True))

@@ -8,7 +8,8 @@ sampled before it. log pi(y | x) and its gradient come from:
   sequential over the response.
 - `jacobi:K`: K Jacobi passes over prompt + response in parallel, the prompt kept as the mode read it (SOFT and
   STANDARD: plain; FUSED k: its 1 + k passes). Equal to exact, values and gradients, once K >= the response
-  length (+ k for FUSED k): position t is exact after t passes of its own.
+  length (+ k for FUSED k): position t is exact after t passes of its own. The prompt's states are held where the
+  prompt reads them (FeedbackModel.state_lag: a ponder slot reads its own token's state, not the one before).
 - `replay`: one parallel pass fed the states recorded at sampling time (a Rollout's). Values exact; the gradient
   is cut at the states (they are constants).
 
@@ -167,30 +168,37 @@ def _parallel(model: FeedbackModel, r: Rollout, passes: int | None, how: Scoring
     if not dm.feeds_state:  # STANDARD: nothing is fed, one plain pass is the exact reading
         return _gather(model, model(ids, passes=1, return_logits=False).top, ids, at, how)
     plain_prompt = prompt_plain(dm, prompt)
+    # the states prompt positions read: those at positions < prompt length - state_lag (each position its
+    # predecessor's; under ponder each ponder slot its own token's, so the last prompt position's too)
+    held = torch.arange(ids.shape[1], device=ids.device)[None, :] < (plen - model.state_lag)[:, None]
     if passes is None:
-        return _gather(model, _replay(model, r, ids, plen, at, plain_prompt), ids, at, how)
+        return _gather(model, _replay(model, r, ids, plen, at, plain_prompt, held), ids, at, how)
     k = dm.fused_passes
     frozen: list[Tensor] = []
-    # FUSED k: from pass 1 + k on, prompt positions keep reading what they read in pass 1 + k (their states stay as
-    # the mode read them); position t reads prev[t - 1], so prev is held for positions t - 1 < prompt length - 1
-    hold = torch.arange(ids.shape[1], device=ids.device)[None, :] < (plen - 1)[:, None]
 
+    # FUSED k: from pass 1 + k on, prompt positions keep reading what they read in pass 1 + k (their states stay as
+    # the mode read them)
     def feed(j: int, state: Tensor, plain: Tensor) -> tuple[Tensor, Tensor]:
         if j < k:
             return state, plain
         if j == k:
             frozen.append(state)
-        return torch.where(hold[..., None], frozen[0], state), plain
+        return torch.where(held[..., None], frozen[0], state), plain
 
     out = model(ids, passes=passes, plain_mask=plain_prompt, feed=None if k == 0 else feed, return_logits=False)
     return _gather(model, out.top, ids, at, how)
 
 
 def _replay(model: FeedbackModel, r: Rollout, ids: Tensor, plen: Tensor, at: Tensor,
-            plain_prompt: Tensor | None) -> Tensor:
-    """One pass: every position fed the state it read at sampling time -> final-norm outputs (B, T, D)."""
+            plain_prompt: Tensor | None, held: Tensor) -> Tensor:
+    """One Jacobi pass whose previous-pass states are those read at sampling time -> final-norm outputs (B, T, D).
+    Response token i was sampled from the logits at at[i] - 1; the state recorded with it, position at[i] - 1's,
+    is what the response reads from there. `held` (B, T): the states the prompt read instead."""
     B, T = ids.shape
-    fed = torch.zeros(B, T, r.states.shape[-1], dtype=r.states.dtype, device=ids.device)
+    prev = torch.zeros(B, T, r.states.shape[-1], dtype=r.states.dtype, device=ids.device)
+    live = r.mask.to(ids.device)
+    rows = torch.arange(B, device=ids.device)[:, None].expand_as(at)
+    prev[rows[live], at[live] - 1] = r.states.to(ids.device)[live]
     if plain_prompt is None:  # FUSED: the prompt's last pass read the pass before it (recomputed: deterministic)
         last: list[Tensor] = []  # the last two passes' states
 
@@ -200,11 +208,8 @@ def _replay(model: FeedbackModel, r: Rollout, ids: Tensor, plen: Tensor, at: Ten
         prompt_ids = ids[:, : int(plen.max())]
         with torch.no_grad():
             model.read(prompt_ids, r.mode, each_pass=keep)
-        if len(last) > 1:
-            fed[:, : prompt_ids.shape[1]] = shift_right(last[0])
-    live = r.mask.to(ids.device)
-    rows = torch.arange(B, device=ids.device)[:, None].expand_as(at)
-    fed[rows[live], at[live]] = r.states.to(ids.device)[live]
+        if len(last) > 1:  # else one-token prompts, which read no state
+            P = prompt_ids.shape[1]
+            prev[:, :P] = torch.where(held[:, :P, None], last[0].to(prev.dtype), prev[:, :P])
     e = model.embed_inputs(ids)
-    _, top = model.stack(model.pass_inputs(e, fed.detach(), model.plain_of(ids, mask=plain_prompt)))
-    return top
+    return model.jacobi_pass(e, prev.detach(), model.plain_of(ids, mask=plain_prompt))[1]

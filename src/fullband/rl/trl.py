@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from fullband.errors import FullbandError, InputError
-from fullband.hf.modeling import FullbandForCausalLM  # importing fullband.hf registers it: TRL loads folders by path
+# importing fullband.hf registers FullbandForCausalLM: TRL loads folders by path
+from fullband.hf.modeling import FullbandForCausalLM, check_pretrained
 from fullband.model.mode import DecodeMode
 from fullband.rl.logprob import Rollout, parse_path, rl_mode, scores
 
@@ -35,6 +36,7 @@ class FeedbackGRPOTrainer(GRPOTrainer):
             raise InputError("logprob='replay' needs the fed states recorded while sampling, which TRL's generation "
                              "does not keep; accepted: exact, jacobi:K")
         self.logprob = logprob
+        check_pretrained(args[0] if args else kwargs.get("model"), "FeedbackGRPOTrainer(model=...)")
         super().__init__(*args, **kwargs)
         _native(self.model)  # a FullbandForCausalLM, or say so
         config = self.model.config
