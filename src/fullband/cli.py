@@ -70,6 +70,37 @@ _seed = _count(0, 2**63, "an integer 0 <= seed < 2**63")
 _passes = _count(0, accepted="an integer >= 0 or 'auto'")
 
 
+# Options where an empty value means something of its own (an empty prompt: generate from BOS alone; an empty stop
+# text: the whole reply is the answer). Every other text option refuses '' at parse time (see _refuse_empty).
+EMPTY_ALLOWED = frozenset({"--prompt", "--stop-text"})
+
+
+def _nonempty(flag: str, optional: bool):
+    """argparse type of a text option: the text, refused when empty (a script's unset variable must not be read as
+    the option's default, or as the current folder)."""
+    accepted = f"a non-empty value, or no {flag} at all (its default)" if optional else "a non-empty value"
+
+    def parse(text: str) -> str:
+        if text == "":
+            raise argparse.ArgumentTypeError(f"'' is empty; accepted: {accepted}")
+        return text
+    parse.__name__ = "value"
+    return parse
+
+
+def _refuse_empty(parser: argparse.ArgumentParser) -> None:
+    """Give every text option and argument of `parser` and its subcommands the _nonempty type (options with
+    choices refuse '' already, numbers are not text, EMPTY_ALLOWED take it)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                _refuse_empty(sub)
+        elif (action.type is None and action.choices is None and action.nargs not in (0, argparse.REMAINDER)
+              and not set(action.option_strings) & EMPTY_ALLOWED and not isinstance(action, argparse._HelpAction)):
+            flag = action.option_strings[-1] if action.option_strings else action.dest
+            action.type = _nonempty(flag, optional=bool(action.option_strings) and not action.required)
+
+
 def _prefill_passes(text: str) -> int | str:
     """--prefill-passes: an integer >= 0 or 'auto' (adaptive prefill, see --prefill-tol)."""
     return text if text == "auto" else _passes(text)
@@ -414,7 +445,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         if args.experiment != "compare":
             raise InputError(f"--scale / --budget apply to `fullband reproduce compare` only, not to "
                              f"{args.experiment!r}; accepted: drop them, or run compare")
-        options = {"scale": args.scale or "cpu", "budget": args.budget}
+        options = {"scale": "cpu" if args.scale is None else args.scale, "budget": args.budget}
         if args.budget is not None and not args.budget >= 0:
             raise InputError(f"--budget {args.budget}: accepted: minutes >= 0 (0 trains nothing new and reports the "
                              "finished runs)")
@@ -688,6 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--race-config", default="configs/demo-parity.toml", help="the race's recipe")
     s.add_argument("--quick", action="store_true", help="every phase in seconds (a check that it all runs)")
     s.set_defaults(func=cmd_demo)
+    _refuse_empty(p)
     return p
 
 
