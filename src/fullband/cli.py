@@ -319,9 +319,10 @@ def _check_json_out(json_path: str | None, key: str = "rows") -> None:
     command (a JSON object with `key`); never a folder or a file of something else."""
     if not json_path:
         return
-    from fullband.files import OutputError, check_writable, read_json
+    from fullband.files import OutputError, check_no_loop, check_writable, read_json
 
     path = Path(json_path)
+    check_no_loop(path, "--json")
     if path.is_dir():
         raise OutputError(f"--json {json_path!r} is a folder; accepted: a file path for the results")
     if path.exists() and key not in (read_json(path) or {}):
