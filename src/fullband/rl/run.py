@@ -22,6 +22,7 @@ import torch
 from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
 from fullband.errors import ConfigError, DataError, InputError
 from fullband.files import replace_file, writing
+from fullband.presets import recipe_path
 from fullband.train import checkpoint as ckpt
 from fullband.train.metrics import METRICS_FILE
 from fullband.train.parallel import Dist
@@ -82,7 +83,9 @@ class RLRecipe:
 
 
 def load_rl_recipe(path: str | Path, overrides: list[str] | None = None) -> RLRecipe:
-    path = Path(path)
+    """An [rl] recipe (configs/NAME: also the one shipped with the package, see presets.recipe_path) with
+    `rl.key=value` overrides, validated."""
+    path = recipe_path(path)
     data = apply_overrides(read_settings_file(path, "TOML" if path.suffix != ".json" else "JSON"), overrides)
     try:
         return from_dict(RLRecipe, data)
