@@ -95,6 +95,17 @@ def test_bench_decode_smoke(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_decode_on_a_short_context_keeps_its_paired_steps_within_it(capsys):
+    """The paired STANDARD / SOFT steps ran 400 positions past the prompt whatever max_seq_len was (an IndexError
+    of the RoPE table); they stop at max_seq_len now, and a prompt + new tokens past it is one line."""
+    args = ["bench", "decode", "--config", "tiny", "--set", "max_seq_len=24", "--batch-sizes", "1", "--dtypes",
+            "float32", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1", "--no-hf"]
+    assert main(args) == 0
+    assert "soft_overhead_paired_steps/float32/b1" in capsys.readouterr().out
+    assert main([*args, "--new-tokens", "17"]) == 2
+    assert "--prompt-len + --new-tokens = 25 exceeds max_seq_len=24" in capsys.readouterr().err
+
+
 def test_bench_decode_refuses_a_missing_device(tmp_path, capsys):
     report = tmp_path / "bench.json"
     assert main(["bench", "decode", "--config", "tiny", "--device", "cuda", "--json", str(report)]) == 2

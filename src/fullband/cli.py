@@ -135,9 +135,11 @@ def cmd_init(args: argparse.Namespace) -> int:
     from fullband.files import check_destination
     from fullband.model.decoder import FullbandLM
     from fullband.presets import load_model_config
+    from fullband.train.memory import check_fits, model_bytes
 
     cfg = load_model_config(args.config, args.set)
     check_destination(args.out, MODEL_KIND, overwrite=args.overwrite)  # before the model is built
+    check_fits({"model": model_bytes(cfg)}, "the model", smaller="d_model, n_layers, d_ff, vocab_size or max_seq_len")
     torch.manual_seed(args.seed)
     model = FullbandLM(cfg)
     tokenizer = ByteTokenizer() if cfg.vocab_size >= ByteTokenizer.vocab_size else None
@@ -553,12 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=_count(1), nargs="+", default=[1, 2], help="with --model: torch threads")
     s.add_argument("--pairs", type=_count(2), default=400, help="with --model: paired STANDARD / SOFT decode steps "
                    "that measure SOFT's overhead (per threads x batch)")
-    s.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    s.add_argument("--batch-sizes", type=_count(1), nargs="+", default=[1, 8])
     s.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"])
-    s.add_argument("--prompt-len", type=int, default=32)
-    s.add_argument("--new-tokens", type=int, default=64)
-    s.add_argument("--prefill-passes", type=int, default=1)
-    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--prompt-len", type=_count(1), default=32)
+    s.add_argument("--new-tokens", type=_count(2), default=64)
+    s.add_argument("--prefill-passes", type=_count(0), default=1)
+    s.add_argument("--repeats", type=_count(1), default=5)
     s.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate comparison")
     s.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N")
