@@ -16,15 +16,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fullband.bench.flops import param_count
+from fullband.bench.flops import DTYPE_BYTES, kv_bytes_per_token, param_count
 from fullband.decode.generate import generate, stream
 from fullband.errors import InputError
-from fullband.model.mode import DecodeMode
-from fullband.train.memory import check_fits, model_bytes
 from fullband.model.weights import lookup, split as split_rows
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.model.layers import linear
+from fullband.model.mode import DecodeMode
+from fullband.train.memory import check_fits, model_bytes
 
 
 PAIRS = 400  # paired STANDARD / SOFT decode steps that measure SOFT's overhead (paired_soft_overhead)
@@ -163,8 +163,6 @@ def decode_memory(cfg: ModelConfig, *, batches, dtypes, prompt_len: int, new_tok
     """Bytes run_decode_bench holds at its peak, by part: the model (built in float32), its copy in the widest dtype,
     HF's Llama of the same shape (float32, batch 1) and, at the largest batch, a generation's KV cache, the paired
     measure's two and a prefill pass's activations and logits."""
-    from fullband.bench.flops import DTYPE_BYTES, kv_bytes_per_token
-
     widest = max(dtypes, key=DTYPE_BYTES.get)
     size, rows = DTYPE_BYTES[widest], max(batches)
     positions = (prompt_len + new_tokens) + 2 * (prompt_len + pairs + 1)

@@ -83,10 +83,10 @@ def available_memory(device) -> float | None:
         return None
 
 
-def model_bytes(cfg, dtype_bytes: int = 4) -> float:
+def model_bytes(cfg) -> float:
     """What building FullbandLM(cfg) allocates: its weights (built in float32), and the RoPE tables (cos and sin for
     every position, computed in float64)."""
-    return dtype_bytes * param_count(cfg) + 2 * 8 * cfg.max_seq_len * cfg.head_dim
+    return 4 * param_count(cfg) + 2 * 8 * cfg.max_seq_len * cfg.head_dim
 
 
 def check_fits(parts: dict[str, float], what: str, device="cpu", *, smaller: str,
