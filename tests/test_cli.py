@@ -53,6 +53,34 @@ def test_errors_are_one_line_messages(tmp_path, capsys):
     assert "did you mean 'tiny'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, flag", [
+    (["reproduce", "compare", "--scale", ""], "--scale"),  # read as the default: the 6-hour study started
+    (["reproduce", "stability", "--root", ""], "--root"),
+    (["bench", "cost", "--schedule", ""], "--schedule"),
+    (["bench", "cost", "--json", ""], "--json"),
+    (["bench", "decode", "--model", ""], "--model"),
+    (["eval", "loss", "--checkpoint", "ckpt", "--out", ""], "--out"),
+    (["chat", "--checkpoint", "ckpt", "--system", ""], "--system"),
+    (["train", "configs/tiny.toml", "--resume", ""], "--resume"),
+    (["convert", "ckpt", ""], "dst"),
+])
+def test_an_empty_value_is_refused_not_read_as_the_default(args, flag, tmp_path, monkeypatch, capsys):
+    """'' (a script's unset variable) is refused at parse time, before any work, on every text option; the two
+    options where an empty text means something of its own take it."""
+    from fullband.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: argument {flag}: '' is empty; accepted: a non-empty value" in last, last
+    assert not list(tmp_path.iterdir())  # nothing started
+    parsed = build_parser().parse_args(["generate", "--checkpoint", "ckpt", "--prompt", ""])
+    assert parsed.prompt == "" and build_parser().parse_args(["eval", "generate-length", "--checkpoint", "c",
+                                                              "--prompts", "p", "--stop-text", ""]).stop_text == ""
+
+
 def test_bench_decode_smoke(tmp_path):
     report = tmp_path / "bench.json"
     code = main(["bench", "decode", "--config", "tiny", "--batch-sizes", "1", "2", "--dtypes", "float32",
@@ -67,6 +95,17 @@ def test_bench_decode_smoke(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_decode_on_a_short_context_keeps_its_paired_steps_within_it(capsys):
+    """The paired STANDARD / SOFT steps ran 400 positions past the prompt whatever max_seq_len was (an IndexError
+    of the RoPE table); they stop at max_seq_len now, and a prompt + new tokens past it is one line."""
+    args = ["bench", "decode", "--config", "tiny", "--set", "max_seq_len=24", "--batch-sizes", "1", "--dtypes",
+            "float32", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1", "--no-hf"]
+    assert main(args) == 0
+    assert "soft_overhead_paired_steps/float32/b1" in capsys.readouterr().out
+    assert main([*args, "--new-tokens", "17"]) == 2
+    assert "--prompt-len + --new-tokens = 25 exceeds max_seq_len=24" in capsys.readouterr().err
+
+
 def test_bench_decode_refuses_a_missing_device(tmp_path, capsys):
     report = tmp_path / "bench.json"
     assert main(["bench", "decode", "--config", "tiny", "--device", "cuda", "--json", str(report)]) == 2

@@ -130,6 +130,48 @@ def test_cli_bad_input(args, message, capsys):
     assert len(err) == 1 and message in err[0] and err[0].startswith("fullband bench: error:")
 
 
+# Every case in one process with its address space capped: a size that is not checked fails by allocating (a raw
+# out-of-memory traceback, or the kernel's killer), not by filling the machine.
+SIZES_CAPPED = """
+import contextlib, io, json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+from fullband.cli import main
+out = []
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(args)
+    out.append([code, [line for line in err.getvalue().splitlines() if "busy with other" not in line]])
+print(json.dumps(out))
+"""
+
+
+def test_sizes_past_memory_or_the_pass_cap_are_refused_before_anything_is_allocated():
+    """bench cost's --set sizes, --batch, --batch-sizes and --passes are checked against the memory they take (and
+    --passes / --prefill-passes against the fixed point's cap, as generate's passes are) before a model is built;
+    so are init's, bench decode's and bench train's (one line each, nothing written)."""
+    import subprocess
+    import sys
+
+    tiny = ["bench", "cost", "--config", "tiny"]
+    cases = [([*tiny, "--passes", "1000000"], "--passes 1000000 is above the cap of 512"),
+             ([*tiny, "--set", "d_model=65536"], "bench cost needs about"),
+             ([*tiny, "--set", "n_layers=100000"], "bench cost needs about"),
+             ([*tiny, "--set", "vocab_size=10000000000"], "bench cost needs about"),
+             ([*tiny, "--batch", "1000000000"], "bench cost needs about"),
+             ([*tiny, "--batch-sizes", "1000000000"], "bench cost needs about"),
+             ([*tiny, "--prefill-passes", "100000"], "prefill_passes=100000 is above the cap of max_seq_len=512"),
+             (["init", "--config", "tiny", "--set", "n_layers=100000", "--out", "/nonexistent/m"], "the model needs"),
+             (["bench", "decode", "--config", "tiny", "--set", "d_model=65536"], "bench decode needs about"),
+             (["bench", "train", "--set", "model.vocab_size=10000000000"], "bench train needs about")]
+    done = subprocess.run([sys.executable, "-c", SIZES_CAPPED, json.dumps([args for args, _ in cases])],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (args, words), (code, err) in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+        assert code == 2 and len(err) == 1 and words in err[0], (args, err)
+        assert "needs about" not in words or "nothing was allocated" in err[0]
+
+
 def test_cli_bad_counts(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "cost", "--passes", "0"])

@@ -124,3 +124,43 @@ def test_scale_and_budget_are_checked(tmp_path, capsys):
     assert "apply to `fullband reproduce compare` only" in capsys.readouterr().err
     assert main(["reproduce", "compare", "--budget", "-1", "--root", str(tmp_path)]) == 2
     assert "--budget -1.0: accepted: minutes >= 0" in capsys.readouterr().err
+
+
+def test_the_experiments_recipes_ship_with_the_package_and_load_from_any_folder(tmp_path, monkeypatch, capsys):
+    """`fullband reproduce` (and the demo, and `fullband train configs/NAME`) outside the repository: every recipe
+    an experiment names is found in the package (the repository's configs/ is a link to it) and loads with each
+    run's overrides; pyproject's package data ships every file of it."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from fullband import demo
+    from fullband.cli import main
+    from fullband.presets import RECIPES, load_model_config, recipe_path
+    from fullband.reproduce import BASE, REGISTRY
+    from fullband.reproduce import rl as rl_experiment
+    from fullband.rl.run import load_rl_recipe
+    from fullband.train.config import load_run_config
+
+    repo = Path(__file__).resolve().parents[1]
+    assert (repo / "configs").resolve() == RECIPES.resolve()
+    shipped = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fullband"]
+    files = sorted(p.relative_to(RECIPES.parent).as_posix() for p in RECIPES.iterdir())
+    assert files and all(any(fnmatch.fnmatch(f, pattern) for pattern in shipped) for f in files), (files, shipped)
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    named = {demo.RACE, demo.CODE}
+    for exp in REGISTRY.values():
+        for run in exp.runs():  # compare's plan reads configs/tiny.toml and configs/tracking-tiny.toml itself
+            named.add(run.config or BASE)
+            load_run_config(run.config or BASE, [*run.overrides, f'log.run_dir="{tmp_path / run.name}"'])
+    assert {BASE, "configs/tracking-tiny.toml", "configs/sft-tiny.toml"} <= named
+    assert load_rl_recipe(rl_experiment.RL).rl.algorithm == "grpo"
+    assert all(recipe_path(name).parent == RECIPES for name in [*named, rl_experiment.RL])
+    assert load_model_config("configs/tiny.toml").d_model == 128
+    # a file of that path in the current folder comes first; anything else is not looked up
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.toml").write_text("[model]\nd_model = 64\nn_heads = 2\n")
+    assert load_model_config("configs/tiny.toml").d_model == 64
+    assert main(["init", "--config", "configs/nope.toml", "--out", str(tmp_path / "m")]) == 2
+    assert "config file 'configs/nope.toml' does not exist" in capsys.readouterr().err and not (tmp_path / "m").exists()

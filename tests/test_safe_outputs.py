@@ -136,6 +136,31 @@ def test_convert_never_deletes_its_source(tmp_path):
     assert main(["convert", str(root / "src"), str(tmp_path / "hf"), "--overwrite"]) == 0
 
 
+@pytest.mark.parametrize("args", [
+    ["convert", "{ckpt}", "{loop}"],  # was: RuntimeError: Symlink loop (a traceback)
+    ["convert", "{ckpt}", "{loop}/hf"],
+    ["init", "--config", "tiny", "--out", "{loop}/model"],
+    ["eval", "stability", "--checkpoint", "{ckpt}", "--out", "{loop}"],
+    ["bench", "cost", "--config", "tiny", "--json", "{loop}"],
+    ["doctor", "{ckpt}", "--json", "{loop}/doctor.json"],
+    ["reproduce", "stability", "--docs", "{loop}", "--root", "{tmp}/runs"],
+    ["train", "configs/tiny.toml", "--set", 'log.run_dir="{loop}/run"'],
+])
+def test_an_output_through_a_symlink_loop_is_a_one_line_error(args, tmp_path, capsys):
+    """Every command that writes an output path says that it is (or goes through) a symlink loop, before any work,
+    and leaves the link as it was (a JSON file once replaced it)."""
+    if args[0] == "convert":
+        pytest.importorskip("transformers")
+    ckpt, loop = tmp_path / "ckpt", tmp_path / "loop"
+    tiny_model().save(ckpt, tokenizer=ByteTokenizer())
+    loop.symlink_to("loop")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main([a.format(ckpt=ckpt, loop=loop, tmp=tmp_path) for a in args]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line or "Traceback" in line]
+    assert len(err) == 1 and "symlink loop" in err[0] and str(loop) in err[0], err
+    assert os.readlink(loop) == "loop" and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 # ---------------------------------------------------------------------- fullband tokenizer train
 def test_tokenizer_train_keeps_an_existing_tokenizer(tmp_path, capsys):
     corpus = tmp_path / "corpus"

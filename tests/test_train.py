@@ -580,3 +580,19 @@ def test_a_resume_keeps_the_runs_thread_count_on_any_machine_load(tmp_path, corp
     monkeypatch.delenv("FULLBAND_THREADS")
     with pytest.raises(ConfigError, match=r"train.threads=3, but the run started with train.threads=1"):
         trainer_module.Trainer(load_run_config(part, ["train.threads=3"]), resume=run)
+
+
+def test_the_memory_estimate_counts_every_block_run_of_a_looped_or_ponder_model():
+    """A looped group keeps its activations once per repetition, a ponder model once per slot: the estimate (what
+    bench cost / decode / train and the trainer check against memory) grows with them."""
+    from fullband.model.config import ModelConfig
+    from fullband.train.memory import step_memory
+
+    base = dict(vocab_size=8, d_model=64, n_layers=4, n_heads=4)
+    plain = step_memory(ModelConfig(**base, fusion="none"), passes=1, tokens=1024).activations
+    looped = step_memory(ModelConfig(**base, fusion="none", loop_start=0, loop_stop=4, loops=8), passes=1,
+                         tokens=1024).activations
+    ponder = step_memory(ModelConfig(**base, fusion="none", ponder=True, jitter=0, prefix_mixin_prob=0), passes=1,
+                         tokens=1024).activations
+    logits = 1024 * 3 * 8 * 4
+    assert looped - logits == pytest.approx(8 * (plain - logits)) and ponder - logits == pytest.approx(2 * (plain - logits))

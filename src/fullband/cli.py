@@ -70,6 +70,37 @@ _seed = _count(0, 2**63, "an integer 0 <= seed < 2**63")
 _passes = _count(0, accepted="an integer >= 0 or 'auto'")
 
 
+# Options where an empty value means something of its own (an empty prompt: generate from BOS alone; an empty stop
+# text: the whole reply is the answer). Every other text option refuses '' at parse time (see _refuse_empty).
+EMPTY_ALLOWED = frozenset({"--prompt", "--stop-text"})
+
+
+def _nonempty(flag: str, optional: bool):
+    """argparse type of a text option: the text, refused when empty (a script's unset variable must not be read as
+    the option's default, or as the current folder)."""
+    accepted = f"a non-empty value, or no {flag} at all (its default)" if optional else "a non-empty value"
+
+    def parse(text: str) -> str:
+        if text == "":
+            raise argparse.ArgumentTypeError(f"'' is empty; accepted: {accepted}")
+        return text
+    parse.__name__ = "value"
+    return parse
+
+
+def _refuse_empty(parser: argparse.ArgumentParser) -> None:
+    """Give every text option and argument of `parser` and its subcommands the _nonempty type (options with
+    choices refuse '' already, numbers are not text, EMPTY_ALLOWED take it)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                _refuse_empty(sub)
+        elif (action.type is None and action.choices is None and action.nargs not in (0, argparse.REMAINDER)
+              and not set(action.option_strings) & EMPTY_ALLOWED and not isinstance(action, argparse._HelpAction)):
+            flag = action.option_strings[-1] if action.option_strings else action.dest
+            action.type = _nonempty(flag, optional=bool(action.option_strings) and not action.required)
+
+
 def _prefill_passes(text: str) -> int | str:
     """--prefill-passes: an integer >= 0 or 'auto' (adaptive prefill, see --prefill-tol)."""
     return text if text == "auto" else _passes(text)
@@ -104,9 +135,11 @@ def cmd_init(args: argparse.Namespace) -> int:
     from fullband.files import check_destination
     from fullband.model.decoder import FullbandLM
     from fullband.presets import load_model_config
+    from fullband.train.memory import check_fits, model_bytes
 
     cfg = load_model_config(args.config, args.set)
     check_destination(args.out, MODEL_KIND, overwrite=args.overwrite)  # before the model is built
+    check_fits({"model": model_bytes(cfg)}, "the model", smaller="d_model, n_layers, d_ff, vocab_size or max_seq_len")
     torch.manual_seed(args.seed)
     model = FullbandLM(cfg)
     tokenizer = ByteTokenizer() if cfg.vocab_size >= ByteTokenizer.vocab_size else None
@@ -288,9 +321,10 @@ def _check_json_out(json_path: str | None, key: str = "rows") -> None:
     command (a JSON object with `key`); never a folder or a file of something else."""
     if not json_path:
         return
-    from fullband.files import OutputError, check_writable, read_json
+    from fullband.files import OutputError, check_no_loop, check_writable, read_json
 
     path = Path(json_path)
+    check_no_loop(path, "--json")
     if path.is_dir():
         raise OutputError(f"--json {json_path!r} is a folder; accepted: a file path for the results")
     if path.exists() and key not in (read_json(path) or {}):
@@ -414,7 +448,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         if args.experiment != "compare":
             raise InputError(f"--scale / --budget apply to `fullband reproduce compare` only, not to "
                              f"{args.experiment!r}; accepted: drop them, or run compare")
-        options = {"scale": args.scale or "cpu", "budget": args.budget}
+        options = {"scale": "cpu" if args.scale is None else args.scale, "budget": args.budget}
         if args.budget is not None and not args.budget >= 0:
             raise InputError(f"--budget {args.budget}: accepted: minutes >= 0 (0 trains nothing new and reports the "
                              "finished runs)")
@@ -521,12 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=_count(1), nargs="+", default=[1, 2], help="with --model: torch threads")
     s.add_argument("--pairs", type=_count(2), default=400, help="with --model: paired STANDARD / SOFT decode steps "
                    "that measure SOFT's overhead (per threads x batch)")
-    s.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    s.add_argument("--batch-sizes", type=_count(1), nargs="+", default=[1, 8])
     s.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"])
-    s.add_argument("--prompt-len", type=int, default=32)
-    s.add_argument("--new-tokens", type=int, default=64)
-    s.add_argument("--prefill-passes", type=int, default=1)
-    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--prompt-len", type=_count(1), default=32)
+    s.add_argument("--new-tokens", type=_count(2), default=64)
+    s.add_argument("--prefill-passes", type=_count(0), default=1)
+    s.add_argument("--repeats", type=_count(1), default=5)
     s.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate comparison")
     s.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N")
@@ -688,6 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--race-config", default="configs/demo-parity.toml", help="the race's recipe")
     s.add_argument("--quick", action="store_true", help="every phase in seconds (a check that it all runs)")
     s.set_defaults(func=cmd_demo)
+    _refuse_empty(p)
     return p
 
 

@@ -73,6 +73,33 @@ def describe_entries(names: list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
+def symlink_loop(path: str | Path) -> Path | None:
+    """The first part of `path` that is a symlink loop (links that lead back to themselves never resolve), or None."""
+    path = Path(path)
+    try:
+        os.stat(path)
+        return None
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            return None
+    for part in (*reversed(path.parents), path):
+        try:
+            os.stat(part)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return part
+    return path
+
+
+def check_no_loop(path: str | Path, what: str, error: type[FullbandError] = OutputError) -> None:
+    """Raise `error` when `path` is, or goes through, a symlink loop: nothing can be written there or read back."""
+    loop = symlink_loop(path)
+    if loop is not None:
+        where = "is a symlink loop" if loop == Path(path) else f"goes through a symlink loop at {str(loop)!r}"
+        raise error(f"{what} {str(path)!r} {where} (links that lead back to themselves never resolve); accepted: "
+                    "a path without one")
+
+
 def check_destination(dst: str | Path, kind: Kind, *, overwrite: bool, sources: Iterable[str | Path] = (),
                       flag: str = "--overwrite", error: type[FullbandError] = OutputError) -> bool:
     """Raise `error` unless `dst` may receive a new `kind` folder; returns whether an old one is replaced.
@@ -81,7 +108,9 @@ def check_destination(dst: str | Path, kind: Kind, *, overwrite: bool, sources: 
     `kind` output. Never a plain file, a folder holding anything fullband did not write, or one holding a source.
     `error` is the class raised (OutputError unless the caller's domain has its own)."""
     dst = Path(dst)
+    check_no_loop(dst, "output", error)
     for src in sources:
+        check_no_loop(src, "source", error)
         if Path(src).resolve().is_relative_to(dst.resolve()):  # the source is the output folder or inside it
             raise error(f"output {str(dst)!r} contains the source {str(src)!r}; replacing it would delete the "
                         "source. Choose an output folder outside it")
@@ -153,6 +182,10 @@ def output_error(err: BaseException, path: str | Path, action: str) -> OutputErr
     if code in (errno.EROFS, errno.EACCES, errno.EPERM):
         why = "is on a read-only file system" if code == errno.EROFS else "is not writable (permission denied)"
         return OutputError(f"could not {action}: {str(path)!r} {why}; choose a writable folder")
+    if code == errno.ELOOP:
+        culprit = symlink_loop(getattr(err, "filename", None) or path) or path
+        return OutputError(f"could not {action}: {str(culprit)!r} is a symlink loop (links that lead back to "
+                           "themselves never resolve); choose a path without one")
     if code in (errno.ENOTDIR, errno.EEXIST) and isinstance(err, OSError):
         culprit = err.filename or path
         return OutputError(f"could not {action}: a file is in the way at {str(culprit)!r} (a folder is needed "
@@ -177,6 +210,7 @@ def writing(path: str | Path, action: str) -> Iterator[None]:
 def make_folder(path: str | Path, what: str) -> Path:
     """mkdir -p `path`, with an OutputError naming what it is for when a file is in the way or it is read-only."""
     path = Path(path)
+    check_no_loop(path, what)
     if path.exists() and not path.is_dir():
         raise OutputError(f"{what} {str(path)!r} is a file; accepted: a folder (or a path that does not exist yet)")
     with writing(path, f"create {what}"):
@@ -187,6 +221,7 @@ def make_folder(path: str | Path, what: str) -> Path:
 def check_writable(folder: str | Path, what: str) -> None:
     """Raise OutputError now, before any work, when `folder` (or its nearest existing parent) cannot be written."""
     folder = Path(folder)
+    check_no_loop(folder, what)
     probe = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if probe is None:
         return

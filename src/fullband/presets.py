@@ -1,4 +1,5 @@
-"""Model shapes by name, and reading a model config from a preset, a TOML/JSON file, and key=value overrides."""
+"""Model shapes by name, reading a model config from a preset, a TOML/JSON file, and key=value overrides, and
+finding the recipes that ship with the package (configs/NAME)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from typing import Any
 from fullband.configio import apply_overrides, read_settings_file
 from fullband.errors import ConfigError, closest
 from fullband.model.config import ModelConfig
+
+# The recipes (configs/*.toml, configs/quiz.jsonl) live in the package, so an installed fullband has them; the
+# repository's configs/ is a link to this folder.
+RECIPES = Path(__file__).parent / "configs"
 
 BYTE = dict(vocab_size=259, bos_token_id=256)
 
@@ -19,9 +24,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def recipe_path(spec: str | Path) -> Path:
+    """`spec` as a path; when nothing is there and it is spelled configs/NAME (as the README, the experiments and
+    the demo name the recipes), the recipe NAME shipped with the package, so they are found from any folder."""
+    path = Path(spec)
+    if path.exists() or path.is_symlink() or path.parent != Path("configs"):
+        return path
+    shipped = RECIPES / path.name
+    return shipped if shipped.is_file() else path
+
+
 def load_model_config(spec: str, overrides: list[str] | None = None) -> ModelConfig:
     """A preset name or a .toml/.json file (its [model] table, or the whole file), then overrides."""
-    path = Path(spec)
+    path = recipe_path(spec)
     if spec in PRESETS:
         data, source = dict(PRESETS[spec]), f"preset {spec!r}"
     elif path.suffix in (".toml", ".json"):

@@ -20,6 +20,7 @@ from fullband.machine import hardware
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.model.mode import DecodeMode
+from fullband.train.memory import check_fits, model_bytes, step_memory
 from fullband.train.objective import objective
 
 
@@ -75,6 +76,20 @@ def interleaved(timers: dict[str, Callable[[], object]], repeats: int, tick: Cal
     return out
 
 
+def cost_memory(cfg: ModelConfig, *, passes: Sequence[int], batch: int, seq_len: int, prompt_len: int,
+                new_tokens: int, decode_batches: Sequence[int], dtype: str) -> dict[str, float]:
+    """Bytes run_cost_bench holds at its peak, by part: both models (built in float32), the method's training step
+    at the most passes (its gradients and the activations the backward keeps: train.memory.step_memory) and its
+    largest decode batch (KV cache over prompt + new tokens, and a prefill pass's activations and logits)."""
+    size = flops.DTYPE_BYTES[dtype]
+    step = step_memory(cfg, passes=max(passes), tokens=batch * seq_len, dtype_bytes=size)
+    rows = max(decode_batches) * cfg.slots_per_token
+    decode = (max(decode_batches) * (prompt_len + new_tokens) * flops.kv_bytes_per_token(cfg, dtype)
+              + rows * prompt_len * (10 * cfg.d_model + 4 * cfg.d_ff + 2 * cfg.vocab_size) * size)
+    return {"models": model_bytes(cfg) + model_bytes(standard_of(cfg)),
+            "training step": step.gradients + step.activations, "decode": decode}
+
+
 def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), schedule: str | None = None,
                    batch: int = 8, seq_len: int = 128, prompt_len: int = 32, new_tokens: int = 32,
                    decode_batches: Sequence[int] = (1, 8), fused_passes: int = 1, repeats: int = 7,
@@ -90,6 +105,15 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
                              ("--prompt-len + --new-tokens", prompt_len + new_tokens, cfg.max_seq_len)):
         if value > cap:
             raise InputError(f"{name} = {value} exceeds max_seq_len={cap}; accepted: at most {cap}")
+    most = cfg.exact_passes(cfg.max_seq_len)  # as generate caps its passes: past the fixed point nothing changes
+    if max(passes) > most:
+        raise InputError(f"--passes {max(passes)} is above the cap of {most}: a sequence of max_seq_len="
+                         f"{cfg.max_seq_len} positions is exact after {most} passes, so more cannot change anything; "
+                         f"accepted: 1 <= passes <= {most}")
+    DecodeMode("fused", fused_passes).check(cfg, weights=False)  # its cap, said (not the mode silently left out)
+    check_fits(cost_memory(cfg, passes=passes, batch=batch, seq_len=seq_len, prompt_len=prompt_len,
+                           new_tokens=new_tokens, decode_batches=decode_batches, dtype=dtype), "bench cost",
+               smaller="--set d_model / n_layers / d_ff / vocab_size, --batch, --seq-len, --passes, --batch-sizes")
     schedule_row = None
     if schedule:  # counted only, and before anything is timed
         from fullband.train.schedule import PassSchedule

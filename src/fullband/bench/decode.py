@@ -16,11 +16,18 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fullband.bench.flops import DTYPE_BYTES, kv_bytes_per_token, param_count
 from fullband.decode.generate import generate, stream
+from fullband.errors import InputError
 from fullband.model.weights import lookup, split as split_rows
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.model.layers import linear
+from fullband.model.mode import DecodeMode
+from fullband.train.memory import check_fits, model_bytes
+
+
+PAIRS = 400  # paired STANDARD / SOFT decode steps that measure SOFT's overhead (paired_soft_overhead)
 
 
 @dataclass
@@ -82,7 +89,7 @@ def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Calla
     return run
 
 
-def paired_soft_overhead(model: FullbandLM, prompts: torch.Tensor, pairs: int = 400) -> float:
+def paired_soft_overhead(model: FullbandLM, prompts: torch.Tensor, pairs: int = PAIRS) -> float:
     """SOFT's per-step cost over STANDARD's, from decode steps of the two modes run in pairs on two caches, the
     order swapped every pair (STANDARD SOFT, SOFT STANDARD, ...): the median over pairs of SOFT's time / STANDARD's,
     minus 1. Pairs of single steps cancel the machine's drift, which whole-generation timings cannot resolve at the
@@ -151,12 +158,36 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def decode_memory(cfg: ModelConfig, *, batches, dtypes, prompt_len: int, new_tokens: int, pairs: int,
+                  hf: bool) -> dict[str, float]:
+    """Bytes run_decode_bench holds at its peak, by part: the model (built in float32), its copy in the widest dtype,
+    HF's Llama of the same shape (float32, batch 1) and, at the largest batch, a generation's KV cache, the paired
+    measure's two and a prefill pass's activations and logits."""
+    widest = max(dtypes, key=DTYPE_BYTES.get)
+    size, rows = DTYPE_BYTES[widest], max(batches)
+    positions = (prompt_len + new_tokens) + 2 * (prompt_len + pairs + 1)
+    parts = {"models": model_bytes(cfg) + size * param_count(cfg),
+             "decode": rows * positions * kv_bytes_per_token(cfg, widest)
+             + rows * cfg.slots_per_token * prompt_len * (10 * cfg.d_model + 4 * cfg.d_ff + 2 * cfg.vocab_size) * size}
+    if hf:
+        parts["HF Llama"] = model_bytes(cfg)  # the same shape, without the fusion
+    return parts
+
+
 def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: list[str] = ("float32", "bfloat16"),
                      prompt_len: int = 32, new_tokens: int = 64, prefill_passes: int = 1, repeats: int = 5,
                      hf: bool = True, compile: bool = False, seed: int = 0, device: str = "cpu",
                      log: Callable[[str], None] = print) -> dict:
     """Every variant of each (dtype, batch) cell timed side by side on `device` (random weights from `seed`, built
     on the CPU and moved there); see format_report for the table and the ratios."""
+    if prompt_len + new_tokens > cfg.max_seq_len:
+        raise InputError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds max_seq_len="
+                         f"{cfg.max_seq_len}; accepted: at most {cfg.max_seq_len}")
+    DecodeMode("fused", prefill_passes).check(cfg, weights=False)
+    pairs = min(PAIRS, cfg.max_seq_len - prompt_len - 1)  # the paired steps' positions stay within max_seq_len
+    check_fits(decode_memory(cfg, batches=batches, dtypes=dtypes, prompt_len=prompt_len, new_tokens=new_tokens,
+                             pairs=pairs, hf=hf), "bench decode", torch.device(device),
+               smaller="--set d_model / n_layers / d_ff / vocab_size, --batch-sizes")
     torch.manual_seed(seed)
     base = FullbandLM(cfg).eval()
     fused = f"fused(k={prefill_passes})"
@@ -190,7 +221,7 @@ def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: l
                 if hf_run is not None:
                     times["hf"].append(_timed(hf_run))
                 log(f"[bench] {dtype_name} batch {batch}: repetition {r + 1}/{repeats}")
-            paired[f"{dtype_name}/b{batch}"] = paired_soft_overhead(model, prompts)
+            paired[f"{dtype_name}/b{batch}"] = paired_soft_overhead(model, prompts, pairs)
             steps = new_tokens - 1
             for name in decoders:
                 pre = statistics.median(p for p, _ in times[name])

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fullband.errors import FullbandError
+
 VARIANTS = [("k=1", 1), ("k=2", 2), ("k=3", 3), ("75/22/3", "one-two-three")]
 
 
@@ -50,8 +52,28 @@ def child(spec: dict) -> dict:
             "tokens_per_step": cfg.train.global_batch_tokens, "peak_bytes": peak, "device": str(trainer.d.device)}
 
 
+def check_recipe(config: str, overrides: list[str]) -> None:
+    """The recipe read and the largest variant's step (the most passes, no activation checkpointing) checked against
+    memory here, before any benchmark process starts: one-line errors, nothing allocated."""
+    import torch
+
+    from fullband.train.config import load_run_config
+    from fullband.train.memory import check_fits
+    from fullband.train.schedule import PassSchedule
+    from fullband.train.trainer import step_estimate
+
+    cfg = load_run_config(config, overrides)
+    most = max(p if isinstance(p, int) else PassSchedule.parse(p).max_passes for _, p in VARIANTS)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the Trainer puts the model
+    est = step_estimate(cfg, device, passes=most, checkpointing=False)
+    check_fits({"weights": est.weights, "gradients": est.gradients, "optimizer state": est.optimizer,
+                "activations": est.activations}, "bench train", device,
+               smaller="--set model.d_model / n_layers / d_ff / vocab_size, train.micro_batch, train.seq_len")
+
+
 def run_train_bench(config: str, *, overrides: list[str] | None = None, steps: int = 6, warmup: int = 2,
                     rounds: int = 3, log=print) -> dict:
+    check_recipe(config, overrides or [])
     results: dict[tuple[str, bool], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
@@ -63,8 +85,9 @@ def run_train_bench(config: str, *, overrides: list[str] | None = None, steps: i
                             "run_dir": str(run_dir)}
                     out = subprocess.run([sys.executable, "-m", "fullband.bench.train", json.dumps(spec)],
                                          capture_output=True, text=True, env=os.environ.copy())
-                    if out.returncode != 0:
-                        raise RuntimeError(f"benchmark child {name} ac={ac} failed:\n{out.stderr[-2000:]}")
+                    if out.returncode != 0:  # what the recipe check could not foresee: the child's last line
+                        last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+                        raise FullbandError(f"the {name} step (activation_checkpointing={ac}) failed: {last}")
                     results.setdefault((name, ac), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
                     log(f"[bench train] round {r + 1}/{rounds} {name} activation_checkpointing={ac}: "
                         f"{results[(name, ac)][-1]['step_s'] * 1000:.0f} ms/step")

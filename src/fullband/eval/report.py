@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fullband.files import OutputError, check_writable, make_folder, read_json, replace_file, writing
+from fullband.files import OutputError, check_no_loop, check_writable, make_folder, read_json, replace_file, writing
 
 
 def plt():
@@ -28,6 +28,7 @@ def check_out(out: str | Path, name: str) -> Path:
     """The folder for NAME.json / NAME.png, refused now (before any work) when it is a file or not writable, or
     when it holds a NAME.json / NAME.png that fullband eval did not write (those are never overwritten)."""
     out = Path(out)
+    check_no_loop(out, "--out")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise OutputError(f"--out {str(out)!r} is a file; accepted: a folder for {name}.json / {name}.png")
     ours = "checkpoint" in (read_json(out / f"{name}.json") or {})  # every eval result names its checkpoint

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from fullband.errors import InputError, closest
-from fullband.files import replace_file
+from fullband.files import check_no_loop, make_folder, replace_file
 from fullband.reproduce import compare, data_efficiency, fusion_ablation, probe, rl, sft, stability, tracking
 from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware, train_run
 
@@ -35,9 +35,9 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
     settings = Settings(base, tuple(extra or ()))
     scale = options.get("scale")
     name = exp if scale in (None, "cpu") else f"{exp}-{scale}"  # another scale's study is a report of its own
+    check_no_loop(root, "--root")
     root, docs = Path(root) / name, Path(docs)
-    figs = docs / name
-    figs.mkdir(parents=True, exist_ok=True)
+    figs = make_folder(docs / name, "--docs folder")
     t0 = time.perf_counter()
     report = experiment.report(runs, root, figs, settings, **options)
     total = time.perf_counter() - t0

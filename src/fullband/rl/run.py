@@ -23,6 +23,7 @@ from fullband.configio import apply_overrides, from_dict, read_settings_file, to
 from fullband.errors import ConfigError, DataError, InputError, TrainingDiverged
 from fullband.files import replace_file, writing
 from fullband.machine import run_threads
+from fullband.presets import recipe_path
 from fullband.train import checkpoint as ckpt
 from fullband.train.metrics import METRICS_FILE
 from fullband.train.parallel import Dist
@@ -88,7 +89,9 @@ class RLRecipe:
 
 
 def load_rl_recipe(path: str | Path, overrides: list[str] | None = None) -> RLRecipe:
-    path = Path(path)
+    """An [rl] recipe (configs/NAME: also the one shipped with the package, see presets.recipe_path) with
+    `rl.key=value` overrides, validated."""
+    path = recipe_path(path)
     data = apply_overrides(read_settings_file(path, "TOML" if path.suffix != ".json" else "JSON"), overrides)
     try:
         return from_dict(RLRecipe, data)

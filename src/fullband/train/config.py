@@ -11,6 +11,7 @@ from fullband.configio import apply_overrides, from_dict, read_settings_file, to
 from fullband.errors import ConfigError
 from fullband.validate import choice, integer, number
 from fullband.model.config import ModelConfig
+from fullband.presets import recipe_path
 from fullband.train.optim import OptimConfig
 from fullband.train.schedule import PassSchedule
 
@@ -156,8 +157,9 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a recipe TOML (or a saved run.json), apply `section.key=value` overrides, validate everything."""
-    path = Path(path)
+    """Read a recipe TOML (or a saved run.json; configs/NAME: also the recipe shipped with the package, see
+    presets.recipe_path), apply `section.key=value` overrides, validate everything."""
+    path = recipe_path(path)
     data = read_settings_file(path, "TOML" if path.suffix != ".json" else "JSON")
     data = apply_overrides(data, overrides)
     try:

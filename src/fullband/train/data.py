@@ -12,7 +12,7 @@ from fullband.data.sampler import WindowSampler, validation_batches
 from fullband.data.shards import tokenize_corpus
 from fullband.data.tokenizer import TOKENIZER_KIND, ByteTokenizer, PretrainedTokenizer, load_tokenizer, train_bpe
 from fullband.errors import ConfigError
-from fullband.files import atomic_folder
+from fullband.files import atomic_folder, check_no_loop
 from fullband.model.config import ModelConfig
 from fullband.train.parallel import Dist, barrier
 
@@ -35,6 +35,7 @@ def cache_root(cfg_dir: str) -> Path:
         root, what = Path(os.environ["FULLBAND_CACHE"]).expanduser(), "FULLBAND_CACHE"
     else:
         root, what = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "fullband", "the cache folder"
+    check_no_loop(root, what, ConfigError)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{what}={str(root)!r} is a file; accepted: a folder for the token cache (it is created "
                           "when missing)")

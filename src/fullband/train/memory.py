@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from fullband.bench.flops import param_count
+from fullband.bench.flops import param_count, repeats
+from fullband.errors import FullbandError, InputError
 
 GB = 1e9
 
@@ -50,7 +51,10 @@ def step_memory(cfg, *, passes: int, tokens: int, optimizer: str = "normuon", ch
     state = 2 * n if optimizer == "adamw" else matrices + 2 * (n - matrices)
     D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
     block = 10 * D + 4 * F
-    per_token = (L * D + block if checkpointing else L * block) + 3 * V
+    # block runs per token: a looped group's every repetition (r = loops, the most a step runs), and under ponder
+    # each token's two slots
+    runs = sum(repeats(cfg, i) for i in range(L)) * cfg.slots_per_token
+    per_token = (runs * D + block if checkpointing else runs * block) + 3 * V
     return StepMemory(weights=4 * n, gradients=4 * n, optimizer=4 * state, passes=passes, tokens=tokens,
                       activations=passes * tokens * per_token * dtype_bytes)
 
@@ -77,3 +81,21 @@ def available_memory(device) -> float | None:
         return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def model_bytes(cfg) -> float:
+    """What building FullbandLM(cfg) allocates: its weights (built in float32), and the RoPE tables (cos and sin for
+    every position, computed in float64)."""
+    return 4 * param_count(cfg) + 2 * 8 * cfg.max_seq_len * cfg.head_dim
+
+
+def check_fits(parts: dict[str, float], what: str, device="cpu", *, smaller: str,
+               error: type[FullbandError] = InputError) -> None:
+    """Raise `error` before anything is allocated when the bytes of `parts` ({what: bytes}) add up to more memory
+    than `device` has available (unknown: nothing is refused); `smaller` names the settings that shrink it."""
+    need, free = sum(parts.values()), available_memory(device)
+    if free is not None and need > free:
+        detail = ", ".join(f"{name} {bytes_ / GB:,.1f} GB" for name, bytes_ in parts.items())
+        detail = f" ({detail})" if len(parts) > 1 else ""
+        raise error(f"{what} needs about {need / GB:,.1f} GB{detail} but {free / GB:,.1f} GB is available; "
+                    f"nothing was allocated. Accepted: sizes that fit (smaller {smaller})")

@@ -339,17 +339,26 @@ def stop_after_step():
         signal.signal(signal.SIGINT, previous)
 
 
+def step_estimate(cfg: RunConfig, device, *, passes: int | None = None, checkpointing: bool | None = None):
+    """train.memory.step_memory of the run's largest step on `device` (its micro-batch, optimizer, autocast dtype;
+    `passes` / `checkpointing` in place of the recipe's schedule / setting)."""
+    from fullband.train.memory import step_memory
+
+    t = cfg.train
+    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and getattr(device, "type", "cpu") == "cuda")
+    return step_memory(cfg.model, passes=t.schedule.max_passes if passes is None else passes,
+                       tokens=t.micro_batch * t.seq_len, optimizer=cfg.optim.name, dtype_bytes=2 if bf16 else 4,
+                       checkpointing=t.activation_checkpointing if checkpointing is None else checkpointing)
+
+
 def say_memory(cfg: RunConfig, device) -> None:
     """Print the estimated memory of the run's largest step and what is available; warn when it may not fit."""
     import warnings
 
     from fullband.errors import FullbandWarning
-    from fullband.train.memory import GB, available_memory, step_memory
+    from fullband.train.memory import GB, available_memory
 
-    t = cfg.train
-    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and getattr(device, "type", "cpu") == "cuda")
-    est = step_memory(cfg.model, passes=t.schedule.max_passes, tokens=t.micro_batch * t.seq_len,
-                      optimizer=cfg.optim.name, checkpointing=t.activation_checkpointing, dtype_bytes=2 if bf16 else 4)
+    est = step_estimate(cfg, device)
     free = available_memory(device)
     print(f"memory: {est.describe(cfg.optim.name)}"
           + (f"; {free / GB:.1f} GB available" if free is not None else ""), flush=True)
