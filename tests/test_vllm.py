@@ -249,6 +249,10 @@ def test_fed_states_are_returned_equal_to_the_native_engine_s(base):
             assert (got - want).abs().max() < 1e-3, mode  # float32 rounding, grown along the recurrence
     with pytest.raises(Exception, match="feeds none"):
         generate_with_states(llm, [{"prompt_token_ids": batch[0]}], mode_params("standard", 1))
+    # collected and freed whatever became of the requests; their keys admitted no more
+    from fullband.vllm.tracker import SERVED
+
+    assert llm.collective_rpc("fullband_states_kept") == [0] and not SERVED.issued
 
 
 def test_n_samples_max_tokens_stop_tokens_and_logprobs(base):
@@ -289,6 +293,8 @@ def test_logprobs_equal_the_native_model(base):
     ({"feedback_mod": "fused"}, "unknown request key 'feedback_mod' (did you mean 'feedback_mode'?)"),
     ({"feedback_mode": "soft", "prefill_passes": 2}, "applies to feedback_mode='fused' only"),
     ({"feedback_mode": "exact"}, "not a serving mode"),
+    # a key generate_with_states did not hand out: its states would be kept with no one to collect them
+    ({"fullband_states": "abc"}, "fullband_states='abc' was not set by fullband.vllm.generate_with_states"),
 ])
 def test_bad_request_arguments_are_refused_by_name(base, extra, message):
     _, llm = base

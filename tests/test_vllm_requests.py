@@ -184,3 +184,14 @@ def test_a_request_asks_for_its_fed_states_by_a_key():
                            ({"feedback_mode": "standard", "fullband_states": "k"}, "'standard', which feeds none")):
         with pytest.raises(InputError, match=re.escape(message)):
             request_mode(extra, SOFT)
+
+
+def test_a_fed_states_key_is_admitted_only_where_this_process_issued_it():
+    """The workers keep a keyed request's fed states until generate_with_states collects them, so the frontend
+    admits only the keys it issued, and a server, which issues none, admits none: nothing outlives the request."""
+    assert request_mode({"fullband_states": "k1"}, SOFT, issued={"k1"}) == SOFT
+    assert request_mode({"fullband_states": "k1"}, SOFT) == SOFT  # the worker, the scheduler: admitted already
+    for issued in ((), {"k2"}):
+        with pytest.raises(InputError, match=re.escape("fullband_states='k1' was not set by "
+                                                       "fullband.vllm.generate_with_states in this process")):
+            request_mode({"fullband_states": "k1"}, SOFT, issued=issued)

@@ -8,7 +8,7 @@ no vLLM import, so the rules are tested without vLLM."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,10 +28,14 @@ MAX_PASSES = 2**20
 
 
 def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, has_feedback: bool = True,
-                 max_passes: int = MAX_PASSES) -> DecodeMode:
+                 max_passes: int = MAX_PASSES, issued: Container[str] | None = None) -> DecodeMode:
     """The DecodeMode a request asks for (its extra_args over the served default), checked as DecodeMode checks a
     mode for a model whose max_seq_len is `max_passes`. Raises InputError naming the key, the value seen and what
-    is accepted; a key that looks like a misspelling of ours is refused, others are left to other plugins."""
+    is accepted; a key that looks like a misspelling of ours is refused, others are left to other plugins.
+
+    `issued`: where a request is admitted, the fullband_states keys this process handed out
+    (generate_with_states, which collects and frees the states after its requests): any other key is refused, so
+    no request leaves states behind (a server hands out none). None (the worker, the scheduler): not checked."""
     args = dict(extra_args or {})
     for key in args.keys() - set(KEYS):
         if hint := closest(str(key), KEYS):
@@ -53,6 +57,10 @@ def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, h
         if not isinstance(key, str) or not key:
             raise InputError(f"{STATES}={key!r} is invalid; accepted: a non-empty string naming the request's states "
                              "(fullband.vllm.generate_with_states sets it)")
+        if issued is not None and key not in issued:
+            raise InputError(f"{STATES}={key!r} was not set by fullband.vllm.generate_with_states in this process: fed "
+                             "states are kept only for it (offline), which hands them over and frees them, and a "
+                             f"server returns none; accepted: no {STATES} key")
         if not mode.feeds_state:
             raise InputError(f"{STATES} asks for the fed states of a request in {mode.name!r}, which feeds none; "
                              "accepted with it: feedback_mode 'soft' or 'fused'")
