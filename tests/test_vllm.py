@@ -304,6 +304,29 @@ def test_bad_request_arguments_are_refused_by_name(base, extra, message):
     assert run(llm, [[1, 2, 3]], params("soft", max_tokens=2))  # and the engine still serves
 
 
+def test_a_removed_request_leaves_nothing_in_its_row(monkeypatch):
+    """The tracker (no engine): a request that finishes or is aborted mid-prefill takes its FUSED prompt, kept
+    passes and states key with it, rather than leaving them in its row until another request takes the row."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+
+    from fullband.model.mode import DecodeMode
+    from fullband.vllm.tracker import SERVED, RequestTracker
+
+    for name, value in (("tracker", None), ("has_feedback", True), ("default", DecodeMode("soft"))):
+        monkeypatch.setattr(SERVED, name, value)
+    tracker = RequestTracker(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4)), torch.device("cpu"),
+                             False)
+    sampling = vllm.SamplingParams(extra_args={"feedback_mode": "fused", "prefill_passes": 2, "fullband_states": "k"})
+    tracker.update_state(BatchUpdate(batch_size=2, removed=[], added=[(1, sampling, [5, 6, 7], [])], moved=[]))
+    tracker.fused[1] = (torch.zeros(3, 8), torch.zeros(3, 8))  # the prompt's passes, as the model keeps them
+    assert tracker.prompts[1] == [5, 6, 7] and tracker.states_key[1] == "k" and tracker.keeps_states[1]
+    tracker.update_state(BatchUpdate(batch_size=1, removed=[1], added=[], moved=[]))
+    assert (tracker.prompts[1], tracker.fused[1], tracker.states_key[1], tracker.keeps_states[1]) == \
+        (None, None, None, False)
+
+
 # ---------------------------------------------------------------------------------------------------- vLLM's machinery
 def test_chunked_prefill_is_exact_in_every_mode(tmp_path):
     """Prompts of up to 90 tokens through a 16-token step budget: FUSED prompts arrive in chunks; with prefix

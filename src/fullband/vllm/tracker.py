@@ -90,6 +90,9 @@ class RequestTracker(LogitsProcessor):
         if batch_update is None:
             return
         self.batch_size = batch_update.batch_size
+        for index in batch_update.removed:  # what a finished or aborted request kept goes with it
+            self.prompts[index], self.fused[index], self.states_key[index] = None, None, None
+            self.keeps_states[index] = False
         for index, params, prompt, _ in batch_update.added:
             mode = SERVED.mode_of(params)  # admitted by validate_params, so this cannot fail
             self.mode[index] = CODES[mode.name]
