@@ -17,7 +17,7 @@ from fullband.data.chat.arithmetic import write_chat_jsonl
 from fullband.data.chat.messages import check_messages
 from fullband.data.chat.packing import pack_chats
 from fullband.data.chat.templates import (IGNORE, MARKER_JINJA, JinjaTemplate, MarkerTemplate, chat_prompt,
-                                          chat_template, encode_chat)
+                                          chat_template, encode_chat, fed_chat_prompt)
 from fullband.data.sampler import ChatSampler
 from fullband.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from fullband.errors import ConfigError, DataError
@@ -118,7 +118,7 @@ def test_chat_vocabularies_grow_save_and_reload(bpe, tmp_path):
         chat_template(plain)
 
 
-def test_the_jinja_form_of_the_marker_template_gives_the_same_ids():
+def test_the_jinja_form_of_the_marker_template_gives_the_same_ids_and_refuses_the_same_roles():
     transformers = pytest.importorskip("transformers")
     tok = ByteTokenizer(chat=True)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.to_hf(), bos_token="<bos>", eos_token="<eos>",
@@ -129,6 +129,26 @@ def test_the_jinja_form_of_the_marker_template_gives_the_same_ids():
         theirs = fast.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         theirs = theirs if isinstance(theirs, list) else theirs["input_ids"]
         assert list(theirs) == ours
+    # a role without a marker is refused, with chat data's sentence, wherever the folder's template renders it
+    # (transformers, vLLM's chat API), not written as text
+    bad = [CONVERSATION["messages"][0], {"role": "wizard", "content": "x"}]
+    with pytest.raises(DataError) as ours:
+        chat_prompt(tok, bad)
+    with pytest.raises(Exception) as theirs:
+        fast.apply_chat_template(bad, add_generation_prompt=True, tokenize=False)
+    assert str(theirs.value) == str(ours.value) == \
+        "messages[1]: unknown role 'wizard'; accepted: system, user, assistant"
+
+
+def test_a_conversation_read_to_answer_it_may_hold_an_empty_reply():
+    """A model may reply with its end marker alone (fullband chat keeps such a turn, a server gets it back): read
+    to answer, the conversation renders it (its end marker, plain); training data still has nothing to learn from it."""
+    tok = ByteTokenizer(chat=True)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "?"}]
+    ids, spans = fed_chat_prompt(tok, chat)
+    assert ids == chat_prompt(tok, chat) and spans == [] and ids.count(tok.chat_ids["<|end|>"]) == 3
+    with pytest.raises(DataError, match="x: message 1: empty assistant turn"):
+        check_messages({"messages": [*chat, {"role": "assistant", "content": "ok"}]}, "x")
 
 
 def test_packing_keeps_conversations_whole_and_counts_what_it_drops():

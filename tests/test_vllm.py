@@ -249,6 +249,10 @@ def test_fed_states_are_returned_equal_to_the_native_engine_s(base):
             assert (got - want).abs().max() < 1e-3, mode  # float32 rounding, grown along the recurrence
     with pytest.raises(Exception, match="feeds none"):
         generate_with_states(llm, [{"prompt_token_ids": batch[0]}], mode_params("standard", 1))
+    # collected and freed whatever became of the requests; their keys admitted no more
+    from fullband.vllm.tracker import SERVED
+
+    assert llm.collective_rpc("fullband_states_kept") == [0] and not SERVED.issued
 
 
 def test_n_samples_max_tokens_stop_tokens_and_logprobs(base):
@@ -289,6 +293,8 @@ def test_logprobs_equal_the_native_model(base):
     ({"feedback_mod": "fused"}, "unknown request key 'feedback_mod' (did you mean 'feedback_mode'?)"),
     ({"feedback_mode": "soft", "prefill_passes": 2}, "applies to feedback_mode='fused' only"),
     ({"feedback_mode": "exact"}, "not a serving mode"),
+    # a key generate_with_states did not hand out: its states would be kept with no one to collect them
+    ({"fullband_states": "abc"}, "fullband_states='abc' was not set by fullband.vllm.generate_with_states"),
 ])
 def test_bad_request_arguments_are_refused_by_name(base, extra, message):
     _, llm = base
@@ -296,6 +302,29 @@ def test_bad_request_arguments_are_refused_by_name(base, extra, message):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}],
                      vllm.SamplingParams(max_tokens=2, extra_args=extra), use_tqdm=False)
     assert run(llm, [[1, 2, 3]], params("soft", max_tokens=2))  # and the engine still serves
+
+
+def test_a_removed_request_leaves_nothing_in_its_row(monkeypatch):
+    """The tracker (no engine): a request that finishes or is aborted mid-prefill takes its FUSED prompt, kept
+    passes and states key with it, rather than leaving them in its row until another request takes the row."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+
+    from fullband.model.mode import DecodeMode
+    from fullband.vllm.tracker import SERVED, RequestTracker
+
+    for name, value in (("tracker", None), ("has_feedback", True), ("default", DecodeMode("soft"))):
+        monkeypatch.setattr(SERVED, name, value)
+    tracker = RequestTracker(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4)), torch.device("cpu"),
+                             False)
+    sampling = vllm.SamplingParams(extra_args={"feedback_mode": "fused", "prefill_passes": 2, "fullband_states": "k"})
+    tracker.update_state(BatchUpdate(batch_size=2, removed=[], added=[(1, sampling, [5, 6, 7], [])], moved=[]))
+    tracker.fused[1] = (torch.zeros(3, 8), torch.zeros(3, 8))  # the prompt's passes, as the model keeps them
+    assert tracker.prompts[1] == [5, 6, 7] and tracker.states_key[1] == "k" and tracker.keeps_states[1]
+    tracker.update_state(BatchUpdate(batch_size=1, removed=[1], added=[], moved=[]))
+    assert (tracker.prompts[1], tracker.fused[1], tracker.states_key[1], tracker.keeps_states[1]) == \
+        (None, None, None, False)
 
 
 # ---------------------------------------------------------------------------------------------------- vLLM's machinery
@@ -516,6 +545,7 @@ def server(tmp_path_factory):
     log = open(root / "server.log", "w")
     # no VLLM_CPU_KVCACHE_SPACE: fullband serve sizes the KV cache to the memory free (--kv-cache-memory-bytes)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc: the tests read what the workers keep
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -614,29 +644,78 @@ def test_server_answers_32_concurrent_requests_like_offline(server):
     assert got == [reference(model, [p], m, k, max_tokens=8)[0] for p, (m, k) in zip(batch, modes)]
 
 
-@pytest.mark.parametrize("body,message", [
-    ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "bogus"}}, "feedback_mode='bogus'"),
-    ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "fused", "prefill_passes": -1}},
-     "prefill_passes=-1 is invalid"),
-    ({"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"prefil_passes": 2}}, "did you mean 'prefill_passes'?"),
-    ({"prompt": [5] * 299, "max_tokens": 2}, "maximum context length"),
-    ("{not json", ""),
-])
-def test_server_refuses_bad_requests_and_keeps_serving(server, body, message):
+def _post(url: str, path: str, body) -> tuple[int, str]:
+    """POST `body` (a JSON value, or raw text) to the server: (HTTP status, the body of the answer)."""
     import json
     import urllib.error
     import urllib.request
 
-    model, client, url, *_ = server
     data = body if isinstance(body, str) else json.dumps({"model": "fb", **body})
-    req = urllib.request.Request(url + "/v1/completions", data=data.encode(), method="POST",
+    req = urllib.request.Request(url + path, data=data.encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=60)
-    assert 400 <= err.value.code < 500
-    assert message in err.value.read().decode()
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"feedback_mode": "bogus"}},
+     "feedback_mode='bogus'"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2,
+                         "vllm_xargs": {"feedback_mode": "fused", "prefill_passes": -1}},
+     "prefill_passes=-1 is invalid"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"prefil_passes": 2}},
+     "did you mean 'prefill_passes'?"),
+    ("/v1/completions", {"prompt": [5] * 299, "max_tokens": 2}, "maximum context length"),
+    ("/v1/completions", "{not json", ""),
+    # fullband's sentence where vLLM's schema would answer with its own errors (or read true as 1)
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": {"fed_spans": {"a": 1}}},
+     "fed_spans={'a': 1} is invalid at 'a'; accepted: a list of [start, end) pairs"),
+    ("/v1/chat/completions", {"messages": [USER], "max_tokens": 2, "vllm_xargs": {"fed_spans": None}},
+     "fed_spans=None is invalid; accepted: a list of [start, end) pairs"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2,
+                         "vllm_xargs": {"feedback_mode": "fused", "prefill_passes": True}},
+     "prefill_passes=True must be an integer (got bool)"),
+    # a chat message as chat data and `fullband chat` take them; text that is not Unicode (not the tokenizer's error)
+    ("/v1/chat/completions", {"messages": [USER, {"role": "wizard", "content": "x"}], "max_tokens": 2},
+     "messages[1]: unknown role 'wizard'; accepted: system, user, assistant"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2},
+     "lone surrogate"),
+    ("/v1/completions", {"prompt": "a\udc80", "max_tokens": 2}, "lone surrogate"),
+])
+def test_server_refuses_bad_requests_and_keeps_serving(server, path, body, message):
+    import json
+
+    model, client, url, *_ = server
+    status, text = _post(url, path, body)
+    assert 400 <= status < 500
+    assert message in text
+    if message and not message.startswith("maximum"):  # fullband's: its sentence, whole
+        assert status == 400 and message in json.loads(text)["error"]["message"]
     r = client.completions.create(model="fb", prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body=_xargs("soft"))
     assert list(r.choices[0].token_ids) == reference(model, [[5, 6, 7]], "soft", 1, max_tokens=3)[0]
+
+
+def test_server_keeps_no_state_for_a_keyed_request(server):
+    """1,000 requests asking the workers to keep their fed states (`fullband_states`, completions and chat) are each
+    refused with fullband's sentence, and the workers keep nothing: a server hands fed states to no one, so none
+    may be kept (offline, generate_with_states collects what it asks for)."""
+    import json
+
+    model, client, url, *_ = server
+    for i in range(1000):
+        path, body = (("/v1/completions", {"prompt": [5, 6, 7]}) if i % 2 else
+                      ("/v1/chat/completions", {"messages": [USER]}))
+        status, text = _post(url, path, {**body, "max_tokens": 200, "vllm_xargs": {"fullband_states": f"k{i}"}})
+        assert status == 400 and f"fullband_states='k{i}' was not set by fullband.vllm.generate_with_states" in \
+            json.loads(text)["error"]["message"], (i, status, text[:300])
+    status, text = _post(url, "/collective_rpc", {"method": "fullband_states_kept"})
+    assert status == 200 and json.loads(text)["results"] == ["0"]
 
 
 def test_server_chat_conversation_equals_fullband_chat(server):
@@ -666,6 +745,13 @@ def test_server_chat_conversation_equals_fullband_chat(server):
     soft = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
                                           extra_body={"vllm_xargs": {"feedback_mode": "soft"}})
     assert plain.choices[0].message.content != soft.choices[0].message.content
+    # the same spans sent as [[start, end), ...] (what the offline API takes; vLLM's schema alone refuses them)
+    from fullband import fed_chat_prompt
+
+    spans = [list(span) for span in fed_chat_prompt(tokenizer, messages[:-1])[1]]
+    nested = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
+                                            extra_body={"vllm_xargs": {"feedback_mode": "soft", "fed_spans": spans}})
+    assert len(spans) == 2 and nested.choices[0].message.content == soft.choices[0].message.content
     # a prompt vLLM renders otherwise than fullband's template (no generation prompt here): read plainly, said once
     for _ in range(2):
         odd = client.chat.completions.create(model="fb", messages=messages[:-1], max_tokens=12, temperature=0,
@@ -674,3 +760,4 @@ def test_server_chat_conversation_equals_fullband_chat(server):
         assert list(odd.choices[0].token_ids) == generate(model, [odd.prompt_token_ids], 12,
                                                           stop_tokens=tokenizer.stop_ids)[0]
     assert (root / "server.log").read_text().count("read plainly, not as they were generated") == 1
+

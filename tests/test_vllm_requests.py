@@ -4,6 +4,7 @@ the vLLM model itself, in .venv-vllm)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 
 import pytest
@@ -12,8 +13,9 @@ from conftest import tiny_model
 
 from fullband.cli import main
 from fullband.model.mode import DecodeMode
-from fullband.errors import InputError
-from fullband.vllm.requests import GENERATED, block_keys, fed_runs, prompt_read, request_mode, served_default
+from fullband.errors import FullbandError, InputError
+from fullband.vllm.requests import (GENERATED, block_keys, fed_runs, http_request, prompt_read, request_mode,
+                                    served_default)
 
 SOFT = DecodeMode("soft")
 
@@ -107,7 +109,7 @@ def test_a_chat_request_to_a_base_folder_meets_our_sentence(tmp_path, model, mon
     convert(chat / "native", chat / "hf", to="hf")
     command = serve.server_command(chat / "hf", ["--port", "8000"])
     assert "--chat-template" not in command
-    assert command[command.index("--middleware") + 1] == "fullband.vllm.chat.FedConversations"  # fed conversations
+    assert command[command.index("--middleware") + 1] == "fullband.vllm.chat.ServedRequests"  # checks, fed chats
 
 
 def test_serve_sizes_the_cpu_kv_cache_to_the_memory_free(tmp_path, model, monkeypatch):
@@ -184,3 +186,66 @@ def test_a_request_asks_for_its_fed_states_by_a_key():
                            ({"feedback_mode": "standard", "fullband_states": "k"}, "'standard', which feeds none")):
         with pytest.raises(InputError, match=re.escape(message)):
             request_mode(extra, SOFT)
+
+
+def test_a_fed_states_key_is_admitted_only_where_this_process_issued_it():
+    """The workers keep a keyed request's fed states until generate_with_states collects them, so the frontend
+    admits only the keys it issued, and a server, which issues none, admits none: nothing outlives the request."""
+    assert request_mode({"fullband_states": "k1"}, SOFT, issued={"k1"}) == SOFT
+    assert request_mode({"fullband_states": "k1"}, SOFT) == SOFT  # the worker, the scheduler: admitted already
+    for issued in ((), {"k2"}):
+        with pytest.raises(InputError, match=re.escape("fullband_states='k1' was not set by "
+                                                       "fullband.vllm.generate_with_states in this process")):
+            request_mode({"fullband_states": "k1"}, SOFT, issued=issued)
+
+
+def _body(**fields) -> bytes:
+    return json.dumps(fields).encode()  # ensure_ascii: a lone surrogate travels as its \ud800 escape
+
+
+def test_a_served_request_s_fed_spans_may_be_nested_and_are_written_flat_for_vllm():
+    data, changed = http_request("/v1/completions", _body(prompt="x", vllm_xargs={"fed_spans": [[0, 2], [3, 5]]}),
+                                 SOFT)
+    assert changed and data == {"prompt": "x", "vllm_xargs": {"fed_spans": [0, 2, 3, 5]}}
+    for xargs in ({"fed_spans": [0, 2]}, {"fed_spans": []}, {"feedback_mode": "soft"}, {"other_plugin_key": [[1]]}):
+        assert http_request("/v1/completions", _body(vllm_xargs=xargs), SOFT) == ({"vllm_xargs": xargs}, False)
+    assert http_request("/v1/completions", b"", SOFT) == (None, False)  # an empty body: vLLM answers it
+
+
+@pytest.mark.parametrize("path,fields,message", [
+    # vllm_xargs values vLLM's schema refuses with its own errors (or reads otherwise: true as 1)
+    ("/v1/completions", {"vllm_xargs": {"fed_spans": {"a": 1}}}, "fed_spans={'a': 1} is invalid at 'a'; accepted: "
+     "a list of [start, end) pairs"),
+    ("/v1/completions", {"vllm_xargs": {"fed_spans": None}}, "fed_spans=None is invalid; accepted: a list of"),
+    ("/v1/chat/completions", {"vllm_xargs": {"feedback_mode": None}}, "feedback_mode=None is not a serving mode"),
+    ("/v1/completions", {"vllm_xargs": {"feedback_mode": "fused", "prefill_passes": True}},
+     "prefill_passes=True must be an integer (got bool)"),
+    ("/v1/responses", {"vllm_xargs": {"fullband_states": "abc"}}, "fullband_states='abc' was not set by "
+     "fullband.vllm.generate_with_states in this process"),
+    # messages, as chat data's are checked, on each path that renders them with the chat template
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]},
+     "messages[1]: unknown role 'wizard'; accepted: system, user, assistant"),
+    ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]: unknown role 'tool'"),
+    ("/v1/chat/completions/render", {"messages": [{"role": "user"}]},
+     "messages[0] (user): 'content' must be a string, got NoneType"),
+    ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "a"}], [{"role": "developer",
+                                                                                       "content": "b"}]]},
+     "messages[1][0]: unknown role 'developer'"),
+    # text that is not Unicode, anywhere in the body
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "lone surrogate"),
+    ("/v1/completions", {"prompt": "a\udc80", "stop": ["x"]}, "lone surrogate"),
+])
+def test_a_bad_served_request_meets_fullband_s_sentence(path, fields, message):
+    with pytest.raises(FullbandError, match=re.escape(message)):
+        http_request(path, _body(**fields), SOFT)
+
+
+def test_a_served_conversation_may_hold_an_empty_reply_and_other_paths_keep_their_messages():
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": "and?"}]
+    assert http_request("/v1/chat/completions", _body(messages=chat), SOFT) == ({"messages": chat}, False)
+    anthropic = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]  # vLLM's schema reads these
+    assert http_request("/v1/messages", _body(messages=anthropic), SOFT) == ({"messages": anthropic}, False)
+    with pytest.raises(InputError, match=re.escape("the request body is not UTF-8 text (invalid byte 0xff at byte "
+                                                   "12); accepted: UTF-8")):
+        http_request("/v1/completions", b'{"prompt": "\xff"}', SOFT)

@@ -3,16 +3,19 @@ what a cached KV block of a request depends on beyond its tokens (`block_keys`, 
 
 A request picks its mode with vLLM's per-request extra arguments: `SamplingParams(extra_args={"feedback_mode":
 "fused", "prefill_passes": 2})` offline, `vllm_xargs` / `extra_body={"vllm_xargs": {...}}` through the OpenAI API.
-Unset keys take the served folder's defaults (its config.json `feedback_mode` and `prefill_passes`). Pure Python:
-no vLLM import, so the rules are tested without vLLM."""
+Unset keys take the served folder's defaults (its config.json `feedback_mode` and `prefill_passes`). What
+`fullband serve` checks in a request before vLLM reads it is here too (`http_request`). Pure Python: no vLLM
+import, so the rules are tested without vLLM."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from types import SimpleNamespace
 from typing import Any
 
+from fullband.data.chat.messages import as_message
 from fullband.errors import InputError, closest
+from fullband.files import decode_text, parse_json
 from fullband.model.core import check_fed_mode
 from fullband.model.mode import DecodeMode
 from fullband.validate import spans
@@ -28,10 +31,14 @@ MAX_PASSES = 2**20
 
 
 def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, has_feedback: bool = True,
-                 max_passes: int = MAX_PASSES) -> DecodeMode:
+                 max_passes: int = MAX_PASSES, issued: Container[str] | None = None) -> DecodeMode:
     """The DecodeMode a request asks for (its extra_args over the served default), checked as DecodeMode checks a
     mode for a model whose max_seq_len is `max_passes`. Raises InputError naming the key, the value seen and what
-    is accepted; a key that looks like a misspelling of ours is refused, others are left to other plugins."""
+    is accepted; a key that looks like a misspelling of ours is refused, others are left to other plugins.
+
+    `issued`: where a request is admitted, the fullband_states keys this process handed out
+    (generate_with_states, which collects and frees the states after its requests): any other key is refused, so
+    no request leaves states behind (a server hands out none). None (the worker, the scheduler): not checked."""
     args = dict(extra_args or {})
     for key in args.keys() - set(KEYS):
         if hint := closest(str(key), KEYS):
@@ -53,6 +60,10 @@ def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, h
         if not isinstance(key, str) or not key:
             raise InputError(f"{STATES}={key!r} is invalid; accepted: a non-empty string naming the request's states "
                              "(fullband.vllm.generate_with_states sets it)")
+        if issued is not None and key not in issued:
+            raise InputError(f"{STATES}={key!r} was not set by fullband.vllm.generate_with_states in this process: fed "
+                             "states are kept only for it (offline), which hands them over and frees them, and a "
+                             f"server returns none; accepted: no {STATES} key")
         if not mode.feeds_state:
             raise InputError(f"{STATES} asks for the fed states of a request in {mode.name!r}, which feeds none; "
                              "accepted with it: feedback_mode 'soft' or 'fused'")
@@ -65,10 +76,51 @@ def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, h
 def fed_spans(value: Any) -> list[tuple[int, int]]:
     """A request's fed_spans, [[start, end), ...] prompt positions, or flat [start, end, start, end, ...] (what
     vllm_xargs can carry over HTTP), checked -> [(start, end), ...]."""
-    flat = isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    if flat and len(value) % 2 == 0:
+    if _flat(value) and len(value) % 2 == 0:
         value = [value[i:i + 2] for i in range(0, len(value), 2)]
     return spans(FED, value, error=InputError)
+
+
+# the requests whose `messages` vLLM renders with the chat template: one conversation, or a list of them (batch)
+CHAT_PATHS = ("/chat/completions", "/chat/completions/render", "/tokenize")
+BATCH_CHAT_PATHS = ("/chat/completions/batch",)
+
+
+def http_request(path: str, body: bytes, default: DecodeMode, *, has_feedback: bool = True,
+                 max_passes: int = MAX_PASSES) -> tuple[Any, bool]:
+    """A JSON request to the server checked before vLLM reads it (`fullband serve`'s middleware, fullband.vllm.chat),
+    so what is wrong meets fullband's sentence, not vLLM's schema or tokenizer errors: its text (UTF-8, no lone
+    surrogate escape: fullband.files), its vllm_xargs as the frontend admits them (no fullband_states key: a
+    server returns no states) with fed_spans written flat (vLLM's schema takes no nested lists), and a chat
+    request's messages as chat data's (fullband.data.chat.messages; an empty reply is a reply the model can give).
+    -> (its JSON value, whether it was rewritten); (None, False) for an empty body. InputError / DataError."""
+    if not body.strip():
+        return None, False
+    data = parse_json(decode_text(body, "the request body", error=InputError), "the request body", error=InputError)
+    if not isinstance(data, dict):
+        return data, False
+    changed = False
+    xargs = data.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        request_mode(xargs, default, has_feedback=has_feedback, max_passes=max_passes, issued=())
+        if FED in xargs and not _flat(xargs[FED]):
+            data["vllm_xargs"] = {**xargs, FED: [p for span in fed_spans(xargs[FED]) for p in span]}
+            changed = True
+    conversations = data.get("messages")
+    if path.endswith(CHAT_PATHS) and isinstance(conversations, list):
+        conversations = {"messages": conversations}
+    elif path.endswith(BATCH_CHAT_PATHS) and isinstance(conversations, list):
+        conversations = {f"messages[{i}]": c for i, c in enumerate(conversations) if isinstance(c, list)}
+    else:
+        conversations = {}
+    for where, messages in conversations.items():
+        for i, m in enumerate(messages):
+            as_message(m, f"{where}[{i}]", empty_reply=True)
+    return data, changed
+
+
+def _flat(value: Any) -> bool:
+    return isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 def fed_runs(mode: DecodeMode, extra_args: Mapping[str, Any] | None, prompt_len: int) -> tuple[tuple[int, int], ...]:

@@ -39,15 +39,15 @@ def server_command(folder: str | Path, options: list[str]) -> list[str]:
         cli = None
     if chat_note(folder, options):  # a chat request then meets our sentence, not transformers' default-template one
         options = [*options, "--chat-template", "{{ raise_exception(%s) }}" % json.dumps(NO_CHAT_TEMPLATE)]
-    options = [*options, *kv_cache_option(folder, options), "--middleware", FED_CONVERSATIONS]
+    options = [*options, *kv_cache_option(folder, options), "--middleware", MIDDLEWARE]
     if cli is not None:
         return [cli, "serve", str(folder), *options]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), *options]
 
 
-# chat completions read earlier replies as they were generated (fullband.vllm.chat; named here, not imported: no
-# vLLM code in this module)
-FED_CONVERSATIONS = "fullband.vllm.chat.FedConversations"
+# requests checked before vLLM reads them, chat completions that read earlier replies as they were generated
+# (fullband.vllm.chat; named here, not imported: no vLLM code in this module)
+MIDDLEWARE = "fullband.vllm.chat.ServedRequests"
 NO_CHAT_TEMPLATE = ("this folder has no chat template (a base model): instruction-tune it first (fullband train "
                     "configs/sft-tiny.toml), serve it with --chat-template FILE, or use /v1/completions")
 

@@ -5,10 +5,13 @@ A request asks with its key under `fullband_states` (SamplingParams.extra_args);
 it samples for that request, the state that token reads back at its own position (the top state of the position
 whose logits sampled it), in the tracker's shared object. `StatesWorker` is mixed into vLLM's workers (the
 engine hook sets parallel_config.worker_extension_cls): `LLM.collective_rpc("fullband_states", ...)` hands the
-kept states over and forgets them. Offline API only; a server does not return them."""
+kept states over and forgets them. Offline API only: the frontend admits only the keys generate_with_states hands
+out in its own process (fullband.vllm.tracker), and it collects them whatever becomes of its requests, so a
+server, which hands out none, keeps no states."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import uuid
 from collections.abc import Sequence
@@ -17,6 +20,7 @@ import torch
 
 from fullband.errors import InputError
 from fullband.vllm.requests import STATES
+from fullband.vllm.tracker import SERVED
 
 WORKER_EXTENSION = "fullband.vllm.states.StatesWorker"
 
@@ -27,8 +31,6 @@ class StatesWorker:
     def fullband_states(self, keys: Sequence[str]) -> dict[str, tuple[list[int], bytes, str, int]]:
         """key -> (positions, the states as raw bytes in position order, their dtype, D): plain values, which vLLM's
         RPC carries as they are (tensors would arrive as nested lists)."""
-        from fullband.vllm.tracker import SERVED
-
         out = {}
         for key in keys:
             kept = SERVED.kept_states.pop(key, {})
@@ -37,6 +39,11 @@ class StatesWorker:
             out[key] = (pos, rows.contiguous().view(torch.uint8).numpy().tobytes(), str(rows.dtype).split(".")[-1],
                         rows.shape[-1])
         return out
+
+    def fullband_states_kept(self) -> int:
+        """How many requests' fed states this worker keeps, not yet handed over (0 whenever no
+        generate_with_states call is running)."""
+        return len(SERVED.kept_states)
 
 
 def generate_with_states(llm, prompts: Sequence, sampling_params) -> tuple[list, list[torch.Tensor]]:
@@ -60,7 +67,15 @@ def generate_with_states(llm, prompts: Sequence, sampling_params) -> tuple[list,
         raise InputError("this engine's workers cannot hand over fed states: parallel_config.worker_extension_cls is "
                          f"{llm.llm_engine.vllm_config.parallel_config.worker_extension_cls!r}; accepted: unset (the "
                          f"fullband plugin sets {WORKER_EXTENSION!r})")
-    outputs = llm.generate(prompts, asked, use_tqdm=False)
+    SERVED.issued.update(keys)  # the frontend admits these keys, and no others (fullband.vllm.tracker)
+    try:
+        outputs = llm.generate(prompts, asked, use_tqdm=False)
+    except BaseException:
+        with contextlib.suppress(Exception):  # free what the requests kept before they failed
+            llm.collective_rpc("fullband_states", args=(keys,))
+        raise
+    finally:
+        SERVED.issued.difference_update(keys)
     kept = llm.collective_rpc("fullband_states", args=(keys,))[0]  # every rank keeps the same states
     states = []
     for out, key in zip(outputs, keys):

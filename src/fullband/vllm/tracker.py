@@ -39,6 +39,9 @@ class Served:
     state: torch.Tensor | None = None  # the model's fed-back states, one row per batch row (set by the model)
     # requests' fed states by their fullband_states key: {position: the state read by the token sampled there}
     kept_states: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    # the fullband_states keys generate_with_states handed out in this process and has not collected yet (the
+    # frontend admits no other: nothing is kept that no one collects)
+    issued: set[str] = field(default_factory=set)
 
     def configure(self, *, has_feedback: bool, default: DecodeMode, max_passes: int) -> None:
         self.has_feedback, self.default, self.max_passes = has_feedback, default, max_passes
@@ -46,6 +49,12 @@ class Served:
     def mode_of(self, sampling_params) -> DecodeMode:
         extra = getattr(sampling_params, "extra_args", None)
         return request_mode(extra, self.default, has_feedback=self.has_feedback, max_passes=self.max_passes)
+
+    def admit(self, sampling_params) -> DecodeMode:
+        """mode_of, as the frontend admits a request: a fullband_states key only where this process issued it."""
+        extra = getattr(sampling_params, "extra_args", None)
+        return request_mode(extra, self.default, has_feedback=self.has_feedback, max_passes=self.max_passes,
+                            issued=self.issued)
 
 
 SERVED = Served()
@@ -55,7 +64,7 @@ class RequestTracker(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         try:
-            SERVED.mode_of(sampling_params)
+            SERVED.admit(sampling_params)
         except InputError as err:
             raise ValueError(str(err)) from None
 
@@ -81,6 +90,9 @@ class RequestTracker(LogitsProcessor):
         if batch_update is None:
             return
         self.batch_size = batch_update.batch_size
+        for index in batch_update.removed:  # what a finished or aborted request kept goes with it
+            self.prompts[index], self.fused[index], self.states_key[index] = None, None, None
+            self.keeps_states[index] = False
         for index, params, prompt, _ in batch_update.added:
             mode = SERVED.mode_of(params)  # admitted by validate_params, so this cannot fail
             self.mode[index] = CODES[mode.name]

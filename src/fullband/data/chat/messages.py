@@ -47,8 +47,10 @@ def read_chat_jsonl(path: str | Path) -> Iterator[list[Message]]:
         yield check_messages(obj, where)
 
 
-def as_message(m: Any, where: str) -> Message:
-    """One {"role", "content"} message checked (DataError naming `where`)."""
+def as_message(m: Any, where: str, *, empty_reply: bool = False) -> Message:
+    """One {"role", "content"} message checked (DataError naming `where`). `empty_reply`: an empty assistant turn
+    is accepted (a conversation read to answer it, which may hold an empty reply the model gave; training data has
+    nothing to learn from one)."""
     if not isinstance(m, dict):
         raise DataError(f"{where}: expected an object with 'role' and 'content', got {type(m).__name__}")
     if "role" not in m:
@@ -59,7 +61,7 @@ def as_message(m: Any, where: str) -> Message:
     content = m.get("content")
     if not isinstance(content, str):
         raise DataError(f"{where} ({role}): 'content' must be a string, got {type(content).__name__}")
-    if role == "assistant" and not content.strip():
+    if role == "assistant" and not content.strip() and not empty_reply:
         raise DataError(f"{where}: empty assistant turn (nothing to learn from)")
     return Message(role, content)
 

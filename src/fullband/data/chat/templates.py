@@ -61,9 +61,13 @@ def assemble(segments: Sequence[tuple[str, Sequence[int]]], bos_id: int | None) 
 # fullband's default template, for byte and BPE vocabularies with the chat markers (special tokens):
 #   <bos><|system|>...<|end|><|user|>...<|end|><|assistant|>...<|end|><|user|>...<|end|><|assistant|>
 # The same template in Jinja, written with a converted folder's tokenizer (AutoTokenizer.apply_chat_template,
-# vLLM's chat API); tests check the two give the same ids.
+# vLLM's chat API); tests check the two give the same ids. A role without a marker is refused, as chat data's is
+# (as_message), on every surface that renders the folder's template.
 MARKER_JINJA = (
     "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in " + repr(list(ROLES)) + " %}{{ raise_exception('messages[' ~ loop.index0 ~ "
+    "\"]: unknown role '\" ~ message['role'] ~ \"'; accepted: " + ", ".join(ROLES) + "\") }}"
+    "{% endif %}"
     "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
@@ -228,7 +232,8 @@ def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], l
 
 
 def _messages(messages) -> list[Message]:
-    return [m if isinstance(m, Message) else as_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    return [m if isinstance(m, Message) else as_message(m, f"messages[{i}]", empty_reply=True)
+            for i, m in enumerate(messages)]
 
 
 def _prompt(template, msgs: Sequence[Message]) -> list[int]:
