@@ -231,6 +231,10 @@ def test_a_served_request_s_fed_spans_may_be_nested_and_are_written_flat_for_vll
     ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "a"}], [{"role": "developer",
                                                                                        "content": "b"}]]},
      "messages[1][0]: unknown role 'developer'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0]: content part 0 is 'image_url'; accepted: text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": [{"type": "text", "text": "x"}]}]},
+     "messages[0]: unknown role 'wizard'"),
     # text that is not Unicode, anywhere in the body
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "lone surrogate"),
     ("/v1/completions", {"prompt": "a\udc80", "stop": ["x"]}, "lone surrogate"),
@@ -244,6 +248,8 @@ def test_a_served_conversation_may_hold_an_empty_reply_and_other_paths_keep_thei
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
             {"role": "user", "content": "and?"}]
     assert http_request("/v1/chat/completions", _body(messages=chat), SOFT) == ({"messages": chat}, False)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    assert http_request("/v1/chat/completions", _body(messages=parts), SOFT) == ({"messages": parts}, False)  # OpenAI's
     anthropic = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]  # vLLM's schema reads these
     assert http_request("/v1/messages", _body(messages=anthropic), SOFT) == ({"messages": anthropic}, False)
     with pytest.raises(InputError, match=re.escape("the request body is not UTF-8 text (invalid byte 0xff at byte "

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from fullband.data.chat.messages import as_message
-from fullband.errors import InputError, closest
+from fullband.errors import DataError, InputError, closest
 from fullband.files import decode_text, parse_json
 from fullband.model.core import check_fed_mode
 from fullband.model.mode import DecodeMode
@@ -115,8 +115,23 @@ def http_request(path: str, body: bytes, default: DecodeMode, *, has_feedback: b
         conversations = {}
     for where, messages in conversations.items():
         for i, m in enumerate(messages):
-            as_message(m, f"{where}[{i}]", empty_reply=True)
+            as_message(_text_parts(m, f"{where}[{i}]"), f"{where}[{i}]", empty_reply=True)
     return data, changed
+
+
+def _text_parts(m: Any, where: str) -> Any:
+    """A message whose content is OpenAI's list of parts, checked as its text (the request goes to vLLM as it came):
+    text parts only, this server's models read text."""
+    if not isinstance(m, dict) or not isinstance(m.get("content"), list):
+        return m
+    texts = []
+    for j, part in enumerate(m["content"]):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise DataError(f"{where}: content part {j} is {kind!r}; accepted: text parts "
+                            "({\"type\": \"text\", \"text\": ...}) or a string (a text model)")
+        texts.append(part["text"])
+    return {**m, "content": "".join(texts)}
 
 
 def _flat(value: Any) -> bool:
