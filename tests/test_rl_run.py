@@ -102,11 +102,16 @@ def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
     ("rl.mode='exact'", "cannot be trained on-policy"),
     ("rl.grup=2", "unknown key 'rl.grup' (did you mean 'group'?)"),
     ("rl.device='tpu'", "rl.device='tpu' is invalid; accepted: 'cpu', 'cuda' or 'cuda:N'"),
+    pytest.param("rl.device='cuda'", "rl.device='cuda': CUDA is not available on this machine; accepted: cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    ("rl.group=100000000", "an RL step of 200,000,000 rows (rl.prompts_per_step x rl.group) of up to"),
+    ("rl.data='{prompts}'", "no 'answer' key, and no assistant turn whose final 'Answer: ...' could be the reference"),
 ])
 def test_bad_recipes_are_one_line(tmp_path, model, override, words, capsys):
     from fullband.cli import main
 
-    code = main(["rl", str(recipe(tmp_path, model, "bad")), "--set", override])
+    (tmp_path / "prompts.jsonl").write_text('{"messages": [{"role": "user", "content": "2 + 2?"}]}\n')
+    code = main(["rl", str(recipe(tmp_path, model, "bad")), "--set", override.format(prompts=tmp_path / "prompts.jsonl")])
     err = capsys.readouterr().err
     lines = [line for line in err.strip().splitlines() if "cores are busy" not in line]
     assert code == 2 and len(lines) == 1, err[-2000:]
@@ -221,3 +226,23 @@ def test_a_learning_rate_the_optimizer_cannot_hold_is_refused(tmp_path, model, c
 
     assert main(["rl", str(recipe(tmp_path, model, "run")), "--set", "rl.lr=1e39"]) == 2
     assert "rl.lr=1e+39 is invalid; accepted: 0 < rl.lr <= 3.40282e+38" in capsys.readouterr().err
+
+
+def test_rl_names_its_own_settings_and_a_train_run_is_not_resumed_as_rl(tmp_path, model, corpus, cache, capsys):
+    """fullband rl's messages name rl.run_dir (not train's log.run_dir); --resume of a `fullband train` run says
+    what it is and how to resume it."""
+    from conftest import write_config
+
+    from fullband.cli import main
+
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    assert main(["rl", str(recipe(tmp_path, model, "x")), "--set", f"rl.run_dir='{tmp_path / 'busy'}'"]) == 2
+    err = capsys.readouterr().err
+    assert "rl.run_dir" in err and "log.run_dir" not in err and (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+    trained = write_config(tmp_path, corpus, cache, "trained", steps=2, ckpt_every=2)
+    assert main(["train", str(trained)]) == 0
+    capsys.readouterr()
+    assert main(["rl", str(recipe(tmp_path, model, "x")), "--resume", str(tmp_path / "trained")]) == 2
+    err = capsys.readouterr().err
+    assert "is a `fullband train` run" in err and f"fullband train RECIPE --resume {tmp_path / 'trained'}" in err

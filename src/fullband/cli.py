@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from fullband.errors import FullbandError, FullbandWarning, InputError
-from fullband.validate import DTYPES, ascii_int, dtype as _dtype_of
+from fullband.validate import DTYPES, ascii_int, available_device, dtype as _dtype_of
 
 
 def _dtype(name: str):
@@ -23,21 +23,7 @@ def _dtype(name: str):
 
 def _device(name: str) -> str:
     """--device checked before any work: a device torch knows and this machine has."""
-    import torch
-
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise InputError(f"--device {name!r} is not a device; accepted: cpu, cuda, cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {name!r}: CUDA is not available on this machine; accepted: cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise InputError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                             f"accepted: cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-    elif dev.type != "cpu" and not (dev.type == "mps" and torch.backends.mps.is_available()):
-        raise InputError(f"--device {name!r} is not available here; accepted: cpu, cuda, cuda:N")
-    return name
+    return available_device("--device", name, error=InputError)
 
 
 def _utf8(text: str, flag: str) -> str:

@@ -125,3 +125,24 @@ def spans(name: str, value: Any, *, length: int | None = None, error: type[Fullb
             raise error(f"{name}={value!r} is invalid at {span!r}; accepted: {accepted}")
         out.append((int(pair[0]), int(pair[1])))
     return out
+
+
+def available_device(name: str, value: Any, *, error: type[FullbandError] = ConfigError) -> str:
+    """A device setting (`name`, e.g. '--device' or 'rl.device') checked before any work: a device torch knows and
+    this machine has (cuda:N within its devices, mps where it is built)."""
+    import torch
+
+    label = f"{name} {value!r}" if name.startswith("--") else f"{name}={value!r}"
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        raise error(f"{label} is not a device; accepted: cpu, cuda, cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise error(f"{label}: CUDA is not available on this machine; accepted: cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise error(f"{label}: this machine has {torch.cuda.device_count()} CUDA device(s); accepted: cuda:0 .. "
+                        f"cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu" and not (dev.type == "mps" and torch.backends.mps.is_available()):
+        raise error(f"{label} is not available here; accepted: cpu, cuda, cuda:N")
+    return value

@@ -31,7 +31,7 @@ from fullband.train.trainer import stop_after_step
 from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
                                    saved_setting, truncate_metrics)
 from fullband.rl.step import RLSettings
-from fullband.validate import MAX_LR, integer, number
+from fullband.validate import MAX_LR, available_device, integer, number
 
 # settings a resumed run may change (how often it logs and evaluates); every other one must match run.json
 MAY_CHANGE = ("eval_every", "eval_prompts", "ckpt_every", "keep_last", "device", "reward_timeout",
@@ -106,6 +106,27 @@ class Items:
     answers: list[str]
 
 
+def check_step_memory(cfg: RLConfig, model, longest_prompt: int, device) -> None:
+    """Refuse, before anything is allocated, a step whose rows (prompts_per_step x group) of the longest prompt plus
+    max_new_tokens do not fit in memory: the log-probability passes' activations with gradients (as a training
+    step's, train.memory.step_memory), AdamW's state, the reference model (kl_coef > 0) and the sampling caches."""
+    from fullband.rl.logprob import parse_path
+    from fullband.train.memory import check_fits, model_bytes, step_memory
+
+    rows = cfg.prompts_per_step * cfg.group
+    tokens = rows * min(longest_prompt + cfg.max_new_tokens, model.max_seq_len)
+    name, k = parse_path(cfg.logprob)
+    passes = 1 if cfg.mode == "standard" else (k if name == "jacobi" else 2)
+    step = step_memory(model, passes=passes, tokens=tokens, optimizer="adamw")
+    cache = tokens * model.n_layers * 2 * model.n_kv_heads * (model.d_model // model.n_heads) * 4
+    parts = {"weights, gradients and AdamW state": step.weights + step.gradients + step.optimizer,
+             f"activations of {rows:,} rows": step.activations, "sampling caches": cache}
+    if cfg.kl_coef > 0:
+        parts["reference model"] = model_bytes(model)
+    check_fits(parts, f"an RL step of {rows:,} rows (rl.prompts_per_step x rl.group) of up to {tokens // rows:,} "
+               "tokens", device, smaller="rl.group, rl.prompts_per_step or rl.max_new_tokens", error=ConfigError)
+
+
 def _items(cfg: RLConfig, tokenizer, room: int) -> Items:
     """The training prompts: the train split's conversations up to their last assistant turn, rendered."""
     from fullband.data.chat.templates import chat_prompt, chat_template
@@ -152,16 +173,17 @@ def _rl_train(recipe: RLRecipe, *, resume: str | Path | None, progress: bool) ->
 
     cfg = recipe.rl
     run_dir = resume_run_dir(Path(resume)) if resume is not None else Path(cfg.run_dir)
-    lock, created = claim_run_dir(run_dir, resume=resume is not None)
+    lock, created = claim_run_dir(run_dir, resume=resume is not None, key="rl.run_dir")
     bar = None
     try:
         # everything that can fail on the user's input, before the run directory is written to
-        d = Dist(device=torch.device(cfg.device))
+        d = Dist(device=torch.device(available_device("rl.device", cfg.device)))
         model = load_model(cfg.init_from, device=d.device)
         tokenizer = load_tokenizer(cfg.init_from)
         check_chat_model(model, tokenizer)
         reward = load_reward(cfg.reward, timeout=cfg.reward_timeout)
         train_items = _items(cfg, tokenizer, model.config.max_seq_len)
+        check_step_memory(cfg, model.config, max(len(p) for p in train_items.prompts), d.device)
         val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent, split="val")
         reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)

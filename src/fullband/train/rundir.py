@@ -17,15 +17,16 @@ MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tok
               "train.decay_wd_in_cooldown")
 
 
-def claim_run_dir(run_dir: Path, *, resume: bool) -> tuple[FolderLock, bool]:
+def claim_run_dir(run_dir: Path, *, resume: bool, key: str = "log.run_dir") -> tuple[FolderLock, bool]:
     """Create (for a new run) and lock `run_dir` for this process; remove what a killed run left half-written
     (.step_N.tmp folders). Returns the lock and whether the folder was created here. A fresh run is refused
-    in a folder that already holds anything."""
+    in a folder that already holds anything. `key`: the recipe's setting that names the folder, as messages say it
+    (rl.run_dir for fullband rl)."""
     created = not run_dir.exists()
     if resume and created:
         raise ConfigError(f"--resume {str(run_dir)!r} does not exist")
-    make_folder(run_dir, "log.run_dir")
-    lock = lock_folder(run_dir, "run directory", hint=", or choose another log.run_dir (--set log.run_dir=...)")
+    make_folder(run_dir, key)
+    lock = lock_folder(run_dir, "run directory", hint=f", or choose another {key} (--set {key}=...)")
     try:
         swept = sweep_temps(run_dir, r"\.step_\d+\.tmp")
         if swept:
@@ -33,12 +34,12 @@ def claim_run_dir(run_dir: Path, *, resume: bool) -> tuple[FolderLock, bool]:
                   f"{', '.join(swept)}", flush=True)
         entries = sorted(p.name for p in run_dir.iterdir()) if not resume else []
         if entries and not ((run_dir / RUN_FILE).is_file() or ckpt.list_checkpoints(run_dir)):
-            raise ConfigError(f"log.run_dir {str(run_dir)!r} is not empty and holds no fullband run (it holds "
+            raise ConfigError(f"{key} {str(run_dir)!r} is not empty and holds no fullband run (it holds "
                               f"{describe_entries(entries)}); a run needs a new or empty folder: choose another "
-                              "log.run_dir (e.g. --set log.run_dir=runs/new)")
+                              f"{key} (e.g. --set {key}=runs/new)")
         if entries:
             raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
-                              f"{run_dir} or choose another log.run_dir (e.g. --set log.run_dir=runs/new)")
+                              f"{run_dir} or choose another {key} (e.g. --set {key}=runs/new)")
     except BaseException:
         lock.release()
         raise
@@ -80,6 +81,11 @@ def check_resume_config(run_dir: Path, now: dict, keys: tuple[str, ...] = MUST_M
         raise ConfigError(f"{saved_path} is corrupted ({err}); it holds the run's settings: restore it from a "
                           f"checkpoint's trainer.json ('config') or start a new run") from None
     sections = [s.split(".")[0] for s in keys]
+    other = _run_kind(saved)
+    if other and other != _run_kind({s: {} for s in sections}):
+        raise ConfigError(f"{str(run_dir)!r} is a `fullband {other}` run (its {RUN_FILE} holds that command's "
+                          f"settings), not one this command resumes; resume it with `fullband {other} RECIPE --resume "
+                          f"{run_dir}`, or start a new run")
     if not isinstance(saved, dict) or any(not isinstance(saved.get(s), dict) for s in sections):
         missing = sorted({s for s in sections if not isinstance(saved, dict) or not isinstance(saved.get(s), dict)})
         raise ConfigError(f"{saved_path} is damaged: it lacks the section(s) {', '.join(missing)}; restore it "
@@ -98,6 +104,15 @@ def saved_setting(run_dir: Path, dotted: str):
     except ConfigError:
         return None
     return _get(saved, dotted) if isinstance(saved, dict) else None
+
+
+def _run_kind(saved) -> str | None:
+    """Which command wrote a run.json: 'rl' (an [rl] table alone), 'train' (its [train] table), else None."""
+    if not isinstance(saved, dict):
+        return None
+    if isinstance(saved.get("rl"), dict) and "train" not in saved:
+        return "rl"
+    return "train" if isinstance(saved.get("train"), dict) else None
 
 
 _UNSET = object()

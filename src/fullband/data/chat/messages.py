@@ -25,8 +25,9 @@ class Message:
     content: str
 
 
-def check_messages(obj: Any, where: str) -> list[Message]:
-    """The messages of one conversation (a JSON object with a `messages` list), or DataError naming `where`."""
+def check_messages(obj: Any, where: str, *, reply: bool = True) -> list[Message]:
+    """The messages of one conversation (a JSON object with a `messages` list), or DataError naming `where`; with
+    `reply`, one of them must be an assistant turn (something to learn from)."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object with a 'messages' list, got {type(obj).__name__}")
     if "messages" not in obj:
@@ -36,7 +37,7 @@ def check_messages(obj: Any, where: str) -> list[Message]:
         raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, got "
                         f"{type(messages).__name__}")
     out = [as_message(m, f"{where}: message {i}") for i, m in enumerate(messages)]
-    if not any(m.role == "assistant" for m in out):
+    if reply and not any(m.role == "assistant" for m in out):
         raise DataError(f"{where}: no assistant turn (nothing to learn from)")
     return out
 

@@ -59,8 +59,13 @@ def check_prompt(obj: Any, where: str) -> tuple[list[Message], str, list[Message
         if not users:
             raise DataError(f"{where}: no user turn to answer")
         return out[: users[-1] + 1], str(answer).strip(), out
-    messages = check_messages(obj, where)
-    last = max(j for j, m in enumerate(messages) if m.role == "assistant")
+    messages = check_messages(obj, where, reply=False)
+    replies = [j for j, m in enumerate(messages) if m.role == "assistant"]
+    if not replies:
+        raise DataError(f"{where}: no 'answer' key, and no assistant turn whose final 'Answer: ...' could be the "
+                        "reference; a prompt to score needs one of them (e.g. {\"messages\": [{\"role\": \"user\", "
+                        "\"content\": ...}], \"answer\": \"7\"})")
+    last = replies[-1]
     reference = final_answer(messages[last].content)
     if reference is None:
         raise DataError(f"{where}: its last assistant turn has no final 'Answer: ...' line to score against (and "
