@@ -596,3 +596,37 @@ def test_the_memory_estimate_counts_every_block_run_of_a_looped_or_ponder_model(
                          tokens=1024).activations
     logits = 1024 * 3 * 8 * 4
     assert looped - logits == pytest.approx(8 * (plain - logits)) and ponder - logits == pytest.approx(2 * (plain - logits))
+
+
+def test_train_trainable_freezes_the_rest_and_feedback_weights_take_their_own_lr(tmp_path, corpus, cache, capsys):
+    """train.trainable = ["fusion.*", "norm_in.*"] (a warm start that trains the feedback weights alone): every other
+    weight stays exactly as it started and has no optimizer state; optim.feedback_lr_mult scales their learning
+    rate; a pattern that matches nothing is one line naming the model's weights."""
+    from fullband.train.optim import OptimConfig, routing_report
+
+    first = write_config(tmp_path, corpus, cache, "first", steps=2, ckpt_every=2)
+    train(load_run_config(first))
+    start = tmp_path / "first" / "step_000002"
+    second = write_config(tmp_path, corpus, cache, "second", steps=2, ckpt_every=2)
+    train(load_run_config(second, [f"train.init_from='{start}'", 'train.trainable=["fusion.*", "norm_in.*"]',
+                                   "optim.feedback_lr_mult=3.0"]))
+    assert re.search(r"training [\d,]+ of [\d,]+ weights \(train.trainable = \['fusion.\*', 'norm_in.\*'\]\); the "
+                     "rest are frozen", capsys.readouterr().out)
+    a = load_file(str(start / "model.safetensors"))
+    b = load_file(str(tmp_path / "second" / "step_000002" / "model.safetensors"))
+    feedback = [k for k in a if k.startswith(("fusion.", "norm_in."))]
+    assert feedback and all(not torch.equal(a[k], b[k]) for k in feedback)
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in feedback)
+    state = torch.load(tmp_path / "second" / "step_000002" / "optimizer.pt", weights_only=False)
+    held = sum(len(s["state"]) for s in state.values() if isinstance(s, dict) and "state" in s)
+    assert held == len(feedback)  # optimizer state for the trained weights only
+    from conftest import tiny_model
+
+    lrs = {name: lr for name, _, lr, _ in routing_report(tiny_model(), OptimConfig(feedback_lr_mult=3.0))}
+    base = {name: lr for name, _, lr, _ in routing_report(tiny_model(), OptimConfig())}
+    assert all(lrs[k] == pytest.approx(3 * base[k]) if k.startswith(("fusion.", "norm_in.")) else lrs[k] == base[k]
+               for k in base)
+    with pytest.raises(ConfigError, match=r"train.trainable pattern 'fusoin.\*' matches no weight of this model; its "
+                                          r"weights: blocks.\*, embed.\*, fusion.\*"):
+        train(load_run_config(write_config(tmp_path, corpus, cache, "bad"), ['train.trainable=["fusoin.*"]']))
+    assert not (tmp_path / "bad").exists()

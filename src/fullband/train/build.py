@@ -88,10 +88,35 @@ def build(cfg: RunConfig, d: Dist, *, warm: bool = True) -> Built:
     resuming: the checkpoint's weights replace everything)."""
     torch.manual_seed(cfg.train.seed)
     model, warm_started = build_model(cfg, warm=warm)
+    trained, total = freeze(model, cfg.train.trainable)
+    if d.main and trained < total:
+        print(f"training {trained:,} of {total:,} weights (train.trainable = {cfg.train.trainable}); the rest are "
+              "frozen", flush=True)
     model = parallelize(model.to(d.device), d=d, mode=cfg.train.parallel,
                         activation_checkpointing=cfg.train.activation_checkpointing, compile=cfg.train.compile)
     routes = HF_ROUTE_TABLES[cfg.optim.name] if cfg.model.hf_path else None  # HF weights on AdamW
     return Built(model, build_optimizer(unwrap(model), cfg.optim, routes=routes), warm_started)
+
+
+def freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
+    """Train only the weights whose names match one of `patterns` (train.trainable, fnmatch); the rest get no
+    gradient (and so no optimizer state). A pattern that matches no weight is a ConfigError naming the model's
+    weights. -> (weights trained, weights in all)."""
+    import fnmatch
+
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            tops = sorted({name.split(".")[0] + (".*" if "." in name else "") for name in names})
+            raise ConfigError(f"train.trainable pattern {pattern!r} matches no weight of this model; its weights: "
+                              f"{', '.join(tops)} (e.g. blocks.0.*, fusion.*)")
+    trained = total = 0
+    for name, p in model.named_parameters():
+        keep = any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+        p.requires_grad_(keep)
+        trained += p.numel() if keep else 0
+        total += p.numel()
+    return trained, total
 
 
 def build_model(cfg: RunConfig, *, warm: bool = True) -> tuple[torch.nn.Module, dict | None]:

@@ -75,12 +75,18 @@ class TrainConfig:
     init_from: str = ""  # warm start: a model folder whose matching weights replace the fresh initialisation
     threads: int = 0  # torch's threads per process; 0: chosen at the run's start (the free cores). run.json records
     # the count and every resume uses it (the last bits of a step depend on it)
+    trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
+    # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
             integer(f"train.{name}", getattr(self, name), 1)
         integer("train.seed", self.seed, 0, below=MAX_SEED)
         integer("train.threads", self.threads, 0, below=4097)
+        if not isinstance(self.trainable, list) or not self.trainable or not all(
+                isinstance(p, str) and p.strip() for p in self.trainable):
+            raise ConfigError(f"train.trainable={self.trainable!r} is invalid; accepted: a non-empty list of weight "
+                              'name patterns, e.g. ["*"] (everything) or ["fusion.*", "norm_in.*"]')
         integer("train.warmup_steps", self.warmup_steps, 0, below=self.steps + 1)
         number("train.cooldown_fraction", self.cooldown_fraction, low=0, high=1)
         number("train.z_loss", self.z_loss, low=0)

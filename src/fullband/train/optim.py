@@ -45,9 +45,11 @@ class OptimConfig:
     adam_eps: float = 1e-8
     adam_weight_decay: float = 0.0
     grad_clip: float = 1.0
+    feedback_lr_mult: float = 1.0  # the feedback weights' (fusion.*, norm_in) learning rate, times their route's
 
     def __post_init__(self) -> None:
         choice("optim.name", self.name, OPTIMIZERS)
+        number("optim.feedback_lr_mult", self.feedback_lr_mult, low=0.0, high=1e6, low_open=True)
         for name in ("lr", "adam_lr"):
             number(f"optim.{name}", getattr(self, name), low=0.0, high=MAX_LR, low_open=True)
         for name in ("eps", "adam_eps"):
@@ -133,6 +135,9 @@ HF_ROUTES: tuple[Route, ...] = (
 )
 HF_ROUTE_TABLES: dict[str, tuple[Route, ...]] = {"normuon": HF_ROUTES, "adamw": _on_adamw(HF_ROUTES)}
 
+# the weights latent feedback adds to a decoder (a warm start trains them fresh: optim.feedback_lr_mult)
+FEEDBACK_WEIGHTS = ("fusion.", "norm_in.")
+
 # Segments wrappers insert into parameter names (DDP, torch.compile, activation checkpointing, FSDP1).
 _WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
@@ -179,6 +184,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig, routes: Iterable[Route] | N
         if not members:
             continue
         lr = (cfg.lr if route.optimizer == "normuon" else cfg.adam_lr) * route.lr_mult
+        if all(name.startswith(FEEDBACK_WEIGHTS) for name, _ in members):  # a route of the feedback weights
+            lr *= cfg.feedback_lr_mult
         wd = (cfg.weight_decay if route.decay == "matrix" else cfg.adam_weight_decay) * route.wd_mult
         group: dict[str, Any] = {"params": [p for _, p in members], "names": [name for name, _ in members],
                                  "route": route.pattern, "lr": lr, "weight_decay": wd, "base_lr": lr, "base_wd": wd}
