@@ -118,8 +118,10 @@ def test_scale_and_budget_are_checked(tmp_path, capsys):
     from fullband.errors import InputError
     from fullband.reproduce import reproduce
 
-    with pytest.raises(InputError, match=r"--scale 'gpu' is unknown.*accepted: cpu, gpu-small, micro"):
-        reproduce("compare", root=tmp_path, docs=tmp_path, scale="gpu")
+    for scale in ("gpu", ""):  # refused before anything is written (from Python too, where '' reaches it)
+        with pytest.raises(InputError, match=rf"--scale '{scale}' is unknown.*accepted: cpu, gpu-small, micro"):
+            reproduce("compare", root=tmp_path / "root", docs=tmp_path / "docs", scale=scale)
+        assert not (tmp_path / "root").exists() and not (tmp_path / "docs").exists()
     assert main(["reproduce", "tracking", "--scale", "micro"]) == 2
     assert "apply to `fullband reproduce compare` only" in capsys.readouterr().err
     assert main(["reproduce", "compare", "--budget", "-1", "--root", str(tmp_path)]) == 2

@@ -35,6 +35,8 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
     settings = Settings(base, tuple(extra or ()))
     scale = options.get("scale")
     name = exp if scale in (None, "cpu") else f"{exp}-{scale}"  # another scale's study is a report of its own
+    if experiment.check is not None:
+        experiment.check(**options)  # before any folder is made
     check_no_loop(root, "--root")
     root, docs = Path(root) / name, Path(docs)
     figs = make_folder(docs / name, "--docs folder")

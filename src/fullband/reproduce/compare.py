@@ -435,15 +435,21 @@ def _best(res: dict) -> tuple[str, dict]:
     return min(res.items(), key=lambda kv: kv[1]["nats"])
 
 
-def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu",
-           budget: float | None = None, lm_extra: tuple[str, ...] = (), tracking_extra: tuple[str, ...] = (),
-           tasks: tuple[str, ...] | None = None) -> list[str]:
+def check(*, scale: str = "cpu", **_) -> None:
+    """The study's options, checked before reproduce() writes anything."""
     from fullband.errors import InputError, closest
-    from fullband.train.checkpoint import list_checkpoints, read_trainer_state
-    from fullband.train.config import load_run_config
 
     if scale not in SCALES:
         raise InputError(f"--scale {scale!r} is unknown{closest(scale, SCALES)}; accepted: {', '.join(SCALES)}")
+
+
+def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu",
+           budget: float | None = None, lm_extra: tuple[str, ...] = (), tracking_extra: tuple[str, ...] = (),
+           tasks: tuple[str, ...] | None = None) -> list[str]:
+    from fullband.train.checkpoint import list_checkpoints, read_trainer_state
+    from fullband.train.config import load_run_config
+
+    check(scale=scale)
     sc = SCALES[scale]
     planned = plan(sc, settings, tuple(lm_extra), tuple(tracking_extra), tasks)
     t0 = time.perf_counter()
@@ -786,4 +792,4 @@ def _per_inference_flop(regime: str, planned: list[Planned], results: dict) -> s
     return "; ".join(parts) + "." if parts else ""
 
 
-EXPERIMENT = Experiment("compare", runs, report)
+EXPERIMENT = Experiment("compare", runs, report, check)

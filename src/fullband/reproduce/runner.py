@@ -33,6 +33,7 @@ class Experiment:
     name: str
     runs: Callable[[], list[Run]]
     report: Callable[..., list[str]]
+    check: Callable[..., None] | None = None  # the options checked before anything is written (InputError)
 
 
 @dataclass(frozen=True)
