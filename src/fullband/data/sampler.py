@@ -151,9 +151,8 @@ class ChatSampler(WindowSampler):
         draws = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 1, int(step)])))
         fused = draws.random(self.global_batch)[first : first + self.micro_batch] < self.fused_prompts
         packed = self.stream
-        plain = (~packed.fed[windows] & ~fused[:, None]) | packed.start[windows]
         return (torch.from_numpy(packed.ids[windows]), torch.from_numpy(packed.targets[windows]),
-                torch.from_numpy(plain))
+                torch.from_numpy(packed.plain(windows, fused)))
 
 
 def chat_validation_batches(packed, n_windows: int, batch_size: int) -> list[tuple[torch.Tensor, ...]]:
@@ -165,4 +164,4 @@ def chat_validation_batches(packed, n_windows: int, batch_size: int) -> list[tup
     picks = np.arange(n, dtype=np.int64) * total // n
     batches = (picks[i : i + batch_size] for i in range(0, n, batch_size))
     return [(torch.from_numpy(packed.ids[w]), torch.from_numpy(packed.targets[w]),
-             torch.from_numpy(~packed.fed[w] | packed.start[w])) for w in batches]
+             torch.from_numpy(packed.plain(w))) for w in batches]

@@ -110,6 +110,7 @@ def check_step_memory(cfg: RLConfig, model, longest_prompt: int, device) -> None
     """Refuse, before anything is allocated, a step whose rows (prompts_per_step x group) of the longest prompt plus
     max_new_tokens do not fit in memory: the log-probability passes' activations with gradients (as a training
     step's, train.memory.step_memory), AdamW's state, the reference model (kl_coef > 0) and the sampling caches."""
+    from fullband.bench.flops import kv_bytes_per_token
     from fullband.rl.logprob import parse_path
     from fullband.train.memory import check_fits, model_bytes, step_memory
 
@@ -118,9 +119,8 @@ def check_step_memory(cfg: RLConfig, model, longest_prompt: int, device) -> None
     name, k = parse_path(cfg.logprob)
     passes = 1 if cfg.mode == "standard" else (k if name == "jacobi" else 2)
     step = step_memory(model, passes=passes, tokens=tokens, optimizer="adamw")
-    cache = tokens * model.n_layers * 2 * model.n_kv_heads * (model.d_model // model.n_heads) * 4
     parts = {"weights, gradients and AdamW state": step.weights + step.gradients + step.optimizer,
-             f"activations of {rows:,} rows": step.activations, "sampling caches": cache}
+             f"activations of {rows:,} rows": step.activations, "sampling caches": tokens * kv_bytes_per_token(model)}
     if cfg.kl_coef > 0:
         parts["reference model"] = model_bytes(model)
     check_fits(parts, f"an RL step of {rows:,} rows (rl.prompts_per_step x rl.group) of up to {tokens // rows:,} "

@@ -46,15 +46,12 @@ class Served:
     def configure(self, *, has_feedback: bool, default: DecodeMode, max_passes: int) -> None:
         self.has_feedback, self.default, self.max_passes = has_feedback, default, max_passes
 
-    def mode_of(self, sampling_params) -> DecodeMode:
-        extra = getattr(sampling_params, "extra_args", None)
-        return request_mode(extra, self.default, has_feedback=self.has_feedback, max_passes=self.max_passes)
-
-    def admit(self, sampling_params) -> DecodeMode:
-        """mode_of, as the frontend admits a request: a fullband_states key only where this process issued it."""
+    def mode_of(self, sampling_params, *, admit: bool = False) -> DecodeMode:
+        """A request's decode mode; `admit`: as the frontend admits it (a fullband_states key only where this process
+        issued it)."""
         extra = getattr(sampling_params, "extra_args", None)
         return request_mode(extra, self.default, has_feedback=self.has_feedback, max_passes=self.max_passes,
-                            issued=self.issued)
+                            issued=self.issued if admit else None)
 
 
 SERVED = Served()
@@ -64,7 +61,7 @@ class RequestTracker(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         try:
-            SERVED.admit(sampling_params)
+            SERVED.mode_of(sampling_params, admit=True)
         except InputError as err:
             raise ValueError(str(err)) from None
 

@@ -42,6 +42,15 @@ class PackedChat:
             h.update(np.ascontiguousarray(a).tobytes())
         return h.hexdigest()[:16]
 
+    def plain(self, windows: np.ndarray, fused: np.ndarray | None = None) -> np.ndarray:
+        """(len(windows), T) the positions of `windows` that passes > 1 read with plain embeddings: what is not fed
+        (prompts, markers, padding), or, in the rows `fused` marks (FUSED prefill), nothing but each conversation's
+        first position, which is plain in every pass."""
+        read = ~self.fed[windows]
+        if fused is not None:
+            read &= ~fused[:, None]
+        return read | self.start[windows]
+
     @property
     def loss_tokens(self) -> int:
         return int((self.targets != IGNORE).sum())
