@@ -430,14 +430,25 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from fullband.errors import InputError
 
     options = {}
-    if args.scale is not None or args.budget is not None:
-        if args.experiment != "compare":
-            raise InputError(f"--scale / --budget apply to `fullband reproduce compare` only, not to "
-                             f"{args.experiment!r}; accepted: drop them, or run compare")
+    scaled = ("compare", "warmstart")  # the experiments that take --scale
+    if args.scale is not None and args.experiment not in scaled:
+        raise InputError(f"--scale applies to `fullband reproduce {' / '.join(scaled)}` only, not to "
+                         f"{args.experiment!r}; accepted: drop it, or run one of those")
+    if args.budget is not None and args.experiment != "compare":
+        raise InputError(f"--budget applies to `fullband reproduce compare` only, not to {args.experiment!r}; "
+                         "accepted: drop it, or run compare")
+    if args.model is not None and args.experiment != "warmstart":
+        raise InputError(f"--model applies to `fullband reproduce warmstart` only, not to {args.experiment!r}; "
+                         "accepted: drop it, or run warmstart")
+    if args.scale is not None:
+        options["scale"] = args.scale
+    if args.experiment == "compare" and (args.scale is not None or args.budget is not None):
         options = {"scale": "cpu" if args.scale is None else args.scale, "budget": args.budget}
         if args.budget is not None and not args.budget >= 0:
             raise InputError(f"--budget {args.budget}: accepted: minutes >= 0 (0 trains nothing new and reports the "
                              "finished runs)")
+    if args.model is not None:
+        options["model"] = args.model
     for exp in REGISTRY if args.experiment == "all" else [args.experiment]:
         reproduce(exp, root=args.root, docs=args.docs, **options)
     return 0
@@ -672,8 +683,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("experiment", choices=[*REGISTRY, "all"])
     s.add_argument("--root", default="runs/repro", help="where the runs go (finished ones are reused)")
     s.add_argument("--docs", default="docs/results", help="where the report and figures go")
-    s.add_argument("--scale", default=None, help="compare only: cpu (default, ~6 h on 2 cores), gpu-small "
-                   "(the same study, larger, on a GPU) or micro (a smoke test of the pipeline)")
+    s.add_argument("--scale", default=None, help="compare: cpu (default, ~6 h on 2 cores), gpu-small (the same "
+                   "study, larger, on a GPU) or micro (a smoke test of the pipeline); warmstart: cpu (default, "
+                   "about 1 h on 2 cores), gpu or micro")
+    s.add_argument("--model", default=None, metavar="PATH",
+                   help="warmstart only: the pretrained Llama to add latent feedback to (a .gguf file or a "
+                        "transformers folder; default shipped:smollm2)")
     s.add_argument("--budget", type=float, default=None, metavar="MIN",
                    help="compare only: start no new run after MIN minutes, then report the finished runs and "
                         "list the rest (a rerun goes on)")

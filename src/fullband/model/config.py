@@ -12,6 +12,7 @@ from fullband.errors import ConfigError, closest
 from fullband.validate import boolean, choice, integer, number
 
 FUSIONS = ("gated", "additive", "concat", "t2mlr", "none")
+FUSION_INITS = ("random", "identity")
 # RoPE tables cover max_seq_len positions and are built with the model: 2**20 positions is already 1 GiB of tables
 # at head_dim 128. A longer context is refused rather than allocated (a hostile config.json must not ask for TBs).
 MAX_SEQ_LEN = 2**20
@@ -72,6 +73,12 @@ class ModelConfig:
     global_every: int = 0  # with sliding_window: every Nth layer (N, 2N, ...) attends to everything
     init_std: float = 0.02
     fusion: str = "gated"
+    # The fresh fusion's initialisation (a warm start's new weights): "random" (every matrix Normal(0, 1/sqrt(D))) or
+    # "identity" (the state's value path W_U, or additive's W, starts at the identity: the fed input is the
+    # normalised previous state); fusion_gate_scale multiplies the gate matrix W_G's random start (0: every gate
+    # starts at sigmoid(0) = 1/2, the same for every token).
+    fusion_init: str = "random"
+    fusion_gate_scale: float = 1.0
     feedback: str = "final"
     feedback_source: int | None = None  # the block whose output is fed back; None: the top
     feedback_target: int = 0  # the block at whose input the state is fused
@@ -119,7 +126,7 @@ class ModelConfig:
             raise ConfigError(f"head_dim = d_model / n_heads = {self.head_dim} is odd; RoPE needs an even head_dim")
         for name in ("rope_theta", "norm_eps", "init_std"):
             number(name, getattr(self, name), low=0, low_open=True)
-        for name in ("jitter", "pass_loss_weight"):
+        for name in ("jitter", "pass_loss_weight", "fusion_gate_scale"):
             number(name, getattr(self, name), low=0)
         number("prefix_mixin_prob", self.prefix_mixin_prob, low=0, high=1)
         if self.sliding_window is not None:
@@ -131,6 +138,7 @@ class ModelConfig:
                      "feedback_trained"):
             boolean(name, getattr(self, name))
         choice("fusion", self.fusion, FUSIONS)
+        self._check_fusion_init()
         choice("feedback", self.feedback, FEEDBACKS)
         self._check_feedback_layers()
         self._check_loop()
@@ -155,6 +163,15 @@ class ModelConfig:
             raise ConfigError(f"feedback_source={self.feedback_source} is below the top block ({top}): its state is "
                               'the residual stream after it; accepted with it: feedback = "residual" ("final" is the '
                               "top's final-norm output)")
+
+    def _check_fusion_init(self) -> None:
+        choice("fusion_init", self.fusion_init, FUSION_INITS)
+        if self.fusion_init == "identity" and self.fusion not in ("gated", "additive"):
+            raise ConfigError(f"fusion_init='identity' starts a value path at the identity: fusion 'gated' (W_U) or "
+                              f"'additive' (W) has one; fusion={self.fusion!r} does not (accepted: fusion_init='random')")
+        if self.fusion_gate_scale != 1.0 and self.fusion != "gated":
+            raise ConfigError(f"fusion_gate_scale={self.fusion_gate_scale} scales the gate of fusion 'gated'; "
+                              f"fusion={self.fusion!r} has none (accepted: 1.0)")
 
     def _check_loop(self) -> None:
         choice("loop_train", self.loop_train, LOOP_TRAINS)

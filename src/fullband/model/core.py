@@ -17,6 +17,7 @@ Shapes: B batch, T positions, D model width, V vocabulary."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 from fullband.errors import InputError
 from fullband.model.fusion import fused_input
 from fullband.model.mode import DecodeMode
-from fullband.validate import integer
+from fullband.validate import integer, number
 
 
 @dataclass
@@ -95,6 +96,10 @@ class FeedbackModel(nn.Module):
     config: Any
     fusion: nn.Module | None
     norm_in: nn.Module
+    # The blend curriculum's weight a (train.blend_until, docs/method.md section 6): a fed position's input is
+    # (1 - a) * plain + a * fused, so a warm start begins at the pretrained model (a = 0) and ends at the paper's
+    # (a = 1). Set only inside `blended` (the training step); every reader outside it sees the paper's input.
+    feed_blend: float = 1.0
 
     # ---------------------------------------------------------------- what a runtime supplies
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
@@ -161,7 +166,20 @@ class FeedbackModel(nn.Module):
         if prev is None:
             return e
         fused = self.fuse(e, prev)
+        if self.feed_blend != 1.0:
+            fused = torch.lerp(e, fused, self.feed_blend)
         return fused if plain is None else torch.where(plain[..., None], e, fused)
+
+    @contextlib.contextmanager
+    def blended(self, weight: float):
+        """Inside, fed positions take (1 - weight) * plain + weight * fused (the blend curriculum; 1: the paper's
+        input); restored on exit."""
+        number("blend weight", weight, low=0, high=1, error=InputError)
+        before, self.feed_blend = self.feed_blend, float(weight)
+        try:
+            yield self
+        finally:
+            self.feed_blend = before
 
     def plain_of(self, input_ids: Tensor, positions: Tensor | None = None, *, prefix=0, mask=None) -> Tensor:
         """plain_positions of input_ids at `positions` (default: 0..T-1 of a batch (B, T)) for this model's BOS."""

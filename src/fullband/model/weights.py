@@ -119,13 +119,21 @@ def init_parameter_(name: str, p: Tensor, cfg: ModelConfig) -> Tensor:
     if w.kind == "offset":
         return nn.init.zeros_(p)
     if w.kind == "fusion":
-        return init_fusion_weight_(p)
+        return init_fusion_weight_(p, name, cfg)
     std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if w.residual else cfg.init_std
     return nn.init.normal_(p, std=std)
 
 
 @torch.no_grad()
-def init_fusion_weight_(p: Tensor) -> Tensor:
+def init_fusion_weight_(p: Tensor, name: str = "", cfg: ModelConfig | None = None) -> Tensor:
     """Fusion matrices at 1/sqrt(fan_in) (DECISION: the fused input starts at unit scale, gates spread over sigmoid's
-    range)."""
-    return nn.init.normal_(p, std=p.shape[1] ** -0.5)
+    range); cfg.fusion_init = "identity" starts the value path (gated W_U, additive W) at the identity, and
+    cfg.fusion_gate_scale scales the gate W_G's start (0: every gate at 1/2)."""
+    if cfg is not None and cfg.fusion_init == "identity" and name in IDENTITY_INIT:
+        return p.copy_(torch.eye(*p.shape, dtype=p.dtype, device=p.device))
+    nn.init.normal_(p, std=p.shape[1] ** -0.5)
+    return p.mul_(cfg.fusion_gate_scale) if cfg is not None and name == GATE else p
+
+
+IDENTITY_INIT = ("fusion.w_u.weight", "fusion.w_h.weight")  # the value paths fusion_init = "identity" starts at I
+GATE = "fusion.w_g.weight"

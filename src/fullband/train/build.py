@@ -59,8 +59,8 @@ def feedback_trained(cfg: RunConfig, model: ModelConfig) -> bool:
 
 # the recipe's [model] fields a warm start from a pretrained Llama keeps (how feedback is added and trained); every
 # size comes from the pretrained model
-FEEDBACK_FIELDS = ("fusion", "feedback", "feedback_source", "feedback_target", "jitter", "prefix_mixin_prob",
-                   "detach_between_passes", "pass_loss_weight")
+FEEDBACK_FIELDS = ("fusion", "fusion_init", "fusion_gate_scale", "feedback", "feedback_source", "feedback_target",
+                   "jitter", "prefix_mixin_prob", "detach_between_passes", "pass_loss_weight")
 
 
 def llama_model_config(cfg: RunConfig) -> ModelConfig:
@@ -102,6 +102,28 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
     """Train only the weights whose names match one of `patterns` (train.trainable, fnmatch); the rest get no
     gradient (and so no optimizer state). A pattern that matches no weight is a ConfigError naming the model's
     weights. -> (weights trained, weights in all)."""
+    trained = total = 0
+    for name, p in _matched(model, patterns):
+        keep = name is not None
+        p.requires_grad_(keep)
+        trained += p.numel() if keep else 0
+        total += p.numel()
+    return trained, total
+
+
+def trained_weights(cfg: RunConfig) -> int | None:
+    """How many weights train.trainable trains in the run's (resolved) native model, counted on the meta device
+    (nothing allocated); None when it trains everything or wraps a Hugging Face model."""
+    if cfg.train.trainable == ["*"] or cfg.model.hf_path:
+        return None
+    with torch.device("meta"):
+        model = FullbandLM(cfg.model)
+    return sum(p.numel() for name, p in _matched(model, cfg.train.trainable) if name is not None)
+
+
+def _matched(model: torch.nn.Module, patterns: list[str]):
+    """(name or None when no pattern matches it, parameter) for every parameter; a pattern matching none is a
+    ConfigError naming the model's weights."""
     import fnmatch
 
     names = [name for name, _ in model.named_parameters()]
@@ -110,13 +132,8 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
             tops = sorted({name.split(".")[0] + (".*" if "." in name else "") for name in names})
             raise ConfigError(f"train.trainable pattern {pattern!r} matches no weight of this model; its weights: "
                               f"{', '.join(tops)} (e.g. blocks.0.*, fusion.*)")
-    trained = total = 0
-    for name, p in model.named_parameters():
-        keep = any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
-        p.requires_grad_(keep)
-        trained += p.numel() if keep else 0
-        total += p.numel()
-    return trained, total
+    return [(name if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns) else None, p)
+            for name, p in model.named_parameters()]
 
 
 def build_model(cfg: RunConfig, *, warm: bool = True) -> tuple[torch.nn.Module, dict | None]:

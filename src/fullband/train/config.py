@@ -75,6 +75,9 @@ class TrainConfig:
     init_from: str = ""  # warm start: a model folder whose matching weights replace the fresh initialisation
     threads: int = 0  # torch's threads per process; 0: chosen at the run's start (the free cores). run.json records
     # the count and every resume uses it (the last bits of a step depend on it)
+    # the blend curriculum (docs/method.md, section 6): fed inputs are (1 - a) * plain + a * fused, a rising from 0 to
+    # 1 over this fraction of the steps, so a warm start begins at the pretrained model; 0: off (the paper's input)
+    blend_until: float = 0.0
     trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
 
@@ -90,6 +93,7 @@ class TrainConfig:
         integer("train.warmup_steps", self.warmup_steps, 0, below=self.steps + 1)
         number("train.cooldown_fraction", self.cooldown_fraction, low=0, high=1)
         number("train.z_loss", self.z_loss, low=0)
+        number("train.blend_until", self.blend_until, low=0, high=1, high_open=True)
         if self.global_batch_tokens % self.seq_len:
             raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
                               f"train.seq_len={self.seq_len}; accepted: a whole number of windows (e.g. "
@@ -150,6 +154,14 @@ class RunConfig:
             raise ConfigError(f"train.passes={self.train.passes!r} draws up to {self.train.schedule.max_passes} "
                               "passes, but a looped model with model.fusion='none' has no state to feed; accepted: "
                               'train.passes = "none" (one pass; its depth is model.loops / model.loop_train)')
+        if self.train.blend_until > 0 and (self.model.fusion in ("none", "t2mlr")
+                                           or self.train.schedule.max_passes < 2):
+            why = (f"model.fusion={self.model.fusion!r} has no fused input that replaces the plain one"
+                   if self.model.fusion in ("none", "t2mlr")
+                   else f"train.passes={self.train.passes!r} never feeds a state (one pass)")
+            raise ConfigError(f"train.blend_until={self.train.blend_until} has nothing to blend: {why}; "
+                              "accepted: train.blend_until = 0, or a gated / additive / concat fusion trained with "
+                              "several passes")
         if self.train.micro_batch > self.train.global_windows:
             raise ConfigError(f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
                               f"{self.train.global_windows} windows (global_batch_tokens / seq_len)")

@@ -41,21 +41,25 @@ class StepMemory:
 
 
 def step_memory(cfg, *, passes: int, tokens: int, optimizer: str = "normuon", checkpointing: bool = False,
-                dtype_bytes: int = 4) -> StepMemory:
+                dtype_bytes: int = 4, trained: int | None = None) -> StepMemory:
     """The estimate for a ModelConfig `cfg`, a step of `passes` passes over micro-batches of `tokens` tokens
-    (activations in `dtype_bytes`; weights, gradients and optimizer state in float32, as the trainer keeps them)."""
+    (activations in `dtype_bytes`; weights, gradients and optimizer state in float32, as the trainer keeps them).
+    `trained`: the weights that train (train.trainable; None: all): only they have gradients and optimizer state
+    (the backward still keeps every pass's activations, since the fed state reaches the bottom of the stack)."""
     n = param_count(cfg)
     matrices = cfg.n_layers * _block_matrix_entries(cfg)
     # AdamW: two moments per weight; NorMuon: a momentum per matrix entry (the per-neuron second moment is small)
     # and Adam's two moments for the rest
     state = 2 * n if optimizer == "adamw" else matrices + 2 * (n - matrices)
+    if trained is not None:  # a part trained: its share of the state (conservatively, Adam's two moments each)
+        state = min(state, 2 * trained)
     D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
     block = 10 * D + 4 * F
     # block runs per token: a looped group's every repetition (r = loops, the most a step runs), and under ponder
     # each token's two slots
     runs = sum(repeats(cfg, i) for i in range(L)) * cfg.slots_per_token
     per_token = (runs * D + block if checkpointing else runs * block) + 3 * V
-    return StepMemory(weights=4 * n, gradients=4 * n, optimizer=4 * state, passes=passes, tokens=tokens,
+    return StepMemory(weights=4 * n, gradients=4 * (n if trained is None else trained), optimizer=4 * state, passes=passes, tokens=tokens,
                       activations=passes * tokens * per_token * dtype_bytes)
 
 

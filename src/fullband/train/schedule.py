@@ -60,6 +60,14 @@ def wsd_factor(step: int, total_steps: int, warmup_steps: int, cooldown_fraction
 LOOP_STREAM = 1  # appended to (seed, step): r's draws never share the pass count's stream
 
 
+def blend_weight(step: int, total_steps: int, until: float) -> float:
+    """The blend curriculum's weight a at 0-based optimizer step `step` (train.blend_until): fed inputs are
+    (1 - a) * plain + a * fused, a rising linearly from 0 at step 0 to 1 at round(until * total_steps) and 1 after
+    (until 0: no curriculum, a = 1 from the start)."""
+    end = round(until * total_steps)
+    return 1.0 if end <= 0 else min(1.0, step / end)
+
+
 def sample_loops(model_cfg, step: int, seed: int) -> int:
     """r, the looped group's repetitions at `step` for a ModelConfig: loops under loop_train = "fixed", else
     r ~ U{1..loops}; a function of (seed, step) only, the same on every rank (they must run one graph)."""
@@ -79,6 +87,7 @@ class Stage(NamedTuple):
 
 PRESETS: dict[str, list[tuple[float, dict[int, float]]]] = {
     "none": [(1.0, {1: 1.0})],
+    "two-pass": [(1.0, {2: 1.0})],  # a warm start's cheapest feedback training (docs/results/warmstart.md)
     "three-pass": [(1.0, {3: 1.0})],
     "paper-100b": [(1.0, {1: 0.75, 3: 0.25})],
     # single-pass first, feedback passes from mid training: 75/22/3 one/two/three (mean 1.28 passes)

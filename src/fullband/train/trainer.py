@@ -35,7 +35,7 @@ from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir,
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync,
                                      shutdown, unwrap)
-from fullband.train.schedule import in_cooldown, sample_loops, wsd_factor
+from fullband.train.schedule import blend_weight, in_cooldown, sample_loops, wsd_factor
 
 
 @dataclass
@@ -46,6 +46,7 @@ class StepStats:
     grad_norm: float
     state_rms: float
     loops: int = 1  # r, the looped group's repetitions in this step
+    blend: float = 1.0  # the blend curriculum's weight a in this step (1: the paper's fed input)
 
 
 def noise_seed(seed: int, step: int, block: int) -> int:
@@ -151,7 +152,10 @@ class Trainer:
         model.train()
         accum = sampler.accum_steps
         sums = torch.zeros(k + 2, device=d.device)  # per-pass NTP, objective, state RMS
-        with unwrap(model).looping(r) if cfg.model.has_loop else contextlib.nullcontext():
+        blend = blend_weight(step, cfg.train.steps, cfg.train.blend_until)
+        net = unwrap(model)
+        with (net.looping(r) if cfg.model.has_loop else contextlib.nullcontext()), \
+                (net.blended(blend) if blend < 1 else contextlib.nullcontext()):
             for micro in range(accum):
                 # text: (inputs, targets); chat: + the positions read plainly (prompts, as decoding reads them)
                 inputs, targets, *plain = (t.to(d.device) for t in sampler.batch(step, micro))
@@ -182,7 +186,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1],
-                         loops=r)
+                         loops=r, blend=blend)
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -268,6 +272,8 @@ class Trainer:
                    "time": self.elapsed}
             if cfg.model.has_loop:
                 row["loops"] = stats.loops
+            if cfg.train.blend_until > 0:
+                row["blend"] = stats.blend
             if self.loggers:
                 self.loggers.log(row)
             if bar is not None:
@@ -340,15 +346,17 @@ def stop_after_step():
 
 
 def step_estimate(cfg: RunConfig, device, *, passes: int | None = None, checkpointing: bool | None = None):
-    """train.memory.step_memory of the run's largest step on `device` (its micro-batch, optimizer, autocast dtype;
-    `passes` / `checkpointing` in place of the recipe's schedule / setting)."""
+    """train.memory.step_memory of the run's largest step on `device` (its micro-batch, optimizer, autocast dtype,
+    the weights it trains; `passes` / `checkpointing` in place of the recipe's schedule / setting)."""
+    from fullband.train.build import trained_weights
     from fullband.train.memory import step_memory
 
     t = cfg.train
     bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and getattr(device, "type", "cpu") == "cuda")
     return step_memory(cfg.model, passes=t.schedule.max_passes if passes is None else passes,
                        tokens=t.micro_batch * t.seq_len, optimizer=cfg.optim.name, dtype_bytes=2 if bf16 else 4,
-                       checkpointing=t.activation_checkpointing if checkpointing is None else checkpointing)
+                       checkpointing=t.activation_checkpointing if checkpointing is None else checkpointing,
+                       trained=trained_weights(cfg))
 
 
 def say_memory(cfg: RunConfig, device) -> None:

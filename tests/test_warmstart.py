@@ -1,0 +1,234 @@
+"""Latent feedback added to a pretrained model (issue 34): the warm-start options (the fusion's initialisation, the
+blend curriculum, training a part of the model and its memory), a micro warm start from a tiny random Llama that
+resumes bit for bit after SIGKILL, and `fullband reproduce warmstart --scale micro` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fullband.errors import ConfigError, InputError
+from fullband.model.decoder import FullbandLM
+from fullband.train.config import load_run_config
+from fullband.train.schedule import blend_weight
+
+from conftest import assert_resume_is_bitwise, losses, random_ids, tiny_config, tiny_model, write_config
+
+
+# ---------------------------------------------------------------------- the fusion's initialisation
+def test_identity_initialisation_feeds_the_normalised_previous_state_at_step_0():
+    """fusion_init = "identity" with fusion_gate_scale = 0: W_U = I and every gate sigmoid(0) = 1/2, so a fed
+    position's input is norm_in(h / 2) = norm_in(h) whatever the token."""
+    model = tiny_model(fusion_init="identity", fusion_gate_scale=0.0)
+    assert torch.equal(model.fusion.w_u.weight, torch.eye(model.config.d_model))
+    assert torch.equal(model.fusion.w_g.weight, torch.zeros_like(model.fusion.w_g.weight))
+    e = model.embed_inputs(random_ids(2, 6))
+    h = torch.randn(2, 6, model.config.d_model)
+    torch.testing.assert_close(model.fuse(e, h), model.norm_in(h / 2), rtol=0, atol=1e-6)
+
+
+def test_gate_scale_scales_the_gate_start_and_nothing_else():
+    a, b = tiny_model(seed=3), tiny_model(seed=3, fusion_gate_scale=0.25)
+    assert torch.equal(b.fusion.w_g.weight, a.fusion.w_g.weight * 0.25)
+    assert torch.equal(b.fusion.w_u.weight, a.fusion.w_u.weight)
+    identity = tiny_model(fusion="additive", fusion_init="identity")
+    assert torch.equal(identity.fusion.w_h.weight, torch.eye(identity.config.d_model))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"fusion_init": "eye"}, "fusion_init='eye' is invalid; accepted: random, identity"),
+    ({"fusion": "concat", "fusion_init": "identity"}, "fusion 'gated' (W_U) or 'additive' (W) has one"),
+    ({"fusion_gate_scale": -1.0}, "fusion_gate_scale=-1.0 is invalid"),
+    ({"fusion": "additive", "fusion_gate_scale": 2.0}, "scales the gate of fusion 'gated'"),
+])
+def test_initialisation_options_are_validated(changes, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tiny_config(**changes)
+
+
+# ---------------------------------------------------------------------- the blend curriculum
+def test_blend_weight_rises_from_0_to_1_and_stays():
+    assert [blend_weight(s, 10, 0.5) for s in range(7)] == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
+    assert blend_weight(0, 10, 0.0) == 1.0  # off: the paper's input from the first step
+
+
+def test_blended_input_is_the_lerp_of_plain_and_fused_and_is_restored():
+    model = tiny_model().eval()
+    x = random_ids(2, 9)
+    with torch.no_grad():
+        plain = model(x, passes=1).logits
+        fused = model(x, passes=2).logits
+        with model.blended(0.0):
+            assert torch.equal(model(x, passes=2).logits, plain)  # a = 0: every pass is the plain model
+        with model.blended(1.0):
+            assert torch.equal(model(x, passes=2).logits, fused)
+        e = model.embed_inputs(x)
+        h = torch.randn_like(e)
+        with model.blended(0.3):
+            got = model.pass_inputs(e, h, None)
+        assert torch.equal(got, torch.lerp(e, model.fuse(e, h), 0.3))
+    assert model.feed_blend == 1.0 and torch.equal(model(x, passes=2).logits, fused)
+    with pytest.raises(InputError, match="blend weight=1.5 is invalid"):
+        with model.blended(1.5):
+            pass
+
+
+def test_blend_until_is_validated(tmp_path, corpus, cache):
+    path = write_config(tmp_path, corpus, cache)
+    with pytest.raises(ConfigError, match="0 <= train.blend_until < 1"):
+        load_run_config(path, ["train.blend_until=1.0"])
+    with pytest.raises(ConfigError, match="never feeds a state"):
+        load_run_config(path, ["train.blend_until=0.5", 'train.passes="none"'])
+
+
+def test_a_blended_run_starts_at_the_plain_model_logs_its_weight_and_resumes_bitwise(tmp_path, corpus, cache,
+                                                                                     monkeypatch):
+    """Step 1 of a blended run (a = 0) reads every pass plainly: its pass losses are equal; a is logged and rises
+    to 1 at blend_until x steps; a resume equals the uninterrupted run bit for bit."""
+    sets = dict(steps=10, ckpt_every=3, passes='"three-pass"')
+    whole, part = (write_config(tmp_path, corpus, cache, name, **sets) for name in ("whole", "part"))
+    for path in (whole, part):
+        path.write_text(path.read_text().replace("[train]\n", "[train]\nblend_until = 0.5\n"))
+    assert_resume_is_bitwise(whole, part, monkeypatch, stop_before=7, last="step_000010")
+    rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss_pass" in r]
+    assert [r["blend"] for r in steps] == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert len(set(steps[0]["loss_pass"])) == 1 and len(set(steps[-1]["loss_pass"])) > 1
+    from fullband.train.rundir import MUST_MATCH
+
+    assert "train.blend_until" in MUST_MATCH
+
+
+# ---------------------------------------------------------------------- a part trained, and its memory
+def test_memory_counts_gradients_and_optimizer_state_of_the_trained_weights_only(tmp_path, corpus, cache):
+    from fullband.train.build import trained_weights
+    from fullband.train.trainer import step_estimate
+
+    path = write_config(tmp_path, corpus, cache)
+    everything = load_run_config(path)
+    part = load_run_config(path, ['train.trainable=["fusion.*", "norm_in.*"]'])
+    model = FullbandLM(part.model)
+    expected = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("fusion.", "norm_in.")))
+    assert trained_weights(part) == expected and trained_weights(everything) is None
+    a, b = step_estimate(everything, torch.device("cpu")), step_estimate(part, torch.device("cpu"))
+    assert b.gradients == 4 * expected and b.optimizer == 4 * 2 * expected
+    assert b.weights == a.weights and b.activations == a.activations and b.total < a.total
+
+
+# ---------------------------------------------------------------------- a micro warm start from a tiny Llama
+@pytest.fixture(scope="module")
+def tiny_llama(smollm2_gguf, tmp_path_factory):
+    """A tiny random Llama (2 blocks, D 64) with SmolLM2's tokenizer and chat template, as a transformers folder,
+    and a small real-text corpus (pydoc_data's prose)."""
+    import transformers
+    from pydoc_data.topics import topics
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, tie_word_embeddings=True,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "llama")
+    tok.save_pretrained(root / "llama")
+    text = root / "prose"
+    text.mkdir()
+    for i, name in enumerate(sorted(topics)[:24]):
+        (text / f"{i:02d}.txt").write_text(topics[name][:3000])
+    return root
+
+
+def _warm(root: Path, name: str, **sets) -> list[str]:
+    values = {"train.init_from": f'"{root / "llama"}"', "log.run_dir": f'"{root / name}"', "train.steps": 12,
+              "train.seq_len": 32, "train.global_batch_tokens": 64, "train.micro_batch": 2,
+              "train.warmup_steps": 1, "train.blend_until": 0.5, "train.passes": '"two-pass"',
+              "train.trainable": '["fusion.*", "norm_in.*", "blocks.0.*"]', "optim.feedback_lr_mult": 10,
+              "data.corpus": f'"{root / "prose"}"', "data.val_percent": 20, "data.cache_dir": f'"{root / "cache"}"',
+              "log.eval_every": 0, "log.eval_windows": 2, "log.ckpt_every": 2, "log.keep_last": 2,
+              "log.progress": "false", "model.fusion_init": '"identity"', **sets}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def _cli(root: Path, name: str, *more: str) -> subprocess.Popen:
+    sets = [arg for s in _warm(root, name) for arg in ("--set", s)]
+    return subprocess.Popen([sys.executable, "-m", "fullband.cli", "train", "configs/warmstart-smollm2.toml", *sets,
+                             *more], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_micro_warm_start_trains_a_part_and_resumes_bit_for_bit_after_sigkill(tiny_llama):
+    """The warm-start recipe on a tiny Llama (a part trained, the blend, the identity start): frozen weights are
+    bitwise the Llama's after training; a run killed after its second checkpoint and resumed equals the
+    uninterrupted run bit for bit."""
+    from safetensors.torch import load_file
+
+    ref = _cli(tiny_llama, "whole")
+    victim = _cli(tiny_llama, "part")
+    deadline = time.time() + 120
+    while not (tiny_llama / "part" / "step_000004").exists():
+        assert victim.poll() is None and time.time() < deadline, victim.stderr.read() if victim.poll() else "timeout"
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert not (tiny_llama / "part" / "step_000012").exists(), "the victim finished before it was killed"
+    resumed = _cli(tiny_llama, "part", "--resume", str(tiny_llama / "part"))
+    out, err = resumed.communicate(timeout=200)
+    assert resumed.returncode == 0, err
+    assert "resumed from" in out
+    out, err = ref.communicate(timeout=200)
+    assert ref.returncode == 0, err
+    assert "training" in out and "weights (train.trainable" in out
+    assert losses(tiny_llama / "part") == losses(tiny_llama / "whole")
+    a = load_file(str(tiny_llama / "whole" / "step_000012" / "model.safetensors"))
+    b = load_file(str(tiny_llama / "part" / "step_000012" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    llama = load_file(str(tiny_llama / "llama" / "model.safetensors"))
+    assert torch.equal(a["blocks.1.mlp.w_down.weight"], llama["model.layers.1.mlp.down_proj.weight"])  # frozen
+    assert not torch.equal(a["blocks.0.mlp.w_down.weight"], llama["model.layers.0.mlp.down_proj.weight"])  # trained
+    assert not torch.equal(a["fusion.w_u.weight"], torch.eye(64))
+
+
+def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_run(tiny_llama, tmp_path, capsys):
+    from fullband.reproduce import reproduce
+
+    extra = [f'data.corpus="{tiny_llama / "prose"}"', "data.val_percent=20",
+             f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
+    out = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro",
+                    model=str(tiny_llama / "llama"), extra=extra)
+    text = out.read_text()
+    assert out.name == "warmstart-micro.md"
+    for part in ("## Held-out loss by mode", "| feedback-only-blend |", "| continued-2x |", "SOFT-like (exact)",
+                 "## Chat kept?", "## Does the warm-started pass map contract?", "## Outcome", "curves.png",
+                 "fullband train configs/warmstart-smollm2.toml"):
+        assert part in text, part
+    assert (tmp_path / "docs" / "warmstart-micro" / "curves.png").is_file()
+    first = capsys.readouterr().out
+    assert first.count("== training ") == 7
+    again = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro",
+                      model=str(tiny_llama / "llama"), extra=extra)
+    assert "== training " not in capsys.readouterr().out  # every run reused, every evaluation cached
+    body = lambda t: t.split("\n", 4)[4]  # noqa: E731 (the header states this invocation's wall time)
+    assert body(again.read_text()) == body(text)
+
+
+def test_reproduce_warmstart_options_are_checked_before_anything_is_written(tmp_path):
+    from fullband.cli import main
+
+    with pytest.raises(InputError, match="--scale 'huge' is unknown"):
+        from fullband.reproduce import reproduce
+
+        reproduce("warmstart", root=tmp_path / "r", docs=tmp_path / "d", scale="huge")
+    assert not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
+    assert main(["reproduce", "stability", "--model", "x.gguf", "--root", str(tmp_path / "r")]) != 0
+    assert main(["reproduce", "warmstart", "--model", str(tmp_path / "none"), "--root", str(tmp_path / "r"),
+                 "--docs", str(tmp_path / "d")]) != 0
+    assert not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
