@@ -138,13 +138,89 @@ def tiny_llama(smollm2_gguf, tmp_path_factory):
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=256, tie_word_embeddings=True,
                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "llama")
+    llama = transformers.LlamaForCausalLM(cfg)
+    llama.save_pretrained(root / "llama")
     tok.save_pretrained(root / "llama")
+    write_gguf(llama, smollm2_gguf, root / "llama.gguf")
     text = root / "prose"
     text.mkdir()
     for i, name in enumerate(sorted(topics)[:24]):
         (text / f"{i:02d}.txt").write_text(topics[name][:3000])
     return root
+
+
+def write_gguf(llama, shipped: Path, out: Path) -> Path:
+    """`llama` (a LlamaForCausalLM) as an F32 GGUF file in llama.cpp's layout (its tensor names, q and k rows
+    permuted as llama.cpp's converter permutes them), with the shipped file's tokenizer fields."""
+    import gguf
+    import numpy as np
+
+    c = llama.config
+    w = gguf.GGUFWriter(str(out), "llama")
+    for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
+                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                       ("attention.head_count", c.num_attention_heads),
+                       ("attention.head_count_kv", c.num_key_value_heads), ("vocab_size", c.vocab_size)):
+        w.add_uint32(f"llama.{key}", value)
+    rope = getattr(c, "rope_parameters", None) or {"rope_theta": c.rope_theta}
+    w.add_float32("llama.rope.freq_base", float(rope["rope_theta"]))
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    for key, field in gguf.GGUFReader(str(shipped)).fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+
+    def permute(t, heads):  # llama.cpp's rotary layout of q / k rows
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, t.shape[1]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {"self_attn.o_proj": "attn_output", "self_attn.v_proj": "attn_v", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm"}
+    state = {k: v.detach().float().numpy() for k, v in llama.state_dict().items()}
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    for i in range(c.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_q.weight", np.ascontiguousarray(
+            permute(state[pre + "self_attn.q_proj.weight"], c.num_attention_heads)))
+        w.add_tensor(f"blk.{i}.attn_k.weight", np.ascontiguousarray(
+            permute(state[pre + "self_attn.k_proj.weight"], c.num_key_value_heads)))
+        for hf, cpp in names.items():
+            w.add_tensor(f"blk.{i}.{cpp}.weight", state[pre + hf + ".weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_the_gguf_file_and_the_transformers_folder_warm_start_the_same_model(tiny_llama, tmp_path):
+    """train.init_from takes the tiny Llama as a GGUF file or as a transformers folder: the same weights (STANDARD
+    logits equal transformers' own Llama), the same tokenizer, and a warm-start step from either."""
+    import transformers
+
+    from fullband.train.trainer import train
+
+    x = torch.tensor([[1, 520, 4042, 30, 2817, 8, 99]])
+    with torch.no_grad():
+        reference = transformers.LlamaForCausalLM.from_pretrained(tiny_llama / "llama")(x).logits
+    for source in ("llama", "llama.gguf"):
+        sets = _warm(tiny_llama, f"from-{source}", **{"train.init_from": f'"{tiny_llama / source}"',
+                                                      "train.steps": 1, "log.ckpt_every": 1,
+                                                      "log.run_dir": f'"{tmp_path / source}"'})
+        result = train(load_run_config("configs/warmstart-smollm2.toml", sets))
+        assert result["steps"] == 1
+        from fullband.train.build import llama_model_config, warm_start
+
+        model = FullbandLM(llama_model_config(load_run_config("configs/warmstart-smollm2.toml", sets)))
+        assert "fusion.w_u.weight" in warm_start(model, str(tiny_llama / source))["fresh"]
+        with torch.no_grad():
+            assert (model.eval()(x).logits - reference).abs().max() < 1e-4, source
+        from fullband import load_tokenizer
+
+        tok = load_tokenizer(tmp_path / source / "step_000001")
+        assert tok.vocab_size == 49152 and tok.stop_ids == (2,) and tok.chat_template
 
 
 def _warm(root: Path, name: str, **sets) -> list[str]:
