@@ -63,12 +63,14 @@ def validation_loss(model, batches, passes: int, *, autocast=None) -> LossResult
 
 
 @torch.no_grad()
-def loss_by_mode(model, batches, modes: list[tuple[str, DecodeMode]], bytes_per_token: torch.Tensor) -> list[dict]:
+def loss_by_mode(model, batches, modes: list[tuple[str, DecodeMode]], bytes_per_token: torch.Tensor, *,
+                 keep_windows: bool = False) -> list[dict]:
     """Held-out loss of every (name, mode) over (inputs, targets) batches, each window read as the mode prefills a
     prompt (Jacobi passes, adaptive under "auto", or the exact recurrence): one row per mode with nats/token, its
     standard error over windows, its difference to the first mode (STANDARD) paired window by window with that
     difference's standard error, bits/byte (all of a mode's bits over all bytes scored), and the fused passes adaptive
-    prefill used on average."""
+    prefill used on average; `keep_windows` adds each window's nats/token (to pair other models read on the same
+    windows)."""
     sums = {name: [] for name, _ in modes}
     used: dict[str, list[int]] = {name: [] for name, mode in modes if mode.adaptive}
     nbytes = 0.0
@@ -91,6 +93,8 @@ def loss_by_mode(model, batches, modes: list[tuple[str, DecodeMode]], bytes_per_
                      "nats_per_token": float(per_window.mean()), "stderr": _se(per_window),
                      "minus_first": float(diff.mean()), "minus_first_stderr": _se(diff),
                      "bits_per_byte": float(nll.sum()) / math.log(2) / max(nbytes, 1.0)})
+        if keep_windows:
+            rows[-1]["per_window"] = per_window.tolist()
     return rows
 
 

@@ -124,6 +124,9 @@ def _base(root: Path, model: str) -> Path:
 
     out = root / "pretrained"
     if not (out / "config.json").is_file():
+        import torch
+
+        torch.manual_seed(0)  # the fresh fusion's draw, so a rerun elsewhere reads the same pretrained model
         convert(model, out)
     return out
 
@@ -163,7 +166,7 @@ def _evaluated(ckpt: Path, held: list, sc: Scale, figs: Path, name: str) -> dict
     modes = [("STANDARD", DecodeMode("standard")), ("FUSED k=1", DecodeMode("fused", 1)),
              ("FUSED k=2", DecodeMode("fused", 2)), ("SOFT-like (exact)", DecodeMode("exact"))]
     with torch.no_grad():
-        text = loss_by_mode(model, batches, modes, bytes_per_token(tok, model.config.vocab_size))
+        text = loss_by_mode(model, batches, modes, bytes_per_token(tok, model.config.vocab_size), keep_windows=True)
         sweep = jacobi_sweep(model, batches[:1], (1, 2, 3, 4, 8), exact=False)
     con = contraction(model, batches[0][0][:1], horizons=(1, 2, 4), vectors=1, power_iters=8)
     result = {"checkpoint": key, "text": text, "chat": _chat(model, tok, sc),
@@ -213,7 +216,8 @@ def _chat(model, tok, sc: Scale) -> dict:
     for name in modes:
         mean, se = _mean_se(losses[name])
         diff, diff_se = _mean_se([a - b for a, b in zip(losses[name], losses["STANDARD"])])
-        rows[name] = {"loss": mean, "se": se, "minus_standard": diff, "minus_standard_se": diff_se}
+        rows[name] = {"loss": mean, "se": se, "minus_standard": diff, "minus_standard_se": diff_se,
+                      "per_item": losses[name]}
     return {"n": len(losses["STANDARD"]), "rows": rows, "questions": [q[0]["content"] for q in questions],
             "answers": answers}
 
@@ -225,10 +229,10 @@ def _write(runs: list[Run], trained: dict, evaluated: dict, sc: Scale, scale: st
     about = {name: what for name, what, _ in RUNS} | {name: what for name, what, _ in CONTROLS}
     tokens = sc.steps * sc.windows * sc.seq_len
     data = run_data(Path(trained[runs[0].name]["ckpt"]))
-    corpus = ("the Python standard library (its code, docstrings and `pydoc_data`'s prose; corpus `stdlib`"
-              if data.get("corpus") == "stdlib" else f"the corpus `{data.get('corpus')}`")
+    corpus = ("the Python standard library (its code, docstrings and `pydoc_data`'s prose; corpus `stdlib`, "
+              if data.get("corpus") == "stdlib" else f"the corpus `{data.get('corpus')}` (")
     lines = [f"Scale `{scale}`: {model} warm-started with latent feedback (the paper's gated fusion, fresh), trained "
-             f"on {corpus}, {data.get('val_percent')}% of files held out) in {sc.steps} steps of {sc.windows} x {sc.seq_len} tokens ({tokens:,} tokens), "
+             f"on {corpus}{data.get('val_percent')}% of files held out) in {sc.steps} steps of {sc.windows} x {sc.seq_len} tokens ({tokens:,} tokens), "
              "two passes every step (`train.passes = \"two-pass\"`), AdamW, jitter 0.02, prefix mixin 0.5. The "
              "controls train every weight with one pass (no state).", "",
              "| run | what it trains | tokens | training FLOPs | wall |", "|---|---|---|---|---|"]
@@ -240,6 +244,7 @@ def _write(runs: list[Run], trained: dict, evaluated: dict, sc: Scale, scale: st
     lines += ["", "Training FLOPs are counted as the trainer counts them (6 N per token per pass, plus attention): "
               "a run with the trunk frozen computes no weight gradients for it, so its real cost is lower.", ""]
     lines += _text_table(evaluated, runs)
+    lines += _against_controls(evaluated, runs)
     lines += _curves(trained, runs, figs)
     lines += _chat_lines(evaluated, runs)
     lines += _stability_lines(evaluated, runs)
@@ -268,6 +273,37 @@ def _text_table(evaluated: dict, runs: list[Run]) -> list[str]:
     return lines + [""]
 
 
+def _paired(a: list[float], b: list[float]) -> str:
+    from fullband.eval.chat import _mean_se
+
+    mean, se = _mean_se([x - y for x, y in zip(a, b)])
+    return f"{mean:+.3f} ± {se:.3f}"
+
+
+def _windows(evaluated: dict, name: str, mode: str) -> list[float]:
+    return {row["mode"]: row for row in evaluated[name]["text"]}[mode]["per_window"]
+
+
+def _against_controls(evaluated: dict, runs: list[Run]) -> list[str]:
+    """Each feedback run's reads against the pretrained model and the controls' STANDARD reads, paired by window
+    (every model is read on the same windows)."""
+    controls = ["pretrained", *(r.name for r in runs if r.name.startswith("continued"))]
+    modes = [row["mode"] for row in evaluated["pretrained"]["text"]]
+    lines = ["Against the pretrained model and the controls: each feedback run's read minus the STANDARD read of "
+             "the model in the column, paired window by window (nats/token ± standard error; negative: the "
+             "feedback run is better).", "",
+             "| run | read | " + " | ".join(f"vs {c} STANDARD" for c in controls) + " |",
+             "|---|---|" + "---|" * len(controls)]
+    for run in runs:
+        if run.name.startswith("continued"):
+            continue
+        for mode in modes:
+            mine = _windows(evaluated, run.name, mode)
+            cells = [_paired(mine, _windows(evaluated, c, "STANDARD")) for c in controls]
+            lines.append(f"| {run.name} | {mode} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _curves(trained: dict, runs: list[Run], figs: Path) -> list[str]:
     from fullband.eval.report import plt as _plt
 
@@ -291,16 +327,17 @@ def _chat_lines(evaluated: dict, runs: list[Run]) -> list[str]:
     names = ["pretrained", *(r.name for r in runs)]
     chat = evaluated["pretrained"]["chat"]
     modes = list(chat["rows"])
+    before = chat["rows"]["STANDARD"]["per_item"]
     lines = ["## Chat kept?", "",
              f"Assistant-token loss (nats/token) on {chat['n']} held-out one-turn arithmetic conversations rendered "
              "with the model's own ChatML template: STANDARD, SOFT (the prompt plain, the reply fed as SOFT decoding "
-             "generates it: the exact recurrence) and FUSED k=1; in brackets the paired difference to STANDARD.", "",
+             "generates it: the exact recurrence) and FUSED k=1; in brackets the paired difference to the pretrained "
+             "model's STANDARD read of the same conversations (before -> after).", "",
              "| model | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
     for name in names:
         rows = evaluated[name]["chat"]["rows"]
-        cells = [f"{rows[m]['loss']:.3f}" + ("" if m == "STANDARD" else
-                                             f" ({rows[m]['minus_standard']:+.3f} ± {rows[m]['minus_standard_se']:.3f})")
-                 for m in modes]
+        cells = [f"{rows[m]['loss']:.3f}" + ("" if name == "pretrained" and m == "STANDARD" else
+                                             f" ({_paired(rows[m]['per_item'], before)})") for m in modes]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Greedy answers (first held-out questions), the pretrained model and each feedback run:", ""]
     for i, question in enumerate(chat["questions"]):
