@@ -168,7 +168,8 @@ class ModelConfig:
         choice("fusion_init", self.fusion_init, FUSION_INITS)
         if self.fusion_init == "identity" and self.fusion not in ("gated", "additive"):
             raise ConfigError(f"fusion_init='identity' starts a value path at the identity: fusion 'gated' (W_U) or "
-                              f"'additive' (W) has one; fusion={self.fusion!r} does not (accepted: fusion_init='random')")
+                              f"'additive' (W) has one; fusion={self.fusion!r} does not (accepted: "
+                              "fusion_init='random')")
         if self.fusion_gate_scale != 1.0 and self.fusion != "gated":
             raise ConfigError(f"fusion_gate_scale={self.fusion_gate_scale} scales the gate of fusion 'gated'; "
                               f"fusion={self.fusion!r} has none (accepted: 1.0)")

@@ -232,7 +232,8 @@ def _write(runs: list[Run], trained: dict, evaluated: dict, sc: Scale, scale: st
     corpus = ("the Python standard library (its code, docstrings and `pydoc_data`'s prose; corpus `stdlib`, "
               if data.get("corpus") == "stdlib" else f"the corpus `{data.get('corpus')}` (")
     lines = [f"Scale `{scale}`: {model} warm-started with latent feedback (the paper's gated fusion, fresh), trained "
-             f"on {corpus}{data.get('val_percent')}% of files held out) in {sc.steps} steps of {sc.windows} x {sc.seq_len} tokens ({tokens:,} tokens), "
+             f"on {corpus}{data.get('val_percent')}% of files held out) in {sc.steps} steps of {sc.windows} x "
+             f"{sc.seq_len} tokens ({tokens:,} tokens), "
              "two passes every step (`train.passes = \"two-pass\"`), AdamW, jitter 0.02, prefix mixin 0.5. The "
              "controls train every weight with one pass (no state).", "",
              "| run | what it trains | tokens | training FLOPs | wall |", "|---|---|---|---|---|"]

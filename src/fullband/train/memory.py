@@ -59,8 +59,8 @@ def step_memory(cfg, *, passes: int, tokens: int, optimizer: str = "normuon", ch
     # each token's two slots
     runs = sum(repeats(cfg, i) for i in range(L)) * cfg.slots_per_token
     per_token = (runs * D + block if checkpointing else runs * block) + 3 * V
-    return StepMemory(weights=4 * n, gradients=4 * (n if trained is None else trained), optimizer=4 * state, passes=passes, tokens=tokens,
-                      activations=passes * tokens * per_token * dtype_bytes)
+    return StepMemory(weights=4 * n, gradients=4 * (n if trained is None else trained), optimizer=4 * state,
+                      passes=passes, tokens=tokens, activations=passes * tokens * per_token * dtype_bytes)
 
 
 def _block_matrix_entries(cfg) -> int:
