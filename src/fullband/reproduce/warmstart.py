@@ -57,6 +57,9 @@ RUNS = (
      [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}"]),
     ("everything-blend", "as everything, with the blend curriculum",
      [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}", "train.blend_until=0.5"]),
+    ("everything-identity-blend", "as everything, with the identity start and the blend curriculum (the recipe)",
+     [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}", "train.blend_until=0.5",
+      'model.fusion_init="identity"', "model.fusion_gate_scale=0"]),
 )
 CONTROLS = (
     ("continued", "control: the same tokens, one pass (continued pretraining, no state)", 1),
