@@ -324,7 +324,21 @@ def _curves(trained: dict, runs: list[Run], figs: Path) -> list[str]:
     axes[0].legend(fontsize=7)
     lines = ["## Loss against tokens trained", "",
              "Held-out loss at every evaluation of each run (the run's own held-out windows).", ""]
-    return lines + saved_figure(fig, figs, "curves.png", "held-out loss by pass count against tokens")[:2]
+    lines += saved_figure(fig, figs, "curves.png", "held-out loss by pass count against tokens")[:2]
+    feedback = [r.name for r in runs if not r.name.startswith("continued")]
+    points = trained[feedback[0]]["curve"]
+    lines += ["The gap FUSED k=1 - STANDARD (2 passes - 1 pass, nats/token on the same held-out windows) at each "
+              "evaluation: what the fed read still costs. A blended run is evaluated with the paper's input (a = 1) "
+              "throughout, so its gap is large while a < 1.", "",
+              "| tokens | " + " | ".join(feedback) + " |", "|---|" + "---|" * len(feedback)]
+    for i, point in enumerate(points):
+        cells = []
+        for name in feedback:
+            curve = trained[name]["curve"]
+            ev = curve[i]["eval"] if i < len(curve) else {}
+            cells.append(f"{ev['2'] - ev['1']:+.3f}" if "1" in ev and "2" in ev else "")
+        lines.append(f"| {point['tokens']:,} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _chat_lines(evaluated: dict, runs: list[Run]) -> list[str]:
