@@ -288,7 +288,7 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
         assert part in text, part
     assert (tmp_path / "docs" / "warmstart-micro" / "curves.png").is_file()
     first = capsys.readouterr().out
-    assert first.count("== training ") == 8
+    assert first.count("== training ") == 7
     again = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro",
                       model=str(tiny_llama / "llama"), extra=extra)
     assert "== training " not in capsys.readouterr().out  # every run reused, every evaluation cached

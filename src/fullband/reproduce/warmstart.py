@@ -45,21 +45,17 @@ SCALES = {
 
 # what each run changes: the feedback runs (two passes every step) and the controls (one pass, no state)
 FEEDBACK_LR, TRUNK_LR, MULT = "3e-3", "1e-4", "30"
+PART = [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", "optim.feedback_lr_mult=1"]
+ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}"]
+PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"  # every key the recipe sets is pinned here
 RUNS = (
-    ("feedback-only", "the fusion and norm_in alone, the trunk frozen", [f"train.trainable={FEEDBACK_ONLY}",
-                                                                          f"optim.adam_lr={FEEDBACK_LR}"]),
+    ("feedback-only", "the fusion and norm_in alone, the trunk frozen", [*PART, PLAIN]),
     ("feedback-only-blend", "as feedback-only, with the blend curriculum (a: 0 -> 1 over the first half)",
-     [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", "train.blend_until=0.5"]),
+     [*PART, BLEND]),
     ("feedback-only-identity", "as feedback-only, W_U started at the identity and every gate at 1/2",
-     [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", 'model.fusion_init="identity"',
-      "model.fusion_gate_scale=0"]),
-    ("everything", "every weight; the feedback weights at 30x the trunk's learning rate",
-     [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}"]),
-    ("everything-blend", "as everything, with the blend curriculum",
-     [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}", "train.blend_until=0.5"]),
-    ("everything-identity-blend", "as everything, with the identity start and the blend curriculum (the recipe)",
-     [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}", "train.blend_until=0.5",
-      'model.fusion_init="identity"', "model.fusion_gate_scale=0"]),
+     [*PART, PLAIN, 'model.fusion_init="identity"', "model.fusion_gate_scale=0"]),
+    ("everything", "every weight; the feedback weights at 30x the trunk's learning rate", [*ALL, PLAIN]),
+    ("everything-blend", "as everything, with the blend curriculum", [*ALL, BLEND]),
 )
 CONTROLS = (
     ("continued", "control: the same tokens, one pass (continued pretraining, no state)", 1),
@@ -69,7 +65,8 @@ CONTROLS = (
 
 def runs() -> list[Run]:
     out = [Run(name, ['train.passes="two-pass"', *sets], RECIPE) for name, _, sets in RUNS]
-    return out + [Run(name, ['train.passes="none"', f"optim.adam_lr={TRUNK_LR}"], RECIPE) for name, _, _ in CONTROLS]
+    return out + [Run(name, ['train.passes="none"', f"optim.adam_lr={TRUNK_LR}", "optim.feedback_lr_mult=1", PLAIN],
+                      RECIPE) for name, _, _ in CONTROLS]
 
 
 def check(*, scale: str = "cpu", model: str = "", **_) -> None:
@@ -88,6 +85,7 @@ def _common(sc: Scale, model: str, steps: int) -> list[str]:
             f"train.global_batch_tokens={sc.windows * sc.seq_len}", f"train.micro_batch={sc.micro_batch}",
             f"train.warmup_steps={sc.warmup}", "train.cooldown_fraction=0.2", "train.z_loss=0.0",
             'data.corpus="stdlib"', "data.val_percent=1.0", "optim.weight_decay=0.0", "optim.grad_clip=1.0",
+            'model.fusion="gated"', "model.jitter=0.02", "model.prefix_mixin_prob=0.5",
             f"log.eval_windows={sc.eval_windows}", "log.eval_passes=[1, 2, 3]", f"log.ckpt_every={steps}",
             "log.keep_last=1"]
 
@@ -104,7 +102,8 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
         steps = sc.steps * (2 if run.name == "continued-2x" else 1)
         extra = _common(sc, model, steps)
         ckpt, wall = train_run(root, run, settings, extra, eval_every=sc.eval_every)
-        trained[run.name] = {"ckpt": ckpt, "wall": wall, "extra": extra, "curve": _curve(root / run.name)}
+        trained[run.name] = {"ckpt": ckpt, "wall": wall, "extra": extra, "curve": _curve(root / run.name),
+                             "step_seconds": _step_seconds(root / run.name)}
     base = _base(root, model)
     held = _held_out(Path(trained[runs[0].name]["ckpt"]), sc)
     evaluated = {name: _evaluated(Path(info["ckpt"]), held, sc, figs, name) for name, info in trained.items()}
@@ -119,6 +118,17 @@ def _curve(run_dir: Path) -> list[dict]:
     flops = {r["step"]: r["flops"] for r in rows if "flops" in r}
     return [{"step": r["step"], "tokens": r["tokens"], "flops": flops.get(r["step"], 0.0), "eval": r["eval"]}
             for r in rows if "eval" in r]
+
+
+def _step_seconds(run_dir: Path) -> float:
+    """The median wall time of the run's optimizer steps (robust to a stretch trained beside other work)."""
+    import statistics
+
+    from fullband.rl.run import metric_rows
+
+    rows = [r for r in metric_rows(run_dir / "metrics.jsonl") if r.get("tok_per_s")]
+    per_step = rows[0]["tokens"] if rows else 0  # tokens of one step: the first row's count
+    return statistics.median(per_step / r["tok_per_s"] for r in rows) if rows else float("nan")
 
 
 def _base(root: Path, model: str) -> Path:
@@ -239,12 +249,12 @@ def _write(runs: list[Run], trained: dict, evaluated: dict, sc: Scale, scale: st
              f"{sc.seq_len} tokens ({tokens:,} tokens), "
              "two passes every step (`train.passes = \"two-pass\"`), AdamW, jitter 0.02, prefix mixin 0.5. The "
              "controls train every weight with one pass (no state).", "",
-             "| run | what it trains | tokens | training FLOPs | wall |", "|---|---|---|---|---|"]
+             "| run | what it trains | tokens | training FLOPs | wall | median s / step |", "|---|---|---|---|---|---|"]
     for run in runs:
         info = trained[run.name]
         last = info["curve"][-1] if info["curve"] else {"tokens": 0, "flops": 0.0}
         lines.append(f"| {run.name} | {about[run.name]} | {last['tokens']:,} | {last['flops']:.3g} | "
-                     f"{info['wall'] / 60:.1f} min |")
+                     f"{info['wall'] / 60:.1f} min | {info['step_seconds']:.2f} |")
     lines += ["", "Training FLOPs are counted as the trainer counts them (6 N per token per pass, plus attention): "
               "a run with the trunk frozen computes no weight gradients for it, so its real cost is lower.", ""]
     lines += _text_table(evaluated, runs)
