@@ -263,7 +263,10 @@ def _write(runs: list[Run], trained: dict, evaluated: dict, sc: Scale, scale: st
     lines += _chat_lines(evaluated, runs)
     lines += _stability_lines(evaluated, runs)
     lines += _outcome(trained, evaluated, runs, sc)
-    lines += ["", "## Commands", ""]
+    lines += ["", "## Commands", "",
+              f"Each run also gets `--set log.run_dir=runs/repro/warmstart/<run>` and `--set log.eval_every="
+              f"{sc.eval_every}`. Wall times are as measured, with whatever else ran on the machine; the median step "
+              "time is robust to that.", ""]
     lines += [f"- {config_line(r, *trained[r.name]['extra'])}" for r in runs]
     return lines
 
@@ -421,11 +424,25 @@ def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list
         if g1 < g0 and t1 > t0 and g1 > 0:
             rate = math.log(g0 / g1) / (t1 - t0)  # the gap's decay rate over the second half, if exponential
             need = t1 + math.log(g1 / 0.01) / rate
+            per_s = sc.windows * sc.seq_len / trained[best]["step_seconds"]
             lines.append(f"- The gap (pass 2 - pass 1 on the run's held-out windows) fell from {g0:.3f} to {g1:.3f} "
                          f"over the last {t1 - t0:,} tokens; if it kept that exponential rate it would be within "
-                         f"0.01 nats after about {need:,.0f} tokens (an extrapolation, not a measurement).")
+                         f"0.01 nats after about {need / 1e3:,.0f}k tokens, {need / per_s / 3600:.1f} h at this run's "
+                         f"{per_s:.0f} tokens/s (an extrapolation, not a measurement: the decay may slow).")
         else:
             lines.append(f"- The gap (pass 2 - pass 1) did not shrink over the second half ({g0:.3f} -> {g1:.3f}).")
+    gaps = {n: _gap(evaluated, n, mode) for n in feedback}
+    for a, b, what in (("everything", "feedback-only", "training every weight against the feedback weights alone"),
+                       ("everything-blend", "everything", "the blend curriculum (every weight trained)"),
+                       ("feedback-only-blend", "feedback-only", "the blend curriculum (the feedback weights alone)"),
+                       ("feedback-only-identity", "feedback-only", "the identity start (the feedback weights alone)")):
+        if a in gaps and b in gaps:
+            lines.append(f"- {what}: FUSED k=1 - STANDARD {gaps[a]:+.3f} against {gaps[b]:+.3f} "
+                         f"({'better' if gaps[a] < gaps[b] else 'worse'} by {abs(gaps[a] - gaps[b]):.3f}).")
+    growth = {n: max(evaluated[n]["contraction"]["growth"]) for n in feedback}
+    lines.append(f"- Every warm-started pass map {'contracts' if max(growth.values()) < 1 else 'does not contract'} "
+                 f"at its fixed point (largest growth per pass {max(growth.values()):.3f}; the pretrained model's "
+                 f"fresh fusion {max(evaluated['pretrained']['contraction']['growth']):.3f}).")
     for name in trained:
         if name.startswith("continued"):
             lines.append(f"- Control {name}: STANDARD {std[name]:.4f} against the pretrained {std['pretrained']:.4f} "
