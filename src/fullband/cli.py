@@ -685,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--docs", default="docs/results", help="where the report and figures go")
     s.add_argument("--scale", default=None, help="compare: cpu (default, ~6 h on 2 cores), gpu-small (the same "
                    "study, larger, on a GPU) or micro (a smoke test of the pipeline); warmstart: cpu (default, "
-                   "about 1 h on 2 cores), gpu or micro")
+                   "about 1 h 45 min on 2 cores), gpu or micro")
     s.add_argument("--model", default=None, metavar="PATH",
                    help="warmstart only: the pretrained Llama to add latent feedback to (a .gguf file or a "
                         "transformers folder; default shipped:smollm2)")
