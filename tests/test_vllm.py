@@ -196,40 +196,6 @@ def test_a_conversation_reads_its_replies_fed_and_reuses_their_blocks(base):
     assert [o.num_cached_tokens or 0 for o in outs] == [0, 64]
 
 
-def test_a_cached_block_s_state_comes_from_the_store_or_this_step():
-    """The step plan (no engine) for a request B that read blocks 3 and 4 from the cache and starts at position
-    64, fed (a span 44..69): alone, its state row takes block 4's kept state; beside request A, which computes
-    those blocks in the same step (vLLM caches a block when its last token is scheduled), its first row reads A's
-    row of position 63, and the chain's passes add up across the two requests."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from fullband.vllm.model import plan_step
-    from fullband.vllm.tracker import SOFT
-
-    def tracker(n):
-        return SimpleNamespace(prompt_len=np.full(n, 72), mode=np.full(n, SOFT), passes=np.ones(n, dtype=np.int64),
-                               has_fed=np.ones(n, dtype=bool), fed=[((44, 70),)] * n,
-                               keeps_states=np.zeros(n, dtype=bool), fresh=np.ones(n, dtype=bool),
-                               prompts=[None] * n)
-
-    def slots(blocks, positions):
-        return np.array([blocks[p // 32] * 32 + p % 32 for p in positions])
-
-    tables = {"A": [3, 4, 5], "B": [3, 4, 6]}
-    alone = plan_step(tracker(1), [0, 8], [64], None, None, torch.device("cpu"), slots(tables["B"], range(64, 72)),
-                      32, lambda i, j: tables["B"][j])
-    assert alone.restore_reqs.tolist() == [0] and alone.restore_blocks.tolist() == [4]
-    assert alone.iterate == 5 and alone.chain_from.tolist() == list(range(0, 5))  # positions 65..69 read 64..68
-    both = plan_step(tracker(2), [0, 72, 80], [0, 64], None, None, torch.device("cpu"),
-                     np.concatenate([slots(tables["A"], range(72)), slots(tables["B"], range(64, 72))]), 32,
-                     lambda i, j: tables["AB"[i]][j])
-    assert both.restore_reqs is None and (72, 63) in zip(both.chain_rows.tolist(), both.chain_from.tolist())
-    assert both.iterate == 26 + 5 + 1  # A's chain (positions 44..69), B's own, the link
-    assert both.store_blocks.tolist() == [3, 4]  # the rows that end a block: A's 31 and 63
-
-
 def test_fed_states_are_returned_equal_to_the_native_engine_s(base):
     """generate_with_states: each generated token's fed state, as fullband.rl.logprob.rollout records it (the
     state the token reads at its position), in SOFT and FUSED, with the same tokens; the states differ from one

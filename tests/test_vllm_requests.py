@@ -14,7 +14,7 @@ from conftest import tiny_model
 from fullband.cli import main
 from fullband.model.mode import DecodeMode
 from fullband.errors import FullbandError, InputError
-from fullband.vllm.requests import (GENERATED, block_keys, fed_runs, http_request, prompt_read, request_mode,
+from fullband.vllm.requests import (GENERATED, block_keys, fed_runs, http_request, request_mode,
                                     served_default)
 
 SOFT = DecodeMode("soft")
@@ -144,7 +144,7 @@ def test_a_cached_block_is_keyed_by_how_its_positions_were_read():
     fed (fed prompt spans, generated positions in a mode that feeds them) on every block that holds some: the same
     for the request that generated them and a later one that declares them fed, never for a plain read."""
     soft, standard, fused2, fused0 = SOFT, DecodeMode("standard"), DecodeMode("fused", 2), DecodeMode("fused", 0)
-    assert [prompt_read(m) for m in (soft, standard, fused2, fused0)] == ["plain", "plain", "fused:2", "plain"]
+    assert [m.read(40).key for m in (soft, standard, fused2, fused0)] == ["plain", "plain", "fused:2", "plain"]
     gen = fed_runs(soft, None, 40)  # a SOFT request generating from position 40
     assert gen == ((40, GENERATED),) and fed_runs(standard, None, 40) == ()
     assert block_keys(soft, gen, 0, 32) == (("fullband-read", "plain"),)

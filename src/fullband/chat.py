@@ -122,12 +122,13 @@ class ChatSession:
             raise InputError(f"the conversation ({len(full)} tokens) no longer fits the model's context of "
                              f"{self.context}; /reset to start a new one")
         # in the cache: the earlier turns; the last answer's final sampled token (its end marker) was never read
-        incremental = (self.state is not None and self.mode.name != "fused" and self.state.longest == len(self.read)
+        read = self.mode.read(len(full))  # its new tokens fed as the mode reads a prompt, or everything again
+        incremental = (self.state is not None and not read.rereads and self.state.longest == len(self.read)
                        and len(full) > len(self.read) and full[: len(self.read)] == self.read)
         if not incremental:
             return self._prefill(full)
         self.last.prompt_tokens = len(full) - len(self.read)
-        return self._feed(full[len(self.read):], feed=self.mode.exact)
+        return self._feed(full[len(self.read):], feed=not read.plain_prompt)
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
         self.last.reread, self.last.prompt_tokens = True, len(ids)

@@ -33,9 +33,9 @@ IGNORED = ("max_batch_size",)  # passed by the harness; fullband batches by batc
 
 @register_model("fullband")
 class FullbandHarnessLM(LM):
-    def __init__(self, checkpoint: str | Path | None = None, mode: str = "standard", prefill_passes: int | str = 1,
-                 batch_size: int | str = 8, device: str = "cpu", max_gen_toks: int = 256, dtype: str = "float32",
-                 **unknown: Any) -> None:
+    def __init__(self, checkpoint: str | Path | None = None, mode: str = "standard",
+                 prefill_passes: int | str | None = None, batch_size: int | str = 8, device: str = "cpu",
+                 max_gen_toks: int = 256, dtype: str = "float32", **unknown: Any) -> None:
         super().__init__()
         unknown = {k: v for k, v in unknown.items() if k not in IGNORED}
         if unknown:
@@ -55,9 +55,7 @@ class FullbandHarnessLM(LM):
             batch_size = 8
         batch_size = _int_arg("batch_size", batch_size, 1)
         max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
-        if prefill_passes != "auto":
-            prefill_passes = _int_arg("prefill_passes", prefill_passes, 0, accepted="an integer >= 0 or 'auto'")
-        decode_mode = DecodeMode.of(mode, prefill_passes, error=ConfigError)
+        decode_mode = DecodeMode.parse(mode, prefill_passes, error=ConfigError)
         torch_dtype = validate.dtype("dtype", dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():  # the harness CLI's default device
             warnings.warn(f"device={device!r} asked for but CUDA is not available; using the CPU", stacklevel=2)

@@ -149,12 +149,12 @@ def prefill_flops(cfg: ModelConfig, mode: DecodeMode, prompt_len: int, context: 
     more than the prompt's exact_passes), EXACT the recurrence: one pass's products plus the fusion at every fed
     position, one position at a time (so causal whatever `context` says; under ponder a token's two steps, which
     are a ponder pass's products)."""
-    if mode.exact:  # positions 1..T-1 are fed; the step at position t attends to its t + 1 keys
+    read = mode.read(prompt_len, fixed_point=cfg.exact_passes(prompt_len))
+    if read.exact:  # positions 1..T-1 are fed; the step at position t attends to its t + 1 keys
         one = (ponder_pass_flops(cfg, prompt_len) if cfg.ponder
                else forward_flops(cfg, 1, seq_len=prompt_len, heads=0))
         return one + fusion_flops(cfg) * (prompt_len - 1) / prompt_len
-    passes = min(mode.passes, cfg.exact_passes(prompt_len))
-    return forward_flops(cfg, passes, seq_len=prompt_len, heads=0, context=context)
+    return forward_flops(cfg, read.passes, seq_len=prompt_len, heads=0, context=context)
 
 
 def decode_flops(cfg: ModelConfig, mode: DecodeMode, context: int) -> float:

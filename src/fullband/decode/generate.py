@@ -20,11 +20,12 @@ from torch import Tensor
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.cache import KVCache
-from fullband.model.core import FeedbackModel, ModelOutput, check_fed_mode
+from fullband.model.core import FeedbackModel, ModelOutput
 from fullband.model.mode import MODES, DecodeMode, default_mode
 from fullband.validate import integer, spans
 
-__all__ = ["MODES", "DecodeMode", "DecodeState", "Sampling", "Step", "advance", "generate", "prefill", "stream"]
+__all__ = ["MODES", "DecodeMode", "DecodeRequest", "DecodeState", "Sampling", "Step", "advance", "generate", "prefill",
+           "stream"]
 
 
 @dataclass
@@ -156,32 +157,58 @@ def stream(model: FeedbackModel, prompts, max_new_tokens: int, *, mode: str | De
                          "FeedbackModel: a FullbandLM, a model wrapped with fullband.hf.add_latent_feedback, or a "
                          "transformers FullbandForCausalLM's .model")
     cfg = model.config
-    dm = DecodeMode.of(default_mode(cfg) if mode is None else mode, prefill_passes, tol=prefill_tol, max_passes=max_prefill_passes).check(cfg)
-    sampler = Sampling.of(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
-    integer("max_new_tokens", max_new_tokens, 1, error=InputError)
-    longest = int(lengths.max())
-    if longest + max_new_tokens > cfg.max_seq_len:
-        raise InputError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
-                         f"exceeds max_seq_len={cfg.max_seq_len}; shorten the prompt or ask for at most "
-                         f"{max(cfg.max_seq_len - longest, 0)} new tokens")
-    stops = _check_stop_tokens(stop_tokens, cfg.vocab_size)
-    forced = None
-    if forced_tokens is not None:
-        forced = torch.as_tensor(forced_tokens)
-        if forced.ndim != 2 or forced.shape != (ids.shape[0], max_new_tokens) or forced.dtype.is_floating_point:
-            raise InputError(f"forced_tokens must be integer ids of shape (prompts, max_new_tokens) = "
-                             f"({ids.shape[0]}, {max_new_tokens}); got shape {tuple(forced.shape)}, dtype {forced.dtype}")
-        if forced.numel() and (int(forced.min()) < 0 or int(forced.max()) >= cfg.vocab_size):
-            raise InputError(f"forced_tokens hold ids outside 0 <= id < vocab_size={cfg.vocab_size}")
+    mode = DecodeMode.of(default_mode(cfg) if mode is None else mode, prefill_passes, tol=prefill_tol,
+                         max_passes=max_prefill_passes).check(cfg)
+    sampling = Sampling.of(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if grad and compile:
         raise InputError("grad=True decodes eagerly; compile=True is for inference")
-    mask = None
-    if fed is not None:
-        check_fed_mode(dm)
-        mask = fed_mask(fed, lengths, ids.shape[1])
-    return _run(model, ids, lengths, longest, max_new_tokens, dm, sampler, stops, bool(compile), forced, bool(grad),
-                mask)
+    request = DecodeRequest.of(cfg, prompts, max_new_tokens, mode, sampling, stop_tokens, forced_tokens, fed)
+    return _run(model, request, bool(compile), bool(grad))
+
+
+@dataclass
+class DecodeRequest:
+    """What `stream` decodes, checked (DecodeRequest.of): right-padded prompts ids (B, T) with their lengths (B,),
+    the new tokens, the mode and sampling, the stop tokens, forced tokens (B, max_new) and fed prompt spans (B, T)."""
+
+    ids: Tensor
+    lengths: Tensor
+    max_new: int
+    mode: DecodeMode
+    sampling: Sampling
+    stops: Tensor | None = None
+    forced: Tensor | None = None
+    fed: Tensor | None = None
+
+    @property
+    def longest(self) -> int:
+        return int(self.lengths.max())
+
+    @classmethod
+    def of(cls, cfg, prompts, max_new_tokens: int, mode: DecodeMode, sampling: Sampling, stop_tokens=None,
+           forced_tokens=None, fed=None) -> DecodeRequest:
+        """Check what a decode asks of a model whose config is `cfg` (InputError naming what is wrong)."""
+        ids, lengths = _pack_prompts(prompts, cfg.vocab_size)
+        integer("max_new_tokens", max_new_tokens, 1, error=InputError)
+        longest = int(lengths.max())
+        if longest + max_new_tokens > cfg.max_seq_len:
+            raise InputError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
+                             f"exceeds max_seq_len={cfg.max_seq_len}; shorten the prompt or ask for at most "
+                             f"{max(cfg.max_seq_len - longest, 0)} new tokens")
+        forced = None
+        if forced_tokens is not None:
+            forced = torch.as_tensor(forced_tokens)
+            if forced.ndim != 2 or forced.shape != (ids.shape[0], max_new_tokens) or forced.dtype.is_floating_point:
+                raise InputError(f"forced_tokens must be integer ids of shape (prompts, max_new_tokens) = "
+                                 f"({ids.shape[0]}, {max_new_tokens}); got shape {tuple(forced.shape)}, dtype "
+                                 f"{forced.dtype}")
+            if forced.numel() and (int(forced.min()) < 0 or int(forced.max()) >= cfg.vocab_size):
+                raise InputError(f"forced_tokens hold ids outside 0 <= id < vocab_size={cfg.vocab_size}")
+        if fed is not None:
+            fed = fed_mask(fed, lengths, ids.shape[1])
+            mode.read(longest, max(1, int(fed.sum(-1).max())))  # fed spans are SOFT's: refused in another mode now
+        return cls(ids, lengths, int(max_new_tokens), mode, sampling, _check_stop_tokens(stop_tokens, cfg.vocab_size),
+                   forced, fed)
 
 
 def generate(model: FeedbackModel, prompts, max_new_tokens: int, **options) -> list[list[int]]:
@@ -201,13 +228,11 @@ def collect(steps: Iterator[Step]) -> list[list[int]]:
     return out
 
 
-def _run(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_new: int, mode: DecodeMode,
-         sampling: Sampling, stops: Tensor | None, compile: bool, forced: Tensor | None,
-         grad: bool = False, fed: Tensor | None = None) -> Iterator[Step]:
+def _run(model: FeedbackModel, request: DecodeRequest, compile: bool, grad: bool) -> Iterator[Step]:
     """The steps of _decode, each computed in the decoding's grad mode (inference mode, or gradients with `grad`)
     with the model in eval mode, and the caller's own grad mode and train flag back while it holds a step: a
     backward() or a training step inside `for step in stream(...)` runs as it would outside the loop."""
-    steps = _decode(model, ids, lengths, longest, max_new, mode, sampling, stops, compile, forced, grad, fed)
+    steps = _decode(model, request, compile, grad)
     try:
         while True:
             training = model.training
@@ -226,15 +251,13 @@ def _run(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_n
         steps.close()
 
 
-def _decode(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, max_new: int, mode: DecodeMode,
-            sampling: Sampling, stops: Tensor | None, compile: bool, forced: Tensor | None, grad: bool,
-            fed: Tensor | None) -> Iterator[Step]:
+def _decode(model: FeedbackModel, r: DecodeRequest, compile: bool, grad: bool) -> Iterator[Step]:
     device = next(model.parameters()).device
-    ids, lengths = ids.to(device), lengths.to(device)
-    forced = None if forced is None else forced.to(device)
+    ids, lengths = r.ids.to(device), r.lengths.to(device)
+    forced = None if r.forced is None else r.forced.to(device)
     B = ids.shape[0]
-    generator = sampling.generator(device)
-    state, out = prefill(model, ids, lengths, mode, room=max_new, longest=longest, fed=fed)
+    generator = r.sampling.generator(device)
+    state, out = prefill(model, ids, lengths, r.mode, room=r.max_new, longest=r.longest, fed=r.fed)
     rows = torch.arange(B, device=device)
     logits = model.head(out.top[rows, lengths - 1])  # (B, V)
     used = out.passes_used
@@ -243,19 +266,19 @@ def _decode(model: FeedbackModel, ids: Tensor, lengths: Tensor, longest: int, ma
         raise InputError(f"grad=True needs fullband's KV cache; {type(model).__name__} keeps another")
     stepper = make_stepper(model, state, compile=compile)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    stops = None if stops is None else stops.to(device)
-    for s in range(max_new):
-        tokens = sampling(logits, generator) if forced is None else forced[:, s]
+    stops = None if r.stops is None else r.stops.to(device)
+    for s in range(r.max_new):
+        tokens = r.sampling(logits, generator) if forced is None else forced[:, s]
         yield Step(tokens=tokens, logits=logits, finished=finished.clone(), prefill_passes=used, state=state.state)
         if stops is not None:
             finished |= torch.isin(tokens, stops)
             if bool(finished.all()):
                 return
-        if s == max_new - 1:
+        if s == r.max_new - 1:
             return
         if grad:  # the step writes the cache in place: keep the tensors autograd saved as they were
             state.cache.fork()
-        logits = advance(model, state, tokens, feed=mode.feeds_state, stepper=stepper)
+        logits = advance(model, state, tokens, feed=r.mode.feeds_state, stepper=stepper)
 
 
 # ---------------------------------------------------------------------- argument checks

@@ -4,7 +4,6 @@ under CHECKPOINT/eval or --out)."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import asdict

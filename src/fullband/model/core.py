@@ -58,27 +58,6 @@ def plain_positions(ids, positions, bos_token_id: int | None, *, prefix=0, mask=
     return plain if mask is None else plain | mask
 
 
-def prompt_plain(mode: DecodeMode, prompt: Tensor) -> Tensor | None:
-    """The positions of prompt + response a mode reads plainly beside the model's own rule, from each row's prompt
-    mask: a prompt read by one plain pass (SOFT, FUSED k=0) stays plain; FUSED k > 0 feeds it (None)."""
-    return prompt if mode.passes == 1 else None
-
-
-def fed_passes(fed: Tensor) -> int:
-    """Jacobi passes after which a read whose positions `fed` (B, T) take the previous state, every other one plain,
-    is at the exact recurrence's fixed point: 1 + the most fed positions in a row. Position t is exact one pass
-    after position t - 1 when t is fed and in the same pass when it is plain (it reads the state of none, and the
-    keys and values of positions exact by then), so each fed position, wherever it sits, adds one pass."""
-    return 1 + int(fed.sum(-1).max()) if fed.numel() else 1
-
-
-def check_fed_mode(mode: DecodeMode, error: type[Exception] = InputError, what: str = "fed prompt positions") -> None:
-    """Fed prompt positions (earlier replies read as they were generated) belong to SOFT; refuse them elsewhere."""
-    if mode.name != "soft":
-        raise error(f"{what}: fed prompt positions are for mode 'soft' (a plain prompt, fed replies), not "
-                    f"{mode.label!r}: standard feeds nothing, fused and exact read the whole prompt fed")
-
-
 def shift_right(state: Tensor) -> Tensor:
     """(B, T, D) -> (B, T, D) with position t holding state[t - 1] (zeros at t = 0, which is always plain)."""
     return F.pad(state, (0, 0, 1, 0))[:, : state.shape[1]]
@@ -277,22 +256,20 @@ class FeedbackModel(nn.Module):
     # ---------------------------------------------------------------- a prompt as a mode reads it
     def read(self, input_ids: Tensor, mode: DecodeMode, *, cache=None, plain_mask: Tensor | None = None,
              return_logits: bool = False, each_pass: EachPass | None = None, fed: Tensor | None = None) -> ModelOutput:
-        """Prompts input_ids (B, T) as `mode` reads them: EXACT runs the recurrence; the others min(mode.passes,
-        exact_passes(T)) Jacobi passes (STANDARD / SOFT one; a T-token prompt is exact after T passes, so more would
-        recompute it unchanged), FUSED with `tol` stopping early. A `cache` receives the keys and values;
-        `each_pass` sees every Jacobi pass (as in iterate). `fed` (B, T), in SOFT only: positions read as
-        they were generated, fed the previous position's state by the exact recurrence (Jacobi passes to its fixed
-        point, fed_passes), the rest of the prompt as the mode reads it (a conversation's earlier replies)."""
+        """Prompts input_ids (B, T) as `mode` reads them (DecodeMode.read decides how: the recurrence, or its passes
+        capped at exact_passes(T)). A `cache` receives the keys and values; `each_pass` sees every Jacobi pass (as
+        in iterate). `fed` (B, T), in SOFT only: positions read as they were generated, fed the previous position's
+        state (a conversation's earlier replies), the rest of the prompt plain."""
         if fed is not None:
-            check_fed_mode(mode)
             fed = fed.to(device=input_ids.device, dtype=torch.bool)
-            passes = min(fed_passes(fed), self.exact_passes(input_ids.shape[1]))
-            return self(input_ids, passes=passes, plain_mask=prompt_plain(mode, ~fed), cache=cache,
-                        return_logits=return_logits, each_pass=each_pass)
-        if mode.exact:
+        T = input_ids.shape[1]
+        how = mode.read(T, int(fed.sum(-1).max()) if fed is not None and fed.numel() else 0,
+                        fixed_point=self.exact_passes(T))
+        if fed is not None and how.plain_prompt:
+            plain_mask = ~fed if plain_mask is None else plain_mask | ~fed
+        if how.exact:
             return self.recurrent_forward(input_ids, plain_mask=plain_mask, cache=cache, return_logits=return_logits)
-        passes = min(mode.passes, self.exact_passes(input_ids.shape[1]))
-        return self(input_ids, passes=passes, plain_mask=plain_mask, cache=cache, tol=mode.tolerance,
+        return self(input_ids, passes=how.passes, plain_mask=plain_mask, cache=cache, tol=how.tol,
                     return_logits=return_logits, each_pass=each_pass)
 
     # ---------------------------------------------------------------- checks

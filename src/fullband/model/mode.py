@@ -11,14 +11,35 @@ Shipped as source with every transformers folder (fullband.hf.remote): it import
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
 
 from fullband.errors import FullbandError, InputError
-from fullband.validate import choice, integer, number
+from fullband.validate import ascii_int, choice, integer, number
 
 MODES = ("standard", "soft", "fused", "exact")
 AUTO = "auto"  # the spelling of adaptive prefill at the edges (CLI, lm-eval, generate's prefill_passes)
 AUTO_TOL, AUTO_MAX = 1e-3, 32  # adaptive prefill's defaults: tolerance and most fused passes
+
+
+@dataclass(frozen=True)
+class Read:
+    """How a mode reads a prompt (DecodeMode.read): every runtime asks this value instead of deciding."""
+
+    passes: int  # Jacobi passes over the prompt; 0: the exact recurrence, token by token
+    tol: float | None  # stop the passes once every row's RMS state update is below tol (adaptive FUSED)
+    plain_prompt: bool  # the prompt's positions (but fed spans) stay plain beside the model's rule: a one-pass read
+    key: str  # what a prompt's keys and values depend on besides its tokens: "plain", "fused:K", "exact"
+    rereads: bool  # a new chat turn reads the whole conversation again (FUSED), not only its new tokens
+
+    @property
+    def exact(self) -> bool:
+        return self.passes == 0
+
+    def plain(self, prompt):
+        """The positions this read keeps plain beside the model's rule, from a prompt mask (B, T) (the prompt, or
+        the part of it not fed): the mask for a one-pass read, None (nothing more) when the prompt is fed."""
+        return prompt if self.plain_prompt else None
 
 
 @dataclass(frozen=True)
@@ -52,17 +73,33 @@ class DecodeMode:
             number("prefill_tol", self.tol, low=0, low_open=True, error=InputError)
 
     @classmethod
-    def of(cls, mode: str | DecodeMode = "soft", prefill_passes: int | str | None = None, *, tol: float | None = None,
-           max_passes: int | None = None, error: type[FullbandError] = InputError, field: str = "mode") -> DecodeMode:
-        """A DecodeMode from its parts as users spell them: prefill_passes an integer or "auto" (adaptive, with
-        `tol` and `max_passes`, defaults 1e-3 and 32). A DecodeMode is returned as it is when no part is given.
-        `error` is the class raised, `field` the name the caller gives the mode (e.g. feedback_mode)."""
+    def parse(cls, mode: str | Mapping | DecodeMode = "soft", prefill_passes: int | str | None = None, *,
+              tol: float | None = None, max_passes: int | None = None, error: type[FullbandError] = InputError,
+              field: str = "mode") -> DecodeMode:
+        """A DecodeMode from any spelling users give it: a DecodeMode (returned as it is when no part is given);
+        'soft', 'fused', 'fused:2', 'fused:auto'; a mapping of feedback_mode / prefill_passes (an HF config, lm-eval
+        or vLLM extra args). prefill_passes is an integer or "auto" (adaptive, with `tol` and `max_passes`, defaults
+        1e-3 and 32). `error` is the class raised, `field` the name the caller gives the mode (e.g. feedback_mode)."""
+        if isinstance(mode, Mapping):
+            mode, prefill_passes = mode.get("feedback_mode", "soft"), mode.get("prefill_passes", prefill_passes)
         if isinstance(mode, DecodeMode):
             if prefill_passes is None and tol is None and max_passes is None:
                 return mode
             mode = mode.name
+        if isinstance(mode, str) and ":" in mode:
+            name, _, k = mode.partition(":")
+            if k != AUTO and not (k.isascii() and k.isdigit()):
+                raise error(f"mode {mode!r} is not MODE or fused:K (e.g. fused:2, fused:auto)")
+            if name != "fused":
+                raise error(f"mode {mode!r}: only fused takes prefill passes (fused:K); accepted: {', '.join(MODES)}")
+            if prefill_passes is not None and str(prefill_passes) != k:
+                raise error(f"mode {mode!r} and prefill_passes={prefill_passes!r} disagree; give the passes once "
+                            "(fused:K)")
+            mode, prefill_passes = name, k if k == AUTO else int(k)
         choice(field, mode, MODES, error=error)
         passes = 1 if prefill_passes is None else prefill_passes
+        if isinstance(passes, str) and (n := ascii_int(passes.strip())) is not None:
+            passes = n  # "2" from a command line or lm-eval's model_args
         try:
             if passes == AUTO:
                 return cls(mode, AUTO_MAX if max_passes is None else max_passes, AUTO_TOL if tol is None else tol)
@@ -72,23 +109,39 @@ class DecodeMode:
                 raise
             raise error(str(err)) from None
 
+    of = parse  # the older name
+
     @classmethod
     def from_passes(cls, passes: int) -> DecodeMode:
         """The mode whose prompt read is `passes` Jacobi passes: STANDARD for 1, FUSED with passes - 1 else."""
         integer("passes", passes, 1, error=InputError)
         return cls("standard") if passes == 1 else cls("fused", passes - 1)
 
-    @classmethod
-    def parse(cls, text: str) -> DecodeMode:
-        """'soft', 'fused' (one prefill pass), 'fused:2', 'fused:auto' -> a DecodeMode."""
-        name, _, k = text.partition(":")
-        if not k:
-            return cls(name, 1)
-        if k != AUTO and not (k.isascii() and k.isdigit()):
-            raise InputError(f"mode {text!r} is not MODE or fused:K (e.g. fused:2, fused:auto)")
-        if name != "fused":
-            raise InputError(f"mode {text!r}: only fused takes prefill passes (fused:K); accepted: {', '.join(MODES)}")
-        return cls.of(name, k if k == AUTO else int(k))
+    # ---------------------------------------------------------------- how it reads a prompt
+    def read(self, length: int, fed: int = 0, *, fixed_point: int | None = None, what: str = "fed prompt positions",
+             error: type[FullbandError] = InputError) -> Read:
+        """How this mode reads a `length`-token prompt whose rows hold at most `fed` positions read as they were
+        generated (SOFT's fed spans: a conversation's earlier replies). `fixed_point`: the Jacobi passes after which
+        the prompt is exact (the model's exact_passes(length); default length). The one place this is decided:
+
+          EXACT        the recurrence (passes 0)
+          fed spans    SOFT only: 1 + fed passes, each fed position one more (position t is exact one pass after
+                       t - 1 when fed, in the same pass when plain), the rest of the prompt plain
+          the others   1 + k passes (STANDARD / SOFT k = 0), FUSED stopping early on `tol`; a one-pass read keeps
+                       the prompt plain
+
+        and never more than `fixed_point` passes: past the fixed point a pass recomputes the prompt unchanged."""
+        cap = max(1, length if fixed_point is None else fixed_point)
+        rereads = self.name == "fused"
+        if fed:
+            if self.name != "soft":
+                raise error(f"{what}: fed prompt positions are for mode 'soft' (a plain prompt, fed replies), not "
+                            f"{self.label!r}: standard feeds nothing, fused and exact read the whole prompt fed")
+            return Read(min(1 + fed, cap), None, True, "plain", rereads)
+        if self.exact:
+            return Read(0, None, False, "exact", rereads)
+        return Read(min(self.passes, cap), self.tolerance, self.passes == 1,
+                    "plain" if self.passes == 1 else f"fused:{self.fused_passes}", rereads)
 
     # ---------------------------------------------------------------- what the mode means
     @property

@@ -28,7 +28,7 @@ from torch import Tensor
 from fullband.decode.generate import stream
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
-from fullband.model.core import FeedbackModel, prompt_plain, shift_right
+from fullband.model.core import FeedbackModel
 from fullband.model.mode import DecodeMode
 from fullband.validate import number, parse_int
 
@@ -167,13 +167,14 @@ def _parallel(model: FeedbackModel, r: Rollout, passes: int | None, how: Scoring
     dm = r.mode
     if not dm.feeds_state:  # STANDARD: nothing is fed, one plain pass is the exact reading
         return _gather(model, model(ids, passes=1, return_logits=False).top, ids, at, how)
-    plain_prompt = prompt_plain(dm, prompt)
+    read = dm.read(int(plen.max()))
+    plain_prompt = read.plain(prompt)
     # the states prompt positions read: those at positions < prompt length - state_lag (each position its
     # predecessor's; under ponder each ponder slot its own token's, so the last prompt position's too)
     held = torch.arange(ids.shape[1], device=ids.device)[None, :] < (plen - model.state_lag)[:, None]
     if passes is None:
         return _gather(model, _replay(model, r, ids, plen, at, plain_prompt, held), ids, at, how)
-    k = dm.fused_passes
+    k = read.passes - 1
     frozen: list[Tensor] = []
 
     # FUSED k: from pass 1 + k on, prompt positions keep reading what they read in pass 1 + k (their states stay as

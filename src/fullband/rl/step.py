@@ -21,7 +21,7 @@ from torch import Tensor
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError, TrainingDiverged
 from fullband.model.core import FeedbackModel
-from fullband.rl.logprob import Rollout, logprobs, parse_path, prompt_plain, rl_mode, rollout, sequences
+from fullband.rl.logprob import Rollout, logprobs, parse_path, rl_mode, rollout, sequences
 from fullband.rl.objective import group_advantages, policy_loss
 from fullband.validate import integer, number
 
@@ -177,7 +177,7 @@ def _rejection_sft(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Ro
     q = torch.arange(1, ids.shape[1], device=ids.device)[None, :]  # the position each target sits at
     targets = torch.where((q >= plen[:, None]) & (q < end[:, None]), ids[:, 1:], -100)
     passes = 1 if not r.mode.feeds_state else settings.sft_passes
-    plain = prompt_plain(r.mode, prompt)  # the prompts as the mode reads them (fed under FUSED k > 0)
+    plain = r.mode.read(prompt.shape[1]).plain(prompt)  # the prompts as the mode reads them (fed: FUSED k > 0)
     plain = None if plain is None else plain[:, :-1]
     gen = torch.Generator(device=ids.device).manual_seed(seed)
     out = objective(model, ids[:, :-1], targets, passes, plain_mask=plain, generator=gen, noise=True)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fullband.model.mode import DecodeMode
+
 
 @dataclass
 class Objective:
@@ -68,7 +70,8 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     net = getattr(model, "module", model)  # DDP: the model inside
     cfg = net.config
     noise = net.training if noise is None else noise
-    run = passes if noise else min(passes, net.exact_passes(input_ids.shape[1]))
+    T = input_ids.shape[1]
+    run = passes if noise else DecodeMode.from_passes(passes).read(T, fixed_point=net.exact_passes(T)).passes
     ntps: list[Tensor] = []
 
     def each_pass(j: int, state: Tensor, top: Tensor) -> Tensor:

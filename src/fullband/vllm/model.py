@@ -26,9 +26,7 @@ n > 1, CUDA graphs, what is not served; each case is tested): README.md's "Servi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,12 +50,13 @@ from vllm.forward_context import get_forward_context
 from fullband.errors import ConfigError
 from fullband.model.attention import _attend, window_mask
 from fullband.model.config import ModelConfig
-from fullband.model.core import FeedbackModel, plain_positions
+from fullband.model.core import FeedbackModel
 from fullband.model.fusion import build_fusion
 from fullband.model.layers import RMSNorm as NativeRMSNorm
 from fullband.model.weights import lookup, named, split
 from fullband.vllm.engine import default_mode_of, model_config_of
-from fullband.vllm.tracker import FUSED, SERVED, STANDARD, RequestTracker
+from fullband.vllm.plan import Blocks, StepPlan, plan_step, run_step
+from fullband.vllm.tracker import SERVED
 
 # ---------------------------------------------------------------------------------------------------- the layers
 class FeedbackAttention(nn.Module):
@@ -211,139 +210,6 @@ class FeedbackStack(nn.Module):
         return (top if self.feedback == "final" else x), top
 
 
-# ---------------------------------------------------------------------------------------------------- the step plan
-@dataclass
-class DenseJob:
-    """A FUSED prompt with positions in this step's chunk: passes 1..J-1 run over the whole prompt at its first
-    chunk (kept for its later chunks), and the chunk's prompt rows take pass J's inputs from them, so every chunk
-    writes pass J's keys and values itself (a cached prefix of them is what it would write)."""
-
-    prompt: list[int]
-    passes: int  # Jacobi passes over the prompt (1 + k, at most its length)
-    start: int  # first position of this step's chunk
-    first_row: int  # the chunk's first row in the packed batch
-    rows: int  # rows of the chunk that are prompt positions
-    batch_row: int  # the request's row in this step's batch (its tracker row)
-    last: bool  # the prompt's last chunk (its kept passes are dropped after it)
-
-
-@dataclass
-class StepPlan:
-    """What this step's forward does beyond one plain pass, from the batch layout and the tracked requests."""
-
-    rows: int  # requests in the batch
-    last_rows: torch.Tensor  # (rows,) each request's last packed row: its new state goes back to its row
-    any_feed: bool = False  # some row is fused (else the step is an ordinary transformer step)
-    token_req: torch.Tensor | None = None  # (N,) the state row each packed row reads
-    token_feed: torch.Tensor | None = None  # (N,) whether it is fused
-    fed_rows: torch.Tensor | None = None  # the fused rows
-    fed_reqs: torch.Tensor | None = None  # the state row each of them reads
-    dense: list[DenseJob] = field(default_factory=list)
-    iterate: int = 0  # extra passes for rows fed by a row of the same step (recomputed outputs, fed spans)
-    chain_rows: torch.Tensor | None = None  # those rows
-    chain_from: torch.Tensor | None = None  # the row each of them reads (row - 1 in its chunk, or another request's)
-    sampled: list[tuple[int, int]] = field(default_factory=list)  # (batch row, position) of rows whose states are
-    #                                         kept (fullband_states) and that sample a token from this step
-    # prefix caching: the state of each cached block's last position, kept by block id (a block's keys and values
-    # do not hold it), written for every row that ends a block and read by a request whose first computed position
-    # is fed and follows a cached block (its own state row has none: a new or resumed request)
-    store_rows: torch.Tensor | None = None  # rows that end a block
-    store_blocks: torch.Tensor | None = None  # their blocks
-    restore_reqs: torch.Tensor | None = None  # batch rows whose state comes from a block's kept state
-    restore_blocks: torch.Tensor | None = None  # those blocks
-    blocks: int = 0  # 1 + the largest block id the plan reads or writes
-
-
-def plan_step(tracker: RequestTracker, qsl: list[int], starts: list[int], ids: np.ndarray | None,
-              bos_token_id: int | None, device: torch.device, slots: np.ndarray | None = None,
-              block_size: int = 0, block_at=None) -> StepPlan:
-    """The plan of one step: packed rows qsl[i]:qsl[i+1] are the chunk of batch row i, from position starts[i];
-    ids (N,) the packed rows' tokens (None: unknown, no BOS rule). With prefix caching: slots (N,) the rows' KV
-    slots (vLLM's slot_mapping) in blocks of block_size, block_at(i, j) the id of batch row i's j-th block."""
-    R = len(starts)
-    bounds = np.asarray(qsl, dtype=np.int64)
-    plan = StepPlan(rows=R, last_rows=torch.from_numpy(bounds[1:] - 1).to(device))
-    prompt_len, start = tracker.prompt_len[:R], np.asarray(starts, dtype=np.int64)
-    end = start + np.diff(bounds)
-    row = np.repeat(np.arange(R), np.diff(bounds))  # each packed row's request
-    offset = np.arange(bounds[-1]) - bounds[row]  # its place in the chunk
-    pos = start[row] + offset
-    # SOFT / FUSED requests feed their generated positions: past the prompt, which is read plainly (a FUSED
-    # prompt's own passes are planned below) but for a SOFT request's fed spans (a conversation's replies), and
-    # not where the plain rule says otherwise (a BOS)
-    prompt = pos < prompt_len[row]
-    for i in np.nonzero(tracker.has_fed[:R])[0]:
-        rows_i = slice(bounds[i], bounds[i + 1])
-        for a, b in tracker.fed[i]:
-            prompt[rows_i] &= (pos[rows_i] < a) | (pos[rows_i] >= b)
-    plain = plain_positions(ids, pos, bos_token_id if ids is not None else None, mask=prompt)
-    fed = (tracker.mode[:R][row] != STANDARD) & ~plain
-    # fed rows whose predecessor is computed in this same step (recomputed outputs, fed prompt spans): iterated,
-    # one more pass per such row (core.fed_passes)
-    chain = np.nonzero(fed & (offset > 0))[0]
-    for i in np.nonzero((tracker.mode[:R] == FUSED) & (np.minimum(tracker.passes[:R], prompt_len) > 1)
-                        & (start < prompt_len))[0]:  # a chunk of a FUSED prompt
-        P, first = int(prompt_len[i]), int(start[i])
-        plan.dense.append(DenseJob(prompt=tracker.prompts[i], passes=min(int(tracker.passes[i]), P), start=first,
-                                   first_row=int(bounds[i]), rows=min(P, int(end[i])) - first, batch_row=int(i),
-                                   last=P <= end[i]))
-    plan.any_feed = bool(fed.any()) or bool(plan.dense)
-    sampling = np.nonzero(tracker.keeps_states[:R] & (end >= prompt_len))[0]  # vectorised: this runs every step
-    plan.sampled = [(int(i), int(end[i]) - 1) for i in sampling]
-    source = chain - 1
-    if slots is not None:
-        chain, source = _cached_states(plan, tracker, fed, bounds, start, chain, source, slots, block_size, block_at,
-                                       device)
-    if chain.size:
-        plan.chain_rows = torch.from_numpy(chain).to(device)
-        plan.chain_from = torch.from_numpy(source).to(device)
-        crossed = bool((row[source] != row[chain]).any())  # a chain through another request: its passes add up
-        plan.iterate = int(chain.size) if crossed else int(np.bincount(row[chain]).max())
-    rows = np.nonzero(fed)[0]
-    if plan.dense or chain.size:  # the rare paths read every row
-        plan.token_req = torch.from_numpy(row).to(device)
-        plan.token_feed = torch.from_numpy(fed).to(device)
-    elif rows.size:
-        plan.fed_rows = torch.from_numpy(rows).to(device)
-        plan.fed_reqs = torch.from_numpy(row[rows]).to(device)
-    return plan
-
-
-def _cached_states(plan: StepPlan, tracker: RequestTracker, fed: np.ndarray, bounds: np.ndarray, start: np.ndarray,
-                   chain: np.ndarray, source: np.ndarray, slots: np.ndarray, size: int, block_at, device):
-    """The plan's part in the block states: which rows end a block (store), and where a request whose state row
-    holds nothing yet (a new or resumed one, after a cache hit) gets the state its first, fed, position reads: the
-    kept state of the cached block before it (restore), or, when that block's last position is computed in this
-    very step (vLLM caches a block when its last token is scheduled), that row, as a chain link. -> chain, source."""
-    R = len(start)
-    ends = np.nonzero((slots >= 0) & (slots % size == size - 1))[0]
-    first = bounds[:-1]
-    fresh = np.nonzero(tracker.fresh[:R] & (start > 0) & (start % size == 0) & (first < bounds[1:]))[0]
-    fresh = fresh[fed[first[fresh]]]
-    restore: list[tuple[int, int]] = []
-    links: list[tuple[int, int]] = []
-    for i in fresh:
-        block = int(block_at(int(i), int(start[i]) // size - 1))
-        here = np.nonzero(slots == block * size + size - 1)[0]
-        if here.size:
-            links.append((int(first[i]), int(here[0])))
-        else:
-            restore.append((int(i), block))
-    if ends.size:
-        plan.store_rows = torch.from_numpy(ends).to(device)
-        plan.store_blocks = torch.from_numpy(slots[ends] // size).to(device)
-        plan.blocks = int(slots[ends].max()) // size + 1
-    if restore:
-        reqs, blocks = zip(*restore)
-        plan.restore_reqs = torch.tensor(reqs, device=device)
-        plan.restore_blocks = torch.tensor(blocks, device=device)
-        plan.blocks = max(plan.blocks, max(blocks) + 1)
-    if links:
-        to, frm = (np.asarray(v, dtype=np.int64) for v in zip(*links))
-        chain, source = np.concatenate([chain, to]), np.concatenate([source, frm])
-    return chain, source
-
-
 # ---------------------------------------------------------------------------------------------------- the model
 class DensePrompt(FeedbackModel):
     """The served model's whole-prompt path as the method's core sees a runtime: its own layers over one sequence
@@ -418,39 +284,25 @@ class FullbandForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None, **_: object) -> torch.Tensor:
-        core = self.core
-        plain = core.plain_input(self.embed(input_ids) if inputs_embeds is None else inputs_embeds)
+        plain = self.core.plain_input(self.embed(input_ids) if inputs_embeds is None else inputs_embeds)
         plan = self._plan(positions, input_ids)
-        if plan is not None and plan.blocks > self.block_state.shape[0]:  # grown to the block ids seen
+        if plan is None:  # profile and warm-up runs, STANDARD-only batches: an ordinary step, no state kept
+            return self._stack(positions, plain)[1]
+        if plan.blocks > self.block_state.shape[0]:  # grown to the block ids seen
             grown = self.state.new_zeros(max(plan.blocks, 2 * self.block_state.shape[0]), self.cfg.d_model)
             grown[:self.block_state.shape[0]] = self.block_state
             self.block_state = grown
-        if plan is not None and plan.restore_reqs is not None:
+        if plan.restore_reqs is not None:
             self.state[plan.restore_reqs] = self.block_state[plan.restore_blocks]
-        x, prev, feed = plain, None, None
-        if plan is not None and plan.any_feed and not (plan.dense or plan.iterate):
-            # the common step (decoding, plain prompts): fuse the fed rows only, from their requests' states
-            rows = plan.fed_rows
-            x = plain.index_copy(0, rows, core.fuse(plain[rows], self.state[plan.fed_reqs]))
-        elif plan is not None and plan.any_feed:
-            prev, feed = self.state[plan.token_req], plan.token_feed.clone()
-            for job in plan.dense:
-                self._dense_prefill(job, prev, feed)
-            x = core.pass_inputs(plain, prev, ~feed)
-        state, top = self._stack(positions, x)
-        for _ in range(plan.iterate if plan is not None else 0):
-            prev = prev.clone()
-            prev[plan.chain_rows] = state[plan.chain_from].to(prev.dtype)
-            state, top = self._stack(positions, core.pass_inputs(plain, prev, ~feed))
-        if plan is not None:  # a real step (profile and warm-up runs leave the states alone)
-            self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
-            SERVED.tracker.fresh[:plan.rows] = False
-            if plan.store_rows is not None:
-                self.block_state[plan.store_blocks] = state[plan.store_rows].to(self.block_state.dtype)
-            if plan.sampled:  # the state each token sampled from these rows will read; one copy to the host
-                rows = self.state[[row for row, _ in plan.sampled]].cpu()
-                for (row, pos), kept in zip(plan.sampled, rows):
-                    SERVED.kept_states.setdefault(SERVED.tracker.states_key[row], {})[pos] = kept
+        state, top = run_step(plan, self.core, lambda x: self._stack(positions, x), plain, self.state, SERVED.tracker)
+        self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
+        SERVED.tracker.fresh[:plan.rows] = False
+        if plan.store_rows is not None:
+            self.block_state[plan.store_blocks] = state[plan.store_rows].to(self.block_state.dtype)
+        if plan.sampled:  # the state each token sampled from these rows will read; one copy to the host
+            rows = self.state[[row for row, _ in plan.sampled]].cpu()
+            for (row, pos), kept in zip(plan.sampled, rows):
+                SERVED.kept_states.setdefault(SERVED.tracker.states_key[row], {})[pos] = kept
         return top
 
     def _stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,7 +323,7 @@ class FullbandForCausalLM(nn.Module):
         if md is None or tracker.batch_size == 0:
             return None
         R = min(tracker.batch_size, md.query_start_loc.shape[0] - 1)
-        if not tracker.mode[:R].any() and not self.caching:  # only STANDARD requests: nothing is fed, no state
+        if not tracker.feeds[:R].any() and not self.caching:  # only STANDARD requests: nothing is fed, no state
             return None  # is read later (with prefix caching, their blocks' states may be)
         qsl = md.query_start_loc[:R + 1].tolist()
         starts = positions.index_select(0, md.query_start_loc[:R].to(positions.device, torch.long)).tolist()
@@ -483,27 +335,9 @@ class FullbandForCausalLM(nn.Module):
             raise ConfigError(f"prefix caching with latent feedback keeps each block's last state by the attention "
                               f"metadata's slot_mapping and block_table, which {type(md).__name__} lacks; serve with "
                               "--no-enable-prefix-caching")
-        slots = md.slot_mapping[:qsl[-1]].cpu().numpy()
-        return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device, slots,
-                         self.cache_config.block_size, lambda i, j: int(md.block_table[i, j]))
-
-    # ------------------------------------------------------------ a FUSED prompt
-    def _dense_prefill(self, job: DenseJob, prev: torch.Tensor, feed: torch.Tensor) -> None:
-        """A chunk of a FUSED prompt: passes 1..J-1 over all its positions (the core's pass loop on DensePrompt) at
-        its first chunk, kept in the tracker until its last; the chunk's rows take pass J's inputs (prev, feed set in
-        place)."""
-        core, tracker = self.core, SERVED.tracker
-        kept = tracker.fused[job.batch_row]
-        if kept is None:
-            ids = torch.tensor([job.prompt], dtype=torch.long, device=prev.device)  # (1, T)
-            e, plain = core.embed_inputs(ids), core.plain_of(ids)
-            kept = core.iterate(e, plain, job.passes - 1)[0][0], plain[0]
-        tracker.fused[job.batch_row] = None if job.last else kept
-        state, plain = kept
-        rows = slice(job.first_row, job.first_row + job.rows)
-        chunk = torch.arange(job.start, job.start + job.rows, device=prev.device)
-        prev[rows] = state[(chunk - 1).clamp(min=0)].to(prev.dtype)
-        feed[rows] = ~plain[chunk]
+        blocks = Blocks(md.slot_mapping[:qsl[-1]].cpu().numpy(), self.cache_config.block_size,
+                        lambda i, j: int(md.block_table[i, j]))
+        return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device, blocks)
 
     # ------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -16,7 +16,6 @@ from typing import Any
 from fullband.data.chat.messages import as_message
 from fullband.errors import DataError, InputError, closest
 from fullband.files import decode_text, parse_json
-from fullband.model.core import check_fed_mode
 from fullband.model.mode import DecodeMode
 from fullband.validate import spans
 
@@ -69,7 +68,7 @@ def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, h
                              "accepted with it: feedback_mode 'soft' or 'fused'")
     if FED in args:
         fed_spans(args[FED])
-        check_fed_mode(mode, InputError, what=f"{FED}={args[FED]!r}")
+        mode.read(MAX_PASSES, 1, what=f"{FED}={args[FED]!r}")  # fed spans are SOFT's
     return mode
 
 
@@ -166,17 +165,11 @@ def served_default(feedback_mode: Any, prefill_passes: Any, *, has_feedback: boo
                         if feedback_mode == "fused" else {"feedback_mode": feedback_mode}, DecodeMode("soft"))
 
 
-def prompt_read(mode: DecodeMode) -> str:
-    """What a prompt's keys and values depend on besides its tokens: "plain" for one plain pass (STANDARD, SOFT,
-    FUSED with k = 0), "fused:K" for 1 + K Jacobi passes (a position's are a function of its prefix and K)."""
-    return "plain" if mode.passes == 1 else f"fused:{mode.fused_passes}"
-
-
 def block_keys(mode: DecodeMode, runs: tuple[tuple[int, int], ...], start: int, end: int) -> tuple:
     """fullband's extra keys of the cached block holding positions [start, end) of a request whose fed positions
     are `runs` (fed_runs; vLLM chains block hashes, so a key on one block sets apart every block after it):
 
-      * the first block carries the prompt's read (prompt_read): plain prompt blocks are shared by STANDARD and
+      * the first block carries the prompt's read (Read.key): plain prompt blocks are shared by STANDARD and
         SOFT requests, FUSED-K ones by FUSED-K requests with the same prefix, and never one by the other;
       * a block holding fed positions (fed prompt spans, generated positions of any mode but STANDARD) carries
         which of its positions they are. With the tokens and the read, that fixes the block's keys and values (the
@@ -187,7 +180,7 @@ def block_keys(mode: DecodeMode, runs: tuple[tuple[int, int], ...], start: int, 
     STANDARD generates plain positions, so its output blocks are what a later plain read of the same tokens
     computes, and get no key. The state a block's last position feeds forward is not in its keys and values: the
     model keeps it by block id (fullband.vllm.model)."""
-    keys: list[tuple] = [("fullband-read", prompt_read(mode))] if start == 0 else []
+    keys: list[tuple] = [("fullband-read", mode.read(MAX_PASSES).key)] if start == 0 else []
     fed = tuple((max(a, start) - start, min(b, end) - start) for a, b in runs if a < end and b > start)
     if fed:
         keys.append(("fullband-fed", fed))

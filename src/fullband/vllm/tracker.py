@@ -4,8 +4,9 @@
   * checks each request's mode when vLLM admits it (`validate_params`, run by the frontend: a bad mode is an
     HTTP 400 with our message and never reaches the engine), and
   * follows vLLM's persistent batch in the worker (`update_state`: requests added with their SamplingParams and
-    prompt, removed, moved between rows), keeping each row's mode, prompt length, fed prompt spans and (FUSED)
-    prompt tokens and kept passes, and moving the rows of the model's fed-back state buffer with them.
+    prompt, removed, moved between rows), keeping each row's Read (fullband.vllm.plan.Rows: passes, prompt
+    length, fed prompt spans, a FUSED prompt's tokens and kept passes), and moving the rows of the model's fed-back
+    state buffer with them.
 
 vLLM builds the processor itself from its name (TRACKER), so what it shares with the served model in a process
 lives in one object, SERVED: the folder's rules (set by the engine hook and the model), the worker's tracker and
@@ -15,17 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from fullband.errors import InputError
 from fullband.model.mode import DecodeMode
+from fullband.vllm.plan import Rows
 from fullband.vllm.requests import MAX_PASSES, STATES, fed_runs, request_mode
 
 TRACKER = "fullband.vllm.tracker:RequestTracker"
-STANDARD, SOFT, FUSED = 0, 1, 2
-CODES = {"standard": STANDARD, "soft": SOFT, "fused": FUSED}
 
 
 @dataclass
@@ -57,7 +56,9 @@ class Served:
 SERVED = Served()
 
 
-class RequestTracker(LogitsProcessor):
+class RequestTracker(LogitsProcessor, Rows):
+    """vLLM's view of the batch rows (a logits processor that changes no logits) kept as the step plan reads them."""
+
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         try:
@@ -66,18 +67,7 @@ class RequestTracker(LogitsProcessor):
             raise ValueError(str(err)) from None
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        n = vllm_config.scheduler_config.max_num_seqs
-        self.mode = np.zeros(n, dtype=np.int64)
-        self.passes = np.ones(n, dtype=np.int64)
-        self.prompt_len = np.zeros(n, dtype=np.int64)
-        self.prompts: list[list[int] | None] = [None] * n
-        self.fused: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n  # a FUSED prompt's kept passes
-        self.states_key: list[str | None] = [None] * n  # where a row's fed states go (SERVED.kept_states)
-        self.keeps_states = np.zeros(n, dtype=bool)  # the rows that have a states_key (read every step)
-        self.fed: list[tuple[tuple[int, int], ...]] = [()] * n  # prompt spans read fed (a SOFT request's fed_spans)
-        self.has_fed = np.zeros(n, dtype=bool)
-        self.fresh = np.zeros(n, dtype=bool)  # added since its last step: its state row holds nothing of its own
-        self.batch_size = 0
+        Rows.__init__(self, vllm_config.scheduler_config.max_num_seqs)
         SERVED.tracker = self
 
     def is_argmax_invariant(self) -> bool:
@@ -87,30 +77,16 @@ class RequestTracker(LogitsProcessor):
         if batch_update is None:
             return
         self.batch_size = batch_update.batch_size
-        for index in batch_update.removed:  # what a finished or aborted request kept goes with it
-            self.prompts[index], self.fused[index], self.states_key[index] = None, None, None
-            self.keeps_states[index] = False
+        for index in batch_update.removed:
+            self.remove(index)
         for index, params, prompt, _ in batch_update.added:
             mode = SERVED.mode_of(params)  # admitted by validate_params, so this cannot fail
-            self.mode[index] = CODES[mode.name]
-            self.passes[index] = mode.passes
-            self.prompt_len[index] = len(prompt or ())
-            self.prompts[index] = list(prompt) if mode.name == "fused" and mode.passes > 1 else None
-            self.fused[index] = None
-            self.states_key[index] = (getattr(params, "extra_args", None) or {}).get(STATES)
-            self.keeps_states[index] = self.states_key[index] is not None
-            runs = fed_runs(mode, getattr(params, "extra_args", None), self.prompt_len[index])
-            self.fed[index] = tuple(run for run in runs if run[0] < self.prompt_len[index])  # the prompt's
-            self.has_fed[index] = bool(self.fed[index])
-            self.fresh[index] = True
+            extra = getattr(params, "extra_args", None)
+            self.add(index, mode, prompt, fed_runs(mode, extra, len(prompt or ())), (extra or {}).get(STATES))
         for a, b, direction in batch_update.moved:
             rows = [a, b] if direction == MoveDirectionality.SWAP else [a]
             to = [b, a] if direction == MoveDirectionality.SWAP else [b]
-            for arr in (self.mode, self.passes, self.prompt_len, self.keeps_states, self.has_fed, self.fresh):
-                arr[to] = arr[rows]
-            moving = [(self.prompts[r], self.fused[r], self.states_key[r], self.fed[r]) for r in rows]
-            for r, (p, f, k, fed) in zip(to, moving):
-                self.prompts[r], self.fused[r], self.states_key[r], self.fed[r] = p, f, k, fed
+            self.move(rows, to)
             if SERVED.state is not None:
                 SERVED.state[to] = SERVED.state[rows]
 
