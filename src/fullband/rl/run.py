@@ -146,16 +146,6 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % 2**63
 
 
-def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bool = True) -> Path:
-    """Run (or resume) the recipe; returns the run directory. The run sets torch's threads (rl.threads) and gives
-    the caller its count back."""
-    before = torch.get_num_threads()
-    try:
-        return _rl_train(recipe, resume=resume, progress=progress)
-    finally:
-        torch.set_num_threads(before)
-
-
 @dataclass
 class _Run:
     """What a run holds while it trains: the policy, its optimizer and the frozen reference (kl_coef > 0), the
@@ -178,7 +168,9 @@ class _Run:
         return self.recipe.rl
 
 
-def _rl_train(recipe: RLRecipe, *, resume: str | Path | None, progress: bool) -> Path:
+def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bool = True) -> Path:
+    """Run (or resume) the recipe; returns the run directory. The run sets torch's threads (rl.threads) and gives
+    the caller its count back."""
     from tqdm.auto import tqdm
 
     from fullband.rl.logprob import rl_mode

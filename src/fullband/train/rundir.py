@@ -28,15 +28,16 @@ MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tok
 class RunDir:
     """One run's folder from start to end: owned by this process (`owner`: the main rank) before anything in it is
     read or written; on a resume (`resume`: the run directory or one of its step folders), its checkpoint found and
-    settings that differ from run.json's refused; run.json written once, by a new run; metrics.jsonl cut back to the
-    checkpoint a resume starts from; and, after a failure, the folder it created removed when nothing was written to
-    it. `key`: the recipe's setting that names the folder (log.run_dir, rl.run_dir), as messages say it."""
+    settings that differ from run.json's refused; torch's threads the run's own until release() gives the caller its
+    count back; run.json written once, by a new run; metrics.jsonl cut back to the checkpoint a resume starts from;
+    and, after a failure, the folder it created removed when nothing was written to it. `key`: the recipe's setting
+    that names the folder (log.run_dir, rl.run_dir), as messages say it."""
 
     def __init__(self, folder: str | Path, *, resume: str | Path | None, key: str = "log.run_dir",
                  owner: bool = True) -> None:
         self.resume = Path(resume) if resume is not None else None
         self.path = resume_run_dir(self.resume) if self.resume is not None else Path(folder)
-        self.owner = owner
+        self.owner, self.threads = owner, torch.get_num_threads()  # the caller's, given back by release()
         self.checkpoint: Path | None = None  # the one a resume starts from (None: from step 0)
         # the run directory is owned before anything in it is read or written: a second process stops here
         self.lock, self.created = claim_run_dir(self.path, resume=resume is not None, key=key) if owner else (None, False)
@@ -90,6 +91,7 @@ class RunDir:
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
+        torch.set_num_threads(self.threads)
 
     def __enter__(self) -> RunDir:
         return self

@@ -309,15 +309,12 @@ def say_memory(cfg: RunConfig, device) -> None:
 
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
-    before = torch.get_num_threads()  # the run sets its own (train.threads); the caller gets its count back
+    """Run (or resume) `cfg`; the run sets torch's threads (train.threads) and gives the caller its count back."""
+    trainer = Trainer(cfg, resume=resume)
     try:
-        trainer = Trainer(cfg, resume=resume)
-        try:
-            return trainer.run()
-        finally:
-            trainer.close()
+        return trainer.run()
     finally:
-        torch.set_num_threads(before)
+        trainer.close()
 
 
 def _autocast(dtype: str, device: torch.device):
