@@ -98,6 +98,46 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
     from tqdm.auto import tqdm
 
     std_cfg = standard_of(cfg)
+    _check_cost(cfg, passes=passes, batch=batch, seq_len=seq_len, prompt_len=prompt_len, new_tokens=new_tokens,
+                decode_batches=decode_batches, fused_passes=fused_passes, dtype=dtype)
+    schedule_row = _schedule_row(cfg, schedule, seq_len) if schedule else None  # counted, before anything is timed
+    torch.manual_seed(seed)
+    method = FullbandLM(cfg).to(getattr(torch, dtype))
+    standard = FullbandLM(std_cfg).to(getattr(torch, dtype))
+    modes = modes_of(cfg, fused_passes)
+    rounds = repeats + 1
+    total = rounds * (len(passes) + 1 + len(decode_batches) * (1 + len(modes)))
+    bar = tqdm(total=total, desc="bench cost", unit="run", disable=(None if progress is None else not progress),
+               dynamic_ncols=True)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    train_rows = _train_rows(method.train(), standard.train(), ids, passes, repeats, bar.update)
+    if schedule_row:
+        train_rows.append(schedule_row)
+    context = prompt_len + new_tokens // 2  # the keys a generated token sees, on average over the run
+    decode_rows, prefill_rows = [], []
+    standard.eval(), method.eval()
+    for b in decode_batches:
+        prompts = torch.randint(0, cfg.vocab_size, (b, prompt_len))
+        decode, prefill = _decode_rows(method, standard, modes, prompts, new_tokens, context, repeats, bar.update)
+        decode_rows += decode
+        prefill_rows += prefill
+    bar.close()
+    for rows in (train_rows, decode_rows, prefill_rows):
+        for row in rows:
+            row["flops_vs_standard"] = row["flops_per_token"] / rows[0]["flops_per_token"]
+    return {"hardware": hardware(), "config": cfg.to_dict(), "dtype": dtype, "threads": torch.get_num_threads(),
+            "params": flops.param_count(cfg), "params_standard": flops.param_count(std_cfg),
+            "params_added": flops.fusion_params(cfg), "kv_bytes_per_token": flops.kv_bytes_per_token(cfg, dtype),
+            "kv_bytes_per_token_standard": flops.kv_bytes_per_token(std_cfg, dtype),
+            "state_bytes_per_row": flops.state_bytes_per_row(cfg, dtype), "batch": batch, "seq_len": seq_len,
+            "prompt_len": prompt_len, "new_tokens": new_tokens, "decode_context": context, "repeats": repeats,
+            "rows": train_rows, "decode": decode_rows, "prefill": prefill_rows}
+
+
+def _check_cost(cfg: ModelConfig, *, passes: Sequence[int], seq_len: int, prompt_len: int, new_tokens: int,
+                fused_passes: int, **sizes) -> None:
+    """Refuse, before anything is built, what run_cost_bench cannot measure or what would not fit in memory
+    (`sizes`: cost_memory's other keywords)."""
     if not cfg.has_feedback and any(k > 1 for k in passes):
         raise InputError(f"--passes {' '.join(map(str, passes))}: fusion='none' trains with one pass only; "
                          "accepted: --passes 1, or a config with a fusion")
@@ -111,76 +151,59 @@ def run_cost_bench(cfg: ModelConfig, *, passes: Sequence[int] = (1, 2, 3), sched
                          f"{cfg.max_seq_len} positions is exact after {most} passes, so more cannot change anything; "
                          f"accepted: 1 <= passes <= {most}")
     DecodeMode("fused", fused_passes).check(cfg, weights=False)  # its cap, said (not the mode silently left out)
-    check_fits(cost_memory(cfg, passes=passes, batch=batch, seq_len=seq_len, prompt_len=prompt_len,
-                           new_tokens=new_tokens, decode_batches=decode_batches, dtype=dtype), "bench cost",
+    check_fits(cost_memory(cfg, passes=passes, seq_len=seq_len, prompt_len=prompt_len, new_tokens=new_tokens,
+                           **sizes), "bench cost",
                smaller="--set d_model / n_layers / d_ff / vocab_size, --batch, --seq-len, --passes, --batch-sizes")
-    schedule_row = None
-    if schedule:  # counted only, and before anything is timed
-        from fullband.train.schedule import PassSchedule
 
-        mean = PassSchedule.parse(schedule).mean_passes()
-        try:
-            cost = flops.train_flops(cfg, mean, seq_len=seq_len)
-        except ValueError as err:
-            raise InputError(f"--schedule {schedule}: {err}") from None
-        schedule_row = {"variant": schedule, "passes": mean, "step_s": None, "time_vs_standard": None,
-                        "flops_per_token": cost}
-    torch.manual_seed(seed)
-    method = FullbandLM(cfg).to(getattr(torch, dtype))
-    standard = FullbandLM(std_cfg).to(getattr(torch, dtype))
-    modes = modes_of(cfg, fused_passes)
-    rounds = repeats + 1
-    total = rounds * (len(passes) + 1 + len(decode_batches) * (1 + len(modes)))
-    bar = tqdm(total=total, desc="bench cost", unit="run", disable=(None if progress is None else not progress),
-               dynamic_ncols=True)
-    tick = bar.update
 
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    timers = {"standard model": _train_timer(standard.train(), ids, 1)}
-    timers.update({f"k={k}": _train_timer(method.train(), ids, k) for k in passes})
+def _schedule_row(cfg: ModelConfig, schedule: str, seq_len: int) -> dict:
+    """The training row of a pass schedule (train.passes): its mean passes' FLOPs, counted, not timed."""
+    from fullband.train.schedule import PassSchedule
+
+    mean = PassSchedule.parse(schedule).mean_passes()
+    try:
+        cost = flops.train_flops(cfg, mean, seq_len=seq_len)
+    except ValueError as err:
+        raise InputError(f"--schedule {schedule}: {err}") from None
+    return {"variant": schedule, "passes": mean, "step_s": None, "time_vs_standard": None, "flops_per_token": cost}
+
+
+def _train_rows(method: FullbandLM, standard: FullbandLM, ids: torch.Tensor, passes: Sequence[int], repeats: int,
+                tick: Callable[[], None]) -> list[dict]:
+    """The training step of the standard model and of the method at each k, timed taking turns on `ids`."""
+    seq_len = ids.shape[1]
+    timers = {"standard model": _train_timer(standard, ids, 1)}
+    timers.update({f"k={k}": _train_timer(method, ids, k) for k in passes})
     times = interleaved(timers, repeats, tick)
     base = statistics.median(times["standard model"])
-    train_rows = [{"variant": "standard model", "passes": 1.0, "flops_per_token": flops.train_flops(std_cfg, 1, seq_len=seq_len),
-                   "step_s": base, "time_vs_standard": 1.0}]
+    rows = [{"variant": "standard model", "passes": 1.0,
+             "flops_per_token": flops.train_flops(standard.config, 1, seq_len=seq_len), "step_s": base,
+             "time_vs_standard": 1.0}]
     for k in passes:  # FLOPs at a run's mean r (train_loops); the timed step runs r = loops
         t = statistics.median(times[f"k={k}"])
-        train_rows.append({"variant": f"k={k}", "passes": float(k), "step_s": t, "time_vs_standard": t / base,
-                           "flops_per_token": flops.train_flops(cfg, k, seq_len=seq_len)})
-    if schedule_row:
-        train_rows.append(schedule_row)
-    for row in train_rows:
-        row["flops_vs_standard"] = row["flops_per_token"] / train_rows[0]["flops_per_token"]
+        rows.append({"variant": f"k={k}", "passes": float(k), "step_s": t, "time_vs_standard": t / base,
+                     "flops_per_token": flops.train_flops(method.config, k, seq_len=seq_len)})
+    return rows
 
-    context = prompt_len + new_tokens // 2  # the keys a generated token sees, on average over the run
-    decode_rows, prefill_rows = [], []
-    standard.eval(), method.eval()
-    for b in decode_batches:
-        prompts = torch.randint(0, cfg.vocab_size, (b, prompt_len))
-        variants = [("standard model", std_cfg, standard, DecodeMode("standard")),
-                    *((m.label.replace(m.name, m.name.upper(), 1), cfg, method, m) for m in modes)]
-        timers = {name: decode_timer(model, prompts, new_tokens, m.name, m.prefill_passes)
-                  for name, _, model, m in variants}
-        times = interleaved(timers, repeats, tick)
-        pre = {name: statistics.median(p for p, _ in ts) for name, ts in times.items()}
-        dec = {name: statistics.median(d for _, d in ts) / (new_tokens - 1) for name, ts in times.items()}
-        for name, model_cfg, _, mode in variants:
-            decode_rows.append({"batch": b, "variant": name, "step_s": dec[name],
-                                "flops_per_token": flops.decode_flops(model_cfg, mode, context),
-                                "time_vs_standard": dec[name] / dec["standard model"]})
-            prefill_rows.append({"batch": b, "variant": name, "prefill_s": pre[name],
-                                 "flops_per_token": flops.prefill_flops(model_cfg, mode, prompt_len),
-                                 "time_vs_standard": pre[name] / pre["standard model"]})
-    bar.close()
-    for rows in (decode_rows, prefill_rows):
-        for row in rows:
-            row["flops_vs_standard"] = row["flops_per_token"] / rows[0]["flops_per_token"]
-    return {"hardware": hardware(), "config": cfg.to_dict(), "dtype": dtype, "threads": torch.get_num_threads(),
-            "params": flops.param_count(cfg), "params_standard": flops.param_count(std_cfg),
-            "params_added": flops.fusion_params(cfg), "kv_bytes_per_token": flops.kv_bytes_per_token(cfg, dtype),
-            "kv_bytes_per_token_standard": flops.kv_bytes_per_token(std_cfg, dtype),
-            "state_bytes_per_row": flops.state_bytes_per_row(cfg, dtype), "batch": batch, "seq_len": seq_len,
-            "prompt_len": prompt_len, "new_tokens": new_tokens, "decode_context": context, "repeats": repeats,
-            "rows": train_rows, "decode": decode_rows, "prefill": prefill_rows}
+
+def _decode_rows(method: FullbandLM, standard: FullbandLM, modes: list[DecodeMode], prompts: torch.Tensor,
+                 new_tokens: int, context: int, repeats: int, tick: Callable[[], None]) -> tuple[list, list]:
+    """Decoding and prefill of `prompts` by the standard model and by the method in each mode, timed taking turns:
+    (decode rows, prefill rows); decode FLOPs at `context` keys."""
+    b, prompt_len = prompts.shape
+    variants = [("standard model", standard, DecodeMode("standard")),
+                *((m.label.replace(m.name, m.name.upper(), 1), method, m) for m in modes)]
+    timers = {name: decode_timer(model, prompts, new_tokens, m.name, m.prefill_passes) for name, model, m in variants}
+    times = interleaved(timers, repeats, tick)
+    pre = {name: statistics.median(p for p, _ in ts) for name, ts in times.items()}
+    dec = {name: statistics.median(d for _, d in ts) / (new_tokens - 1) for name, ts in times.items()}
+    decode = [{"batch": b, "variant": name, "step_s": dec[name],
+               "flops_per_token": flops.decode_flops(model.config, mode, context),
+               "time_vs_standard": dec[name] / dec["standard model"]} for name, model, mode in variants]
+    prefill = [{"batch": b, "variant": name, "prefill_s": pre[name],
+                "flops_per_token": flops.prefill_flops(model.config, mode, prompt_len),
+                "time_vs_standard": pre[name] / pre["standard model"]} for name, model, mode in variants]
+    return decode, prefill
 
 
 def _ratio(value: float | None) -> str:

@@ -6,12 +6,12 @@ scored on held-out conversations in every decoding mode; and the log-probability
 from __future__ import annotations
 
 import math
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
-from fullband.reproduce.runner import BASE, COMMANDS, Experiment, Run, Settings, config_line, rl_run, train_run
+from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, config_line, held_out_chat, rl_run,
+                                       train_tuned)
 
 SFT = "configs/sft-tiny.toml"
 RL = "configs/rl-tiny.toml"
@@ -46,21 +46,13 @@ def post_runs(model: str, start: Path, mode: str, rl_extra: tuple[str, ...]) -> 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_out: int = 300,
            max_new_tokens: int = 128, sft_extra: tuple[str, ...] = (), rl_extra: tuple[str, ...] = (),
            study_prompts: int = 8, study_tokens: int = 32) -> list[str]:
-    from fullband.data.chat.arithmetic import write_chat_jsonl
-    from fullband.data.chat.sources import chat_conversations
-    from fullband.eval.commands import eval_chat
-    from fullband.files import read_json
-    from fullband.train.checkpoint import read_trainer_state
     from fullband.train.config import load_run_config
 
     base, sft, std_base, std_sft = runs
-    ckpts, walls, spent = {}, {}, {}
-    for tuned, start in ((sft, base), (std_sft, std_base)):
-        start_ckpt, walls[start.name] = train_run(root, start, settings)
-        tuned.overrides = [*tuned.overrides, f'train.init_from="{start_ckpt}"']
-        ckpts[tuned.name], walls[tuned.name] = train_run(root, tuned, settings, list(sft_extra))
-        states = [read_trainer_state(c) for c in (start_ckpt, ckpts[tuned.name])]
-        spent[tuned.name] = sum(s["compute_tokens"] for s in states)
+    tuned = train_tuned(root, ((sft, base), (std_sft, std_base)), settings, sft_extra)
+    walls = {name: wall for t, s in ((sft, base), (std_sft, std_base))
+             for name, wall in ((s.name, tuned[t.name].start_wall), (t.name, tuned[t.name].wall))}
+    ckpts = {name: t.checkpoint for name, t in tuned.items()}
     post = {"fbt": post_runs("fbt", ckpts[sft.name], "soft", rl_extra),
             "standard": post_runs("standard", ckpts[std_sft.name], "standard", rl_extra)}
     for group in post.values():
@@ -69,61 +61,16 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
 
     # held-out conversations: the SFT runs' own validation split of the corpus, never trained on
     cfg = load_run_config(SFT, [f'data.corpus="{CORPUS}"', *settings.extra, *sft_extra])
-    data_file = root / "held_out.jsonl"
-    conversations = islice(chat_conversations(cfg.data.corpus, "val", cfg.data.val_percent), held_out)
-    write_chat_jsonl([{"messages": [{"role": m.role, "content": m.content} for m in c]} for c in conversations],
-                     data_file)
+    data_file = held_out_chat(root, cfg, held_out)
     modes = ["standard", "soft", "fused:1"]
     stage_runs = {"fbt": [sft.name, *(r.name for r in post["fbt"])],
                   "standard": [std_sft.name, *(r.name for r in post["standard"])]}
-    results: dict[str, dict] = {}
-    for model, names in stage_runs.items():
-        for name in names:
-            out = figs / "eval" / name
-            cached = out / "chat.json"
-            if cached.is_file() and _same_eval(cached, ckpts[name], data_file, held_out, max_new_tokens):
-                results[name] = read_json(cached)
-                continue
-            results[name] = eval_chat(ckpts[name], data_file, modes=modes if model == "fbt" else ["standard"],
-                                      out=out, max_new_tokens=max_new_tokens, progress=False)
+    results = _evaluate(stage_runs, ckpts, data_file, figs, held_out, max_new_tokens, modes)
     study = _study(ckpts[sft.name], data_file, study_prompts, study_tokens, figs / "logprob-study.json")
-
-    lines = ["The paper's open problem: its SFT data came from standard decoding (off-policy), and the SOFT model's",
-             "shorter reasoning vanished after SFT; on-policy post-training under latent-feedback decoding is its first",
-             "future direction.", "",
-             f"Here: the demo's full-bandwidth model (`{BASE}`, three passes every step) and a standard model of the",
-             f"same size (`passes = \"none\"`, {PASSES}x the steps: the same training compute, tokens x passes), each "
-             f"instruction-tuned with `{SFT}` on `{CORPUS}` (the built-in arithmetic problems; each reply worked "
-             "fully, by its last step only, or as the answer alone, so a reply's length is the model's choice), then "
-             f"post-trained from that SFT model with `{RL}` on its own samples (the full-bandwidth model sampling in "
-             "SOFT, the standard one in STANDARD; the same prompts, group, steps and seeds):",
-             "- **on-policy SFT** (`rl.algorithm = \"rejection-sft\"`): each step samples G replies per prompt, keeps "
-             "the correct ones and trains on them with the chat objective;",
-             "- **RL** (`rl.algorithm = \"grpo\"`): group-standardised advantages, clipped ratio, token-level "
-             "normalisation; log-probabilities by the exact recurrence.", "",
-             f"Scored on {results[sft.name]['n']} held-out conversations (the SFT runs' validation split): greedy "
-             "answer to the last user turn, exact match of its final `Answer:` line, reply length in tokens (end "
-             "marker included). Differences are paired over the same items. The pretrained base models are code LMs "
-             "without the chat markers: a chat prompt is outside their vocabulary, so the pipeline's first scored "
-             "stage is SFT.", "",
-             "| model | stage | decoding | exact match | vs SFT (same decoding) | reply tokens (mean) | median | "
-             "vs SFT |", "|---|---|---|---|---|---|---|---|"]
-    table = {}
-    for model, names in stage_runs.items():
-        for stage, name in zip(STAGES, names):
-            for row in results[name]["rows"]:
-                table[model, stage, row["mode"]] = row
-    for (model, stage, mode), row in table.items():
-        ref = table[model, "sft", mode]
-        if stage == "sft":
-            d_acc = d_len = ""
-        else:
-            d, se = _paired(row["correct"], ref["correct"])
-            dl, sel = _paired(row["lengths"], ref["lengths"])
-            d_acc, d_len = f"{d:+.3f} ± {se:.3f}", f"{dl:+.1f} ± {sel:.1f}"
-        lines.append(f"| {model} | {stage} | {mode} | {row['accuracy']:.3f} ± {row['accuracy_se']:.3f} | {d_acc} | "
-                     f"{row['tokens']:.1f} ± {row['tokens_se']:.1f} | {np.median(row['lengths']):.0f} | {d_len} |")
-    fbt_compute, std_compute = spent[sft.name], spent[std_sft.name]
+    table = {(model, stage, row["mode"]): row for model, names in stage_runs.items()
+             for stage, name in zip(STAGES, names) for row in results[name]["rows"]}
+    lines = _intro(results[sft.name]["n"]) + _table_lines(table)
+    fbt_compute, std_compute = tuned[sft.name].compute_tokens, tuned[std_sft.name].compute_tokens
     lines += ["", "Training time: " + ", ".join(f"{name} {w / 60:.1f} min" for name, w in walls.items())
               + f". Pretraining + SFT compute (tokens x passes): standard / full-bandwidth = "
               f"{std_compute / fbt_compute:.2f}.", ""]
@@ -141,6 +88,66 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
               "stage's final checkpoint", "- the log-probability study: `fullband.rl.study.logprob_study` on "
               f"{ckpts[sft.name]} (raw: `{figs.name}/logprob-study.json`)"]
     _copy_curves(root, post, figs / "runs")
+    return lines
+
+
+def _evaluate(stage_runs: dict[str, list[str]], ckpts: dict[str, Path], data_file: Path, figs: Path, n: int,
+              max_new_tokens: int, modes: list[str]) -> dict[str, dict]:
+    """Every stage's final checkpoint on the held-out conversations (the full-bandwidth model's in every mode, the
+    standard one's in STANDARD), each evaluation kept beside the report and reused by a rerun."""
+    from fullband.eval.commands import eval_chat
+    from fullband.files import read_json
+
+    results: dict[str, dict] = {}
+    for model, names in stage_runs.items():
+        for name in names:
+            out = figs / "eval" / name
+            cached = out / "chat.json"
+            if cached.is_file() and _same_eval(cached, ckpts[name], data_file, n, max_new_tokens):
+                results[name] = read_json(cached)
+                continue
+            results[name] = eval_chat(ckpts[name], data_file, modes=modes if model == "fbt" else ["standard"],
+                                      out=out, max_new_tokens=max_new_tokens, progress=False)
+    return results
+
+
+def _intro(n: int) -> list[str]:
+    lines = ["The paper's open problem: its SFT data came from standard decoding (off-policy), and the SOFT model's",
+             "shorter reasoning vanished after SFT; on-policy post-training under latent-feedback decoding is its first",
+             "future direction.", "",
+             f"Here: the demo's full-bandwidth model (`{BASE}`, three passes every step) and a standard model of the",
+             f"same size (`passes = \"none\"`, {PASSES}x the steps: the same training compute, tokens x passes), each "
+             f"instruction-tuned with `{SFT}` on `{CORPUS}` (the built-in arithmetic problems; each reply worked "
+             "fully, by its last step only, or as the answer alone, so a reply's length is the model's choice), then "
+             f"post-trained from that SFT model with `{RL}` on its own samples (the full-bandwidth model sampling in "
+             "SOFT, the standard one in STANDARD; the same prompts, group, steps and seeds):",
+             "- **on-policy SFT** (`rl.algorithm = \"rejection-sft\"`): each step samples G replies per prompt, keeps "
+             "the correct ones and trains on them with the chat objective;",
+             "- **RL** (`rl.algorithm = \"grpo\"`): group-standardised advantages, clipped ratio, token-level "
+             "normalisation; log-probabilities by the exact recurrence.", "",
+             f"Scored on {n} held-out conversations (the SFT runs' validation split): greedy "
+             "answer to the last user turn, exact match of its final `Answer:` line, reply length in tokens (end "
+             "marker included). Differences are paired over the same items. The pretrained base models are code LMs "
+             "without the chat markers: a chat prompt is outside their vocabulary, so the pipeline's first scored "
+             "stage is SFT.", "",
+             "| model | stage | decoding | exact match | vs SFT (same decoding) | reply tokens (mean) | median | "
+             "vs SFT |", "|---|---|---|---|---|---|---|---|"]
+    return lines
+
+
+def _table_lines(table: dict) -> list[str]:
+    """A row per model, stage and decoding, with its paired change from the same model's SFT stage."""
+    lines = []
+    for (model, stage, mode), row in table.items():
+        ref = table[model, "sft", mode]
+        if stage == "sft":
+            d_acc = d_len = ""
+        else:
+            d, se = _paired(row["correct"], ref["correct"])
+            dl, sel = _paired(row["lengths"], ref["lengths"])
+            d_acc, d_len = f"{d:+.3f} ± {se:.3f}", f"{dl:+.1f} ± {sel:.1f}"
+        lines.append(f"| {model} | {stage} | {mode} | {row['accuracy']:.3f} ± {row['accuracy_se']:.3f} | {d_acc} | "
+                     f"{row['tokens']:.1f} ± {row['tokens_se']:.1f} | {np.median(row['lengths']):.0f} | {d_len} |")
     return lines
 
 

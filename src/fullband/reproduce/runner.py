@@ -59,6 +59,48 @@ def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None 
     return _reused(run, run_dir, cfg.train.steps, lambda resume: train(cfg, resume=resume))
 
 
+@dataclass
+class Tuned:
+    """A run trained from another's final checkpoint (instruction tuning from its base model)."""
+
+    checkpoint: Path
+    wall: float  # seconds, its own training
+    start_wall: float  # its start's
+    tokens: int  # training tokens of the start and the run together
+    compute_tokens: int  # tokens x passes, both together
+
+
+def train_tuned(root: Path, pairs, settings: Settings, extra: tuple[str, ...] = ()) -> dict[str, Tuned]:
+    """Each (tuned, start) pair of runs: the start trained (or reused), then the tuned one from its final checkpoint
+    (train.init_from, added to the tuned run's overrides) with `extra`; -> the tuned runs by name."""
+    from fullband.train.checkpoint import read_trainer_state
+
+    out = {}
+    for tuned, start in pairs:
+        start_ckpt, start_wall = train_run(root, start, settings)
+        tuned.overrides = [*tuned.overrides, f'train.init_from="{start_ckpt}"']
+        ckpt, wall = train_run(root, tuned, settings, list(extra))
+        states = [read_trainer_state(c) for c in (start_ckpt, ckpt)]
+        out[tuned.name] = Tuned(ckpt, wall, start_wall, *(sum(s[k] for s in states) for k in ("tokens",
+                                                                                              "compute_tokens")))
+    return out
+
+
+def held_out_chat(root: Path, cfg, n: int) -> Path:
+    """The first n conversations of a chat recipe's (`cfg`) validation split, never trained on, written to
+    root/held_out.jsonl."""
+    from itertools import islice
+
+    from fullband.data.chat.arithmetic import write_chat_jsonl
+    from fullband.data.chat.sources import chat_conversations
+
+    data_file = root / "held_out.jsonl"
+    conversations = islice(chat_conversations(cfg.data.corpus, "val", cfg.data.val_percent), n)
+    write_chat_jsonl([{"messages": [{"role": m.role, "content": m.content} for m in c]} for c in conversations],
+                     data_file)
+    return data_file
+
+
 def rl_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Path, float]:
     """`fullband rl` (or reuse / resume) for a run whose config is an [rl] recipe, under root/<name>; returns the
     final checkpoint and the wall time spent."""

@@ -3,12 +3,11 @@ instruction-tuned on the synthetic chat set, scored on held-out conversations in
 
 from __future__ import annotations
 
-import json
 import math
-from itertools import islice
 from pathlib import Path
 
-from fullband.reproduce.runner import BASE, COMMANDS, Experiment, Run, Settings, config_line, train_run
+from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, Tuned, config_line, held_out_chat,
+                                       train_tuned)
 
 SFT = "configs/sft-tiny.toml"
 
@@ -22,50 +21,59 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
          max_new_tokens: int = 192, sft_extra: tuple[str, ...] = ()) -> list[str]:
     """Table 1 / Fig. 6 at this scale: a full-bandwidth model and a standard one (same size, same budget),
     each instruction-tuned on the synthetic chat set, scored on held-out conversations in every mode."""
-    from fullband.data.chat.arithmetic import final_answer, write_chat_jsonl
-    from fullband.data.chat.sources import chat_conversations
     from fullband.eval.commands import eval_chat
+    from fullband.train.config import load_run_config
+
+    base, sft, std_base, std_sft = runs
+    trained = train_tuned(root, ((sft, base), (std_sft, std_base)), settings, sft_extra)
+    data_file = held_out_chat(root, load_run_config(SFT, [*settings.extra, *sft_extra]), held_out)
+    modes = ["standard", "soft", "fused:1", "fused:2"]
+    results = {sft.name: eval_chat(trained[sft.name].checkpoint, data_file, modes=modes, out=figs / "fbt",
+                                   max_new_tokens=max_new_tokens, progress=False),
+               std_sft.name: eval_chat(trained[std_sft.name].checkpoint, data_file, modes=["standard"],
+                                       out=figs / "standard", max_new_tokens=max_new_tokens, progress=False)}
+    model, val_losses = _val_losses(root, sft, trained[sft.name].checkpoint, settings, sft_extra)
+    rows = [(name, r) for name in (sft.name, std_sft.name) for r in results[name]["rows"]]
+    lines = _table(results[sft.name]["n"], rows)
+    lines += ["", "Training time: " + ", ".join(f"{name} {t.wall / 60:.1f} min (its base {t.start_wall / 60:.1f} min)"
+                                                for name, t in trained.items()),
+              "", f"Held-out loss of {sft.name} on assistant tokens (nats/token, prompts read plainly): "
+              + ", ".join(f"{k} pass{'es' if k > 1 else ''} {v.nats:.4f} ± {v.stderr:.4f}" for k, v in val_losses.items()),
+              ""]
+    params = sum(p.numel() for p in model.parameters())
+    lines += _outcome(results[sft.name], results[std_sft.name], trained[sft.name], trained[std_sft.name], params)
+    lines += ["![chat accuracy and reply length per mode](sft/fbt/chat.png)", "", COMMANDS, "",
+              f"- {config_line(base)}", f"- {config_line(sft)}", f"- {config_line(std_base)}",
+              f"- {config_line(std_sft)}",
+              f"- `fullband eval chat --checkpoint {trained[sft.name].checkpoint} --data {data_file} --modes "
+              f"{' '.join(modes)}`",
+              f"- `fullband eval chat --checkpoint {trained[std_sft.name].checkpoint} --data {data_file} --modes "
+              "standard`"]
+    return lines
+
+
+def _val_losses(root: Path, sft: Run, ckpt: Path, settings: Settings, sft_extra: tuple[str, ...]):
+    """The tuned model and its validation loss on assistant tokens per pass count (training's own measure)."""
     from fullband.eval.loss import validation_loss
     from fullband.model.decoder import FullbandLM
     from fullband.train.config import load_run_config
     from fullband.train.data import prepare_data
     from fullband.train.parallel import Dist
 
-    base, sft, std_base, std_sft = runs
-    trained, spent = {}, {}
-    for tuned, start in ((sft, base), (std_sft, std_base)):
-        start_ckpt, start_wall = train_run(root, start, settings)
-        warm = f'train.init_from="{start_ckpt}"'
-        tuned.overrides = [*tuned.overrides, warm]
-        ckpt, wall = train_run(root, tuned, settings, list(sft_extra))
-        trained[tuned.name] = (ckpt, wall, start_wall)
-        states = [json.loads((c / "trainer.json").read_text()) for c in (start_ckpt, ckpt)]
-        spent[tuned.name] = [sum(state[key] for state in states) for key in ("tokens", "compute_tokens")]
-    cfg = load_run_config(SFT, [*settings.extra, *sft_extra])
-    data_file = root / "held_out.jsonl"
-    conversations = islice(chat_conversations(cfg.data.corpus, "val", cfg.data.val_percent), held_out)
-    write_chat_jsonl([{"messages": [{"role": m.role, "content": m.content} for m in c]} for c in conversations],
-                     data_file)
-    modes = ["standard", "soft", "fused:1", "fused:2"]
-    results = {sft.name: eval_chat(trained[sft.name][0], data_file, modes=modes, out=figs / "fbt",
-                                   max_new_tokens=max_new_tokens, progress=False),
-               std_sft.name: eval_chat(trained[std_sft.name][0], data_file, modes=["standard"], out=figs / "standard",
-                                       max_new_tokens=max_new_tokens, progress=False)}
-    # the validation loss on assistant tokens, per pass count (training's own measure)
-    ckpt = trained[sft.name][0]
     val = prepare_data(load_run_config(SFT, [*settings.extra, *sft_extra, f'log.run_dir="{root / sft.name}"']),
                        Dist(), run_dir=root / sft.name).val_batches
     model = FullbandLM.load(ckpt)
-    val_losses = {k: validation_loss(model, val, k) for k in (1, 2, 3)}
+    return model, {k: validation_loss(model, val, k) for k in (1, 2, 3)}
 
-    rows = [(name, r) for name in (sft.name, std_sft.name) for r in results[name]["rows"]]
+
+def _table(n: int, rows: list[tuple[str, dict]]) -> list[str]:
     lines = ["The paper's Table 1 / Fig. 6: after instruction tuning, FUSED decoding scores higher than standard",
              "decoding (GSM8K 71.8 vs 68.4) and SOFT gives shorter reasoning at equal accuracy.", "",
              f"Here: the demo's full-bandwidth model (`{BASE}`, three passes every step) and a standard model of the",
              "same size and budget (`passes = \"none\"`), each instruction-tuned with "
              f"`{SFT}` (`train.init_from` = its base; the standard one with one pass per step) on the built-in",
              "synthetic set (arithmetic word problems, worked steps, `Answer: N`, ~30% two turns). "
-             f"Scored on {results[sft.name]['n']} held-out conversations (the run's own validation split, never",
+             f"Scored on {n} held-out conversations (the run's own validation split, never",
              "trained on): greedy answer to the last user turn, exact match of its final `Answer:` line; length of",
              "the reply in tokens (end marker included). Differences to STANDARD are paired over the same items.", "",
              "| model | decoding | exact match | vs STANDARD (same model) | reply tokens | vs STANDARD | ended |",
@@ -76,70 +84,65 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
         tok_diff = "" if same else f"{r['tokens_diff']:+.1f} ± {r['tokens_diff_se']:.1f}"
         lines.append(f"| {name} | {r['mode']} | {r['accuracy']:.3f} ± {r['accuracy_se']:.3f} | {acc_diff} | "
                      f"{r['tokens']:.1f} ± {r['tokens_se']:.1f} | {tok_diff} | {r['ended']:.0%} |")
-    lines += ["", "Training time: " + ", ".join(
-        f"{name} {wall / 60:.1f} min (its base {start / 60:.1f} min)" for name, (_, wall, start) in trained.items()),
-        "", f"Held-out loss of {sft.name} on assistant tokens (nats/token, prompts read plainly): "
-        + ", ".join(f"{k} pass{'es' if k > 1 else ''} {v.nats:.4f} ± {v.stderr:.4f}" for k, v in val_losses.items()),
-        ""]
-    refs = results[sft.name]["references"]
+    return lines
+
+
+def _shown(diff: float, se: float) -> bool:
+    return not (diff == 0 or abs(diff) < 2 * se or not math.isfinite(se))
+
+
+def _verdict(diff: float, se: float, up: str = "higher", down: str = "lower") -> str:
+    if not _shown(diff, se):
+        return "within 2 standard errors: no difference shown"
+    return f"{up if diff > 0 else down}" + (f", {abs(diff) / se:.1f} standard errors" if se > 0 else "")
+
+
+def _outcome(fbt: dict, standard: dict, fbt_run: Tuned, std_run: Tuned, params: int) -> list[str]:
+    """The findings, computed from both models' evaluations (`fbt`, `standard`) and training budgets."""
+    from fullband.data.chat.arithmetic import final_answer
 
     def correct(row: dict) -> list[float]:
-        return [float(final_answer(a) == f) for a, f in zip(row["answers"], refs)]
+        return [float(final_answer(a) == f) for a, f in zip(row["answers"], fbt["references"])]
 
-    def shown(diff: float, se: float) -> bool:
-        return not (diff == 0 or abs(diff) < 2 * se or not math.isfinite(se))
-
-    def verdict(diff: float, se: float, up: str = "higher", down: str = "lower") -> str:
-        if not shown(diff, se):
-            return "within 2 standard errors: no difference shown"
-        return f"{up if diff > 0 else down}" + (f", {abs(diff) / se:.1f} standard errors" if se > 0 else "")
-
-    fbt_rows = results[sft.name]["rows"]
+    fbt_rows = fbt["rows"]
     soft = next(r for r in fbt_rows if r["mode"] == "soft")
     best = max(fbt_rows[1:], key=lambda r: r["accuracy"])
-    std = results[std_sft.name]["rows"][0]
+    std = standard["rows"][0]
     vs_std = [a - b for a, b in zip(correct(best), correct(std))]
     d_std = sum(vs_std) / len(vs_std)
     se_std = (sum((v - d_std) ** 2 for v in vs_std) / (len(vs_std) - 1) / len(vs_std)) ** 0.5 if len(vs_std) > 1 else 0
-    (fbt_tokens, fbt_compute), (std_tokens, std_compute) = spent[sft.name], spent[std_sft.name]
-    budget = ("the same tokens" if std_tokens == fbt_tokens else f"{std_tokens / fbt_tokens:.2g}x the tokens") + (
-        f", {std_compute / fbt_compute:.2g}x the training compute, base and SFT together")
-    lengths, ended = [r["tokens"] for r in fbt_rows], [r["ended"] for _, r in rows]
+    budget = ("the same tokens" if std_run.tokens == fbt_run.tokens else
+              f"{std_run.tokens / fbt_run.tokens:.2g}x the tokens") + (
+        f", {std_run.compute_tokens / fbt_run.compute_tokens:.2g}x the training compute, base and SFT together")
+    lengths, ended = [r["tokens"] for r in fbt_rows], [r["ended"] for r in (*fbt_rows, *standard["rows"])]
     tokens = f"{min(lengths):.1f}" + (f" to {max(lengths):.1f}" if max(lengths) > min(lengths) else "")
     if min(ended) == 1 or max(ended) == 0:
         closed = f"{'every one' if min(ended) == 1 else 'none'} closed by the end marker"
     else:
         closed = (f"{min(ended):.0%}" + (f" to {max(ended):.0%}" if max(ended) > min(ended) else "")
                   + " closed by the end marker per mode and model")
-    if not any(shown(r["tokens_diff"], r["tokens_diff_se"]) for r in fbt_rows[1:]):
+    if not any(_shown(r["tokens_diff"], r["tokens_diff_se"]) for r in fbt_rows[1:]):
         length = ("The replies have the same length in every mode (no mode's differs from STANDARD's by 2 standard "
                   f"errors or more; {tokens} tokens on average; {closed}), so the length comparison cannot show "
                   "shorter reasoning here")
     else:
         length = (f"The reply length differs between modes ({tokens} tokens on average; {closed}): SOFT's is "
                   + ("shorter than STANDARD's, the paper's shorter reasoning"
-                     if shown(soft["tokens_diff"], soft["tokens_diff_se"]) and soft["tokens_diff"] < 0
+                     if _shown(soft["tokens_diff"], soft["tokens_diff_se"]) and soft["tokens_diff"] < 0
                      else "not shorter than STANDARD's"))
-    best_acc = max(r["accuracy"] for _, r in rows)
-    size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.2g}M parameters"
+    best_acc = max(r["accuracy"] for r in (*fbt_rows, *standard["rows"]))
     skill = (f"mostly get the arithmetic wrong (exact match at most {best_acc:.3f} in any mode)" if best_acc < 0.5
              else f"get most of the arithmetic right (exact match up to {best_acc:.3f})")
-    lines += [f"**Outcome.** On the full-bandwidth model, {best['mode']} vs STANDARD decoding: accuracy "
-              f"{best['accuracy_diff']:+.3f} ± {best['accuracy_diff_se']:.3f} "
-              f"({verdict(best['accuracy_diff'], best['accuracy_diff_se'])}); SOFT vs STANDARD "
-              f"{soft['accuracy_diff']:+.3f} ± {soft['accuracy_diff_se']:.3f} "
-              f"({verdict(soft['accuracy_diff'], soft['accuracy_diff_se'])}), reply length "
-              f"{soft['tokens_diff']:+.1f} ± {soft['tokens_diff_se']:.1f} tokens "
-              f"({verdict(soft['tokens_diff'], soft['tokens_diff_se'], 'longer', 'shorter')}). Against the standard "
-              f"model ({budget}): {best['mode']} {best['accuracy']:.3f} vs {std['accuracy']:.3f}, paired "
-              f"{d_std:+.3f} ± {se_std:.3f} ({verdict(d_std, se_std)}). {length}; at {size} the models {skill}.", ""]
-    lines += ["![chat accuracy and reply length per mode](sft/fbt/chat.png)", "", COMMANDS, "",
-              f"- {config_line(base)}", f"- {config_line(sft)}", f"- {config_line(std_base)}",
-              f"- {config_line(std_sft)}",
-              f"- `fullband eval chat --checkpoint {trained[sft.name][0]} --data {data_file} --modes "
-              f"{' '.join(modes)}`",
-              f"- `fullband eval chat --checkpoint {trained[std_sft.name][0]} --data {data_file} --modes standard`"]
-    return lines
+    return [f"**Outcome.** On the full-bandwidth model, {best['mode']} vs STANDARD decoding: accuracy "
+            f"{best['accuracy_diff']:+.3f} ± {best['accuracy_diff_se']:.3f} "
+            f"({_verdict(best['accuracy_diff'], best['accuracy_diff_se'])}); SOFT vs STANDARD "
+            f"{soft['accuracy_diff']:+.3f} ± {soft['accuracy_diff_se']:.3f} "
+            f"({_verdict(soft['accuracy_diff'], soft['accuracy_diff_se'])}), reply length "
+            f"{soft['tokens_diff']:+.1f} ± {soft['tokens_diff_se']:.1f} tokens "
+            f"({_verdict(soft['tokens_diff'], soft['tokens_diff_se'], 'longer', 'shorter')}). Against the standard "
+            f"model ({budget}): {best['mode']} {best['accuracy']:.3f} vs {std['accuracy']:.3f}, paired "
+            f"{d_std:+.3f} ± {se_std:.3f} ({_verdict(d_std, se_std)}). {length}; at {params / 1e6:.2g}M parameters "
+            f"the models {skill}.", ""]
 
 
 EXPERIMENT = Experiment("sft", runs, report)

@@ -56,8 +56,38 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n: in
     with the three-pass model's compute, trained on inputs of 1..L steps, scored at L, 2L, 4L, 8L in every
     decoding mode."""
     from fullband.data.tracking import parse_spec
-    from fullband.eval.commands import eval_tracking
 
+    lines = _intro(n, tasks)
+    summary, counts = [], {"scored": 0, "reused": 0, "seconds": 0.0}
+    by_task: dict[str, list[tuple[Run, Path, float]]] = {}
+    for run in runs:
+        task, _ = parse_spec(run.overrides[0].split("=", 1)[1].strip('"'))
+        if tasks is None or task in tasks:
+            ckpt, wall = train_run(root, run, settings)
+            by_task.setdefault(task, []).append((run, ckpt, wall))
+    for task, trained in by_task.items():
+        results = [(run, _scored(figs, run, task, ckpt, n, counts), wall) for run, ckpt, wall in trained]
+        task_lines, line = _task_lines(task, results, figs)
+        lines += task_lines
+        summary.append(line)
+    lines += ["**Outcome.** " + "; ".join(summary) + ".", "",
+              "How to read it: FUSED prefill with k passes carries the fed-back state at most k positions along the "
+              "prompt (pass j reads the state pass j - 1 computed one position back), so beyond k the fed-back state "
+              "reaches the query only through EXACT prefill (the recurrence, one position at a time) or adaptive "
+              "prefill when it converges; a model whose STANDARD row is high at L and at chance from 2L learned the "
+              "task within its depth and window but not a transition it can iterate.", "",
+              f"Training all {sum(len(t) for t in by_task.values())} runs took "
+              f"{sum(w for t in by_task.values() for _, _, w in t) / 60:.1f} min (the tables' train times, summed). "
+              f"Scoring in this invocation: {counts['scored']} models in {counts['seconds'] / 60:.1f} min; "
+              f"{counts['reused']} evaluations reused "
+              "(written by an earlier invocation for the same checkpoint, newer than its weights).", "", COMMANDS, ""]
+    lines += [f"- {config_line(run)}" for run in runs]
+    lines += ["- `fullband eval tracking --checkpoint runs/repro/tracking/<run>/step_N` (the run's last checkpoint; "
+              "task and L from the run)"]
+    return lines
+
+
+def _intro(n: int, tasks: tuple[str, ...] | None) -> list[str]:
     lines = ["Tasks that need a state updated serially along the input (fullband.data.tracking): running parity, a",
              "counter mod 5, the S5 word problem (where does 0 go under a word over two generators, composed left to",
              "right), the last write to one of 8 registers. A fixed-depth transformer does a bounded amount of",
@@ -75,70 +105,58 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n: in
     if tasks is not None and set(tasks) != set(TRACKING_TASKS):
         lines += [f"This report covers {', '.join(tasks)} only (`reproduce('tracking', tasks={tuple(tasks)!r})` in "
                   "Python); `fullband reproduce tracking` runs all four tasks, reusing finished runs.", ""]
-    summary, scored, reused, scoring = [], 0, 0, 0.0
-    by_task: dict[str, list[tuple[Run, Path, float]]] = {}
-    for run in runs:
-        task, _ = parse_spec(run.overrides[0].split("=", 1)[1].strip('"'))
-        if tasks is None or task in tasks:
-            ckpt, wall = train_run(root, run, settings)
-            by_task.setdefault(task, []).append((run, ckpt, wall))
-    for task, trained in by_task.items():
-        lines += [f"## {task}", ""]
-        results = []
-        for run, ckpt, wall in trained:
-            res = _finished_eval(figs / run.name / f"tracking_{task}.json", ckpt, n)
-            if res is None:
-                t0 = time.perf_counter()
-                res = eval_tracking(ckpt, n=n, out=figs / run.name, progress=False)
-                scored, scoring = scored + 1, scoring + time.perf_counter() - t0
-            else:
-                reused += 1
-            results.append((run, res, wall))
-        lengths = results[0][1]["lengths"]
-        lines += ["| model | train time | mode | " + " | ".join(f"length {k}" for k in lengths) + " |",
-                  "|---|---|---|" + "---|" * len(lengths)]
-        for run, res, wall in results:
-            for row in res["rows"]:
-                cells = " | ".join(f"{a:.3f} ± {e:.3f}" for a, e in zip(row["accuracy"], row["stderr"]))
-                lines.append(f"| {run.name} | {wall / 60:.1f} min | {row['mode']} | {cells} |")
-        lines += ["", f"Chance: {results[0][1]['chance']:.2f}. Figures: "
-                  + ", ".join(f"[{run.name}]({figs.name}/{run.name}/tracking_{task}.png)" for run, _, _ in results), ""]
-        # a standard model is read in STANDARD mode only (its fusion gate was never trained)
-        std = [(r, row) for r, res, _ in results if STANDARD_PASSES in r.overrides for row in res["rows"]
-               if row["mode"] == "standard"]
-        fbt = [(r, row) for r, res, _ in results if STANDARD_PASSES not in r.overrides for row in res["rows"]]
-        # the best by mean accuracy over the four lengths (one length alone would pick noise at chance level)
-        best_std = max(std, key=lambda x: sum(x[1]["accuracy"]))
-        best_fbt = max(fbt, key=lambda x: sum(x[1]["accuracy"]))
-
-        def by_length(row: dict) -> str:
-            return " / ".join(f"{a:.3f}" for a in row["accuracy"])
-
-        def solved(row: dict) -> str:
-            """The longest input length up to which accuracy stays at SOLVED or above."""
-            upto = [k for k, _ in takewhile(lambda x: x[1] >= SOLVED, zip(lengths, row["accuracy"]))]
-            return f"{upto[-1]} steps" if upto else "none"
-
-        line = (f"{task} (accuracy at L / 2L / 4L / 8L, L = {lengths[0]}): best standard ({best_std[0].name}) "
-                f"{by_length(best_std[1])}; "
-                f"best full-bandwidth ({best_fbt[0].name}, {best_fbt[1]['mode']}) {by_length(best_fbt[1])}")
-        summary.append(line)
-        lines += [f"**{task}.** {line[len(task) + 1:]}. Accuracy ≥ {SOLVED} up to: standard {solved(best_std[1])}, "
-                  f"full-bandwidth {solved(best_fbt[1])}.", ""]
-    lines += ["**Outcome.** " + "; ".join(summary) + ".", "",
-              "How to read it: FUSED prefill with k passes carries the fed-back state at most k positions along the "
-              "prompt (pass j reads the state pass j - 1 computed one position back), so beyond k the fed-back state "
-              "reaches the query only through EXACT prefill (the recurrence, one position at a time) or adaptive "
-              "prefill when it converges; a model whose STANDARD row is high at L and at chance from 2L learned the "
-              "task within its depth and window but not a transition it can iterate.", "",
-              f"Training all {sum(len(t) for t in by_task.values())} runs took "
-              f"{sum(w for t in by_task.values() for _, _, w in t) / 60:.1f} min (the tables' train times, summed). "
-              f"Scoring in this invocation: {scored} models in {scoring / 60:.1f} min; {reused} evaluations reused "
-              "(written by an earlier invocation for the same checkpoint, newer than its weights).", "", COMMANDS, ""]
-    lines += [f"- {config_line(run)}" for run in runs]
-    lines += ["- `fullband eval tracking --checkpoint runs/repro/tracking/<run>/step_N` (the run's last checkpoint; "
-              "task and L from the run)"]
     return lines
+
+
+def _scored(figs: Path, run: Run, task: str, ckpt: Path, n: int, counts: dict) -> dict:
+    """The run's tracking evaluation: the one kept for this checkpoint, else scored now (`counts` tallies both)."""
+    from fullband.eval.commands import eval_tracking
+
+    res = _finished_eval(figs / run.name / f"tracking_{task}.json", ckpt, n)
+    if res is not None:
+        counts["reused"] += 1
+        return res
+    t0 = time.perf_counter()
+    res = eval_tracking(ckpt, n=n, out=figs / run.name, progress=False)
+    counts["scored"] += 1
+    counts["seconds"] += time.perf_counter() - t0
+    return res
+
+
+def _task_lines(task: str, results: list[tuple[Run, dict, float]], figs: Path) -> tuple[list[str], str]:
+    """A task's table and its finding; -> (its lines, the finding for the outcome)."""
+    lines = [f"## {task}", ""]
+    lengths = results[0][1]["lengths"]
+    lines += ["| model | train time | mode | " + " | ".join(f"length {k}" for k in lengths) + " |",
+              "|---|---|---|" + "---|" * len(lengths)]
+    for run, res, wall in results:
+        for row in res["rows"]:
+            cells = " | ".join(f"{a:.3f} ± {e:.3f}" for a, e in zip(row["accuracy"], row["stderr"]))
+            lines.append(f"| {run.name} | {wall / 60:.1f} min | {row['mode']} | {cells} |")
+    lines += ["", f"Chance: {results[0][1]['chance']:.2f}. Figures: "
+              + ", ".join(f"[{run.name}]({figs.name}/{run.name}/tracking_{task}.png)" for run, _, _ in results), ""]
+    # a standard model is read in STANDARD mode only (its fusion gate was never trained)
+    std = [(r, row) for r, res, _ in results if STANDARD_PASSES in r.overrides for row in res["rows"]
+           if row["mode"] == "standard"]
+    fbt = [(r, row) for r, res, _ in results if STANDARD_PASSES not in r.overrides for row in res["rows"]]
+    # the best by mean accuracy over the four lengths (one length alone would pick noise at chance level)
+    best_std = max(std, key=lambda x: sum(x[1]["accuracy"]))
+    best_fbt = max(fbt, key=lambda x: sum(x[1]["accuracy"]))
+
+    def by_length(row: dict) -> str:
+        return " / ".join(f"{a:.3f}" for a in row["accuracy"])
+
+    def solved(row: dict) -> str:
+        """The longest input length up to which accuracy stays at SOLVED or above."""
+        upto = [k for k, _ in takewhile(lambda x: x[1] >= SOLVED, zip(lengths, row["accuracy"]))]
+        return f"{upto[-1]} steps" if upto else "none"
+
+    line = (f"{task} (accuracy at L / 2L / 4L / 8L, L = {lengths[0]}): best standard ({best_std[0].name}) "
+            f"{by_length(best_std[1])}; "
+            f"best full-bandwidth ({best_fbt[0].name}, {best_fbt[1]['mode']}) {by_length(best_fbt[1])}")
+    lines += [f"**{task}.** {line[len(task) + 1:]}. Accuracy ≥ {SOLVED} up to: standard {solved(best_std[1])}, "
+              f"full-bandwidth {solved(best_fbt[1])}.", ""]
+    return lines, line
 
 
 EXPERIMENT = Experiment("tracking", runs, report)

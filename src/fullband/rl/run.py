@@ -21,15 +21,11 @@ import torch
 
 from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
 from fullband.errors import ConfigError, DataError, InputError, TrainingDiverged
-from fullband.files import replace_file, writing
-from fullband.machine import run_threads
 from fullband.presets import recipe_path
 from fullband.train import checkpoint as ckpt
-from fullband.train.metrics import METRICS_FILE
+from fullband.train.metrics import METRICS_FILE, MetricsLog
 from fullband.train.parallel import Dist
-from fullband.train.trainer import stop_after_step
-from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
-                                   saved_setting, truncate_metrics)
+from fullband.train.rundir import RunDir, stop_after_step
 from fullband.rl.step import RLSettings
 from fullband.validate import MAX_LR, available_device, integer, number
 
@@ -150,149 +146,158 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % 2**63
 
 
+@dataclass
+class _Run:
+    """What a run holds while it trains: the policy, its optimizer and the frozen reference (kl_coef > 0), the
+    tokenizer, the reward, the prompts, the decoding mode and the progress bar."""
+
+    recipe: RLRecipe
+    d: Dist
+    model: torch.nn.Module
+    tokenizer: object
+    reward: object
+    train_items: Items
+    val_items: list
+    reference: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    mode: object = None
+    bar: object = None
+
+    @property
+    def cfg(self) -> RLConfig:
+        return self.recipe.rl
+
+
 def rl_train(recipe: RLRecipe, *, resume: str | Path | None = None, progress: bool = True) -> Path:
     """Run (or resume) the recipe; returns the run directory. The run sets torch's threads (rl.threads) and gives
     the caller its count back."""
-    before = torch.get_num_threads()
-    try:
-        return _rl_train(recipe, resume=resume, progress=progress)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _rl_train(recipe: RLRecipe, *, resume: str | Path | None, progress: bool) -> Path:
     from tqdm.auto import tqdm
 
+    from fullband.rl.logprob import rl_mode
+
+    with RunDir(recipe.rl.run_dir, resume=resume, key="rl.run_dir") as rundir:
+        s = _prepare(recipe)  # everything that can fail on the user's input, before the run directory is written to
+        threads = rundir.check(recipe.to_dict(), MUST_MATCH, "rl.threads", recipe.rl.threads)
+        s.recipe = replace(recipe, rl=replace(recipe.rl, threads=threads))  # what run.json and the checkpoints record
+        state = rundir.load(s.model, s.optimizer, s.d) or {"step": 0, "elapsed": 0.0, "tokens": 0}
+        if rundir.checkpoint is not None:
+            print(f"resumed from {rundir.checkpoint} at step {state['step']}", flush=True)
+        rundir.begin(s.recipe.to_dict(), state["step"])
+        s.mode = rl_mode(s.cfg.mode)
+        s.bar = tqdm(total=s.cfg.steps, initial=state["step"], desc="rl", disable=not progress, dynamic_ncols=True)
+        try:
+            if s.mode.feeds_state and not s.model.config.feedback_ready:
+                s.bar.write(f"rl.mode={s.cfg.mode!r} on {s.cfg.init_from}, whose feedback weights are untrained (a "
+                            "converted model): its replies read an untrained state; rl.mode = \"standard\" samples "
+                            "the model as it is")
+            _train_loop(s, rundir, state)
+        finally:
+            s.bar.close()  # an error's line starts a line of its own
+        plot_rl(rundir.path / METRICS_FILE, rundir.path / "rl.png")
+        return rundir.path
+
+
+def _prepare(recipe: RLRecipe) -> _Run:
+    """The starting model, its optimizer, the reward and the prompts, each checked."""
     from fullband.chat import check_chat_model
     from fullband.data.tokenizer import load_tokenizer
-    from fullband.eval.chat import chat_eval, held_out_items
+    from fullband.eval.chat import held_out_items
     from fullband.loader import load_model
-    from fullband.rl.logprob import rl_mode
     from fullband.rl.rewards import load_reward
-    from fullband.rl.step import rl_step
 
     cfg = recipe.rl
-    run_dir = resume_run_dir(Path(resume)) if resume is not None else Path(cfg.run_dir)
-    lock, created = claim_run_dir(run_dir, resume=resume is not None, key="rl.run_dir")
-    bar = None
-    try:
-        # everything that can fail on the user's input, before the run directory is written to
-        d = Dist(device=torch.device(available_device("rl.device", cfg.device)))
-        model = load_model(cfg.init_from, device=d.device)
-        tokenizer = load_tokenizer(cfg.init_from)
-        check_chat_model(model, tokenizer)
-        reward = load_reward(cfg.reward, timeout=cfg.reward_timeout)
-        train_items = _items(cfg, tokenizer, model.config.max_seq_len)
-        check_step_memory(cfg, model.config, max(len(p) for p in train_items.prompts), d.device)
-        val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent, split="val")
-        reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        stops = list(tokenizer.stop_ids)
-        step, elapsed, tokens = 0, 0.0, 0
-        if resume is not None:
-            found = resume_checkpoint(Path(resume), run_dir)
-            check_resume_config(run_dir, recipe.to_dict(), MUST_MATCH)
-        threads, said = run_threads(cfg.threads, "rl.threads", resume=resume is not None,
-                                    recorded=saved_setting(run_dir, "rl.threads"))
-        if said:
-            print(said, flush=True)
-        recipe = replace(recipe, rl=replace(cfg, threads=threads))  # what run.json and the checkpoints record
-        cfg = recipe.rl
-        if resume is not None:
-            if found is not None:
-                state = ckpt.load_checkpoint(found, model, optimizer, d=d)
-                step, elapsed, tokens = state["step"], state["elapsed"], state["tokens"]
-                print(f"resumed from {found} at step {step}", flush=True)
-            truncate_metrics(run_dir / METRICS_FILE, step if step else -1)  # from step 0: its evaluation again
-        else:
-            with writing(run_dir, "write the run's settings"):
-                replace_file(run_dir / RUN_FILE, json.dumps(recipe.to_dict(), indent=2) + "\n")
-        mode = rl_mode(cfg.mode)
-        bar = tqdm(total=cfg.steps, initial=step, desc="rl", disable=not progress, dynamic_ncols=True)
+    d = Dist(device=torch.device(available_device("rl.device", cfg.device)))
+    model = load_model(cfg.init_from, device=d.device)
+    tokenizer = load_tokenizer(cfg.init_from)
+    check_chat_model(model, tokenizer)
+    reward = load_reward(cfg.reward, timeout=cfg.reward_timeout)
+    train_items = _items(cfg, tokenizer, model.config.max_seq_len)
+    check_step_memory(cfg, model.config, max(len(p) for p in train_items.prompts), d.device)
+    val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent, split="val")
+    reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    return _Run(recipe, d, model, tokenizer, reward, train_items, val_items, reference, optimizer)
 
-        def score(items: Items, idx: list[int]):
-            def one(i: int, response: list[int]) -> float:
-                j = idx[i]
-                text = tokenizer.decode([t for t in response if t not in stops])
-                return reward(items.texts[j], text, {"answer": items.answers[j]})
-            return one
 
-        def held_out(messages, text: str, answer: str) -> float:  # the run's own reward, on greedy replies
-            return reward(messages[-1].content, text, {"answer": answer})
+def _train_loop(s: _Run, rundir: RunDir, state: dict) -> None:
+    """Steps from the one `state` holds to rl.steps: each logged, evaluated and checkpointed when due; a Ctrl-C
+    stops after the step it is in, with a checkpoint."""
+    from fullband.rl.step import rl_step
 
-        def evaluate(row: dict) -> None:
-            result = chat_eval(model, tokenizer, val_items, [mode], max_new_tokens=cfg.max_new_tokens,
-                               progress=False, score=held_out)["rows"][0]
-            row["eval"] = {"accuracy": result["accuracy"], "length": result["tokens"]}
-            bar.write(f"step {row['step']}: held-out reward {result['accuracy']:.3f} ({cfg.reward}), reply length "
-                      f"{result['tokens']:.1f} tokens ({mode.label}, greedy)")
+    cfg, stops = s.cfg, list(s.tokenizer.stop_ids)
+    step, elapsed, tokens = state["step"], state["elapsed"], state["tokens"]
+    with MetricsLog(rundir.path) as log, stop_after_step() as stop:
+        if step == 0 and cfg.eval_every:  # the starting model, for the curve to start from
+            log.log(_evaluate(s, {"step": 0}))
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            rng = random.Random(step_seed(cfg.seed, step))
+            idx = rng.sample(range(len(s.train_items.prompts)), min(cfg.prompts_per_step, len(s.train_items.prompts)))
+            try:
+                row = rl_step(s.model, s.optimizer, [s.train_items.prompts[i] for i in idx], _score(s, idx), cfg,
+                              seed=step_seed(cfg.seed, step), stop_tokens=stops, reference=s.reference)
+            except TrainingDiverged as err:  # nothing of this step is written; the last checkpoint stays
+                raise TrainingDiverged(f"step {step + 1}: {err}. {rundir.last_good()}") from None
+            step += 1
+            elapsed += time.perf_counter() - t0
+            tokens += row["tokens"]
+            row = {"step": step, **row, "time": elapsed}
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                _evaluate(s, row)
+            log.log(row)
+            s.bar.set_postfix(reward=f"{row['reward']:.3f}", length=f"{row['length']:.1f}")
+            s.bar.update(1)
+            said = _nothing_learned(cfg, row, len(idx))
+            if said:
+                s.bar.write(said)
+            interrupted = step < cfg.steps and stop.agreed(s.d)
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps or interrupted:
+                state = {"tokens": tokens, "compute_tokens": tokens, "elapsed": elapsed, "sampler": {},
+                         "config": s.recipe.to_dict()}
+                path = ckpt.save_checkpoint(rundir.path, step, s.model, s.optimizer, state, d=s.d,
+                                            tokenizer=s.tokenizer, keep_last=cfg.keep_last)
+            if interrupted:  # Ctrl-C: the step is whole and kept; stop here
+                s.bar.write(rundir.interrupted(step, path, "rl"))
+                raise KeyboardInterrupt
 
-        def nothing_learned(row: dict) -> str | None:
-            """What to tell the user when a step's samples cannot move the model."""
-            groups = len(idx)
-            if cfg.algorithm == "grpo" and row["flat_groups"] == groups:
-                return (f"step {row['step']}: every reply to each of the {groups} prompts scored the same (mean reward "
-                        f"{row['reward']:.3g}), so every advantage is 0 and this step changed nothing; rl.reward "
-                        f"{cfg.reward!r} needs replies that this model earns sometimes, not always or never (README, "
-                        "'Reinforcement learning')")
-            if cfg.algorithm == "rejection-sft" and row.get("kept") == 0:
-                return (f"step {row['step']}: no reply reached rl.accept={cfg.accept:g} (mean reward "
-                        f"{row['reward']:.3g}), so this step trained on nothing")
-            return None
 
-        if mode.feeds_state and not model.config.feedback_ready:
-            bar.write(f"rl.mode={cfg.mode!r} on {cfg.init_from}, whose feedback weights are untrained (a converted "
-                      "model): its replies read an untrained state; rl.mode = \"standard\" samples the model as it is")
-        with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as log, stop_after_step() as stop:
-            if step == 0 and cfg.eval_every:  # the starting model, for the curve to start from
-                row = {"step": 0}
-                evaluate(row)
-                log.write(json.dumps(row) + "\n")
-            while step < cfg.steps:
-                t0 = time.perf_counter()
-                rng = random.Random(step_seed(cfg.seed, step))
-                idx = rng.sample(range(len(train_items.prompts)), min(cfg.prompts_per_step, len(train_items.prompts)))
-                try:
-                    row = rl_step(model, optimizer, [train_items.prompts[i] for i in idx], score(train_items, idx),
-                                  cfg, seed=step_seed(cfg.seed, step), stop_tokens=stops, reference=reference)
-                except TrainingDiverged as err:  # nothing of this step is written; the last checkpoint stays
-                    last = ckpt.list_checkpoints(run_dir)
-                    raise TrainingDiverged(f"step {step + 1}: {err}. Last good checkpoint: "
-                                           f"{last[-1] if last else 'none yet'}") from None
-                step += 1
-                elapsed += time.perf_counter() - t0
-                tokens += row["tokens"]
-                row = {"step": step, **row, "time": elapsed}
-                if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                    evaluate(row)
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                bar.set_postfix(reward=f"{row['reward']:.3f}", length=f"{row['length']:.1f}")
-                bar.update(1)
-                said = nothing_learned(row)
-                if said:
-                    bar.write(said)
-                interrupted = step < cfg.steps and stop.agreed(d)
-                if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps or interrupted:
-                    state = {"tokens": tokens, "compute_tokens": tokens, "elapsed": elapsed, "sampler": {},
-                             "config": recipe.to_dict()}
-                    path = ckpt.save_checkpoint(run_dir, step, model, optimizer, state, d=d, tokenizer=tokenizer,
-                                                keep_last=cfg.keep_last)
-                if interrupted:  # Ctrl-C: the step is whole and kept; stop here
-                    bar.write(f"interrupted after step {step}: checkpoint {path}; continue with fullband rl RECIPE "
-                              f"--resume {run_dir}")
-                    raise KeyboardInterrupt
-        bar.close()
-        plot_rl(run_dir / METRICS_FILE, run_dir / "rl.png")
-        return run_dir
-    except BaseException:
-        if bar is not None:
-            bar.close()  # an error's line starts a line of its own
-        if created and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-        raise
-    finally:
-        lock.release()
+def _score(s: _Run, idx: list[int]):
+    """The reward of the i-th sampled prompt's response (the prompts `idx` of the training items)."""
+    stops = set(s.tokenizer.stop_ids)
+
+    def one(i: int, response: list[int]) -> float:
+        j = idx[i]
+        text = s.tokenizer.decode([t for t in response if t not in stops])
+        return s.reward(s.train_items.texts[j], text, {"answer": s.train_items.answers[j]})
+    return one
+
+
+def _evaluate(s: _Run, row: dict) -> dict:
+    """The held-out prompts answered greedily in the run's mode and scored by its own reward, into `row`."""
+    from fullband.eval.chat import chat_eval
+
+    def held_out(messages, text: str, answer: str) -> float:
+        return s.reward(messages[-1].content, text, {"answer": answer})
+
+    result = chat_eval(s.model, s.tokenizer, s.val_items, [s.mode], max_new_tokens=s.cfg.max_new_tokens,
+                       progress=False, score=held_out)["rows"][0]
+    row["eval"] = {"accuracy": result["accuracy"], "length": result["tokens"]}
+    s.bar.write(f"step {row['step']}: held-out reward {result['accuracy']:.3f} ({s.cfg.reward}), reply length "
+                f"{result['tokens']:.1f} tokens ({s.mode.label}, greedy)")
+    return row
+
+
+def _nothing_learned(cfg: RLConfig, row: dict, groups: int) -> str | None:
+    """What to tell the user when a step's samples (`groups` prompts) cannot move the model."""
+    if cfg.algorithm == "grpo" and row["flat_groups"] == groups:
+        return (f"step {row['step']}: every reply to each of the {groups} prompts scored the same (mean reward "
+                f"{row['reward']:.3g}), so every advantage is 0 and this step changed nothing; rl.reward "
+                f"{cfg.reward!r} needs replies that this model earns sometimes, not always or never (README, "
+                "'Reinforcement learning')")
+    if cfg.algorithm == "rejection-sft" and row.get("kept") == 0:
+        return (f"step {row['step']}: no reply reached rl.accept={cfg.accept:g} (mean reward "
+                f"{row['reward']:.3g}), so this step trained on nothing")
+    return None
 
 
 def metric_rows(metrics: Path) -> list[dict]:

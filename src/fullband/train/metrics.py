@@ -23,19 +23,20 @@ def progress_bar(cfg: RunConfig, d: Dist, start: int, total: int):
 
 
 class MetricsLog:
-    """metrics.jsonl always; TensorBoard and Weights & Biases when asked for (imported lazily)."""
+    """metrics.jsonl always; TensorBoard and Weights & Biases when the run's [log] asks for them (imported lazily;
+    `cfg` None: metrics.jsonl alone, as `fullband rl` logs)."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, d: Dist) -> None:
+    def __init__(self, run_dir: Path, cfg: RunConfig | None = None, d: Dist | None = None) -> None:
         self.path = run_dir / METRICS_FILE
         self.file = open(self.path, "a")
         self.tb = self.wandb = None
-        if cfg.log.tensorboard:
+        if cfg is not None and cfg.log.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ConfigError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from None
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        if cfg.log.wandb:
+        if cfg is not None and cfg.log.wandb:
             try:
                 import wandb
             except ImportError:
@@ -55,6 +56,12 @@ class MetricsLog:
                     self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(flat, step=step)
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         self.file.close()

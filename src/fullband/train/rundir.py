@@ -1,20 +1,105 @@
 """The run directory: one process owns it (a lock), a new run needs a new or empty folder, what a killed run left
-half-written is swept, and a resume finds its checkpoint and refuses settings that differ from the run's own."""
+half-written is swept, and a resume finds its checkpoint and refuses settings that differ from the run's own.
+RunDir is that lifecycle, from claim to release, as `fullband train` and `fullband rl` share it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
+import torch
+
 from fullband.errors import ConfigError
-from fullband.files import FolderLock, describe_entries, lock_folder, make_folder, read_json_file, replace_file, sweep_temps
+from fullband.files import (FolderLock, describe_entries, lock_folder, make_folder, read_json_file, replace_file,
+                            sweep_temps, writing)
+from fullband.machine import run_threads
 from fullband.train import checkpoint as ckpt
+from fullband.train.metrics import METRICS_FILE
+from fullband.train.parallel import Dist, all_reduce_max
 
 RUN_FILE = "run.json"
 # resuming needs these to be equal; anything else (logging, eval cadence) may change
 MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tokens", "train.seed", "train.passes",
               "train.steps", "train.warmup_steps", "train.cooldown_fraction", "train.z_loss",
               "train.decay_wd_in_cooldown", "train.trainable", "train.blend_until")
+
+
+class RunDir:
+    """One run's folder from start to end: owned by this process (`owner`: the main rank) before anything in it is
+    read or written; on a resume (`resume`: the run directory or one of its step folders), its checkpoint found and
+    settings that differ from run.json's refused; torch's threads the run's own until release() gives the caller its
+    count back; run.json written once, by a new run; metrics.jsonl cut back to the checkpoint a resume starts from;
+    and, after a failure, the folder it created removed when nothing was written to it. `key`: the recipe's setting
+    that names the folder (log.run_dir, rl.run_dir), as messages say it."""
+
+    def __init__(self, folder: str | Path, *, resume: str | Path | None, key: str = "log.run_dir",
+                 owner: bool = True) -> None:
+        self.resume = Path(resume) if resume is not None else None
+        self.path = resume_run_dir(self.resume) if self.resume is not None else Path(folder)
+        self.owner, self.threads = owner, torch.get_num_threads()  # the caller's, given back by release()
+        self.checkpoint: Path | None = None  # the one a resume starts from (None: from step 0)
+        # the run directory is owned before anything in it is read or written: a second process stops here
+        self.lock, self.created = claim_run_dir(self.path, resume=resume is not None, key=key) if owner else (None, False)
+
+    def check(self, now: dict, keys: tuple[str, ...], threads_key: str, threads: int) -> int:
+        """On a resume: find its checkpoint and refuse settings (`now`, the resolved config as a dict) that differ from
+        run.json's in `keys`. Then set torch's threads (`threads`, the recipe's `threads_key`; a resume keeps the count
+        the run started with) and return the count run.json records."""
+        if self.resume is not None:
+            self.checkpoint = resume_checkpoint(self.resume, self.path)
+            check_resume_config(self.path, now, keys)
+        count, said = run_threads(threads, threads_key, resume=self.resume is not None,
+                                  recorded=saved_setting(self.path, threads_key))
+        if said and self.owner:
+            print(said, flush=True)
+        return count
+
+    def load(self, model, optimizer, d: Dist) -> dict | None:
+        """Restore model, optimizer and RNG from the checkpoint a resume starts from; its trainer state (None: none)."""
+        return None if self.checkpoint is None else ckpt.load_checkpoint(self.checkpoint, model, optimizer, d=d)
+
+    def begin(self, settings: dict, step: int, *, tokenizer=None) -> None:
+        """A new run writes its settings (run.json, and the tokenizer's files when given); a resumed one drops the
+        metrics rows logged after the step it resumes from (all of them from step 0: its first evaluation again)."""
+        if not self.owner:
+            return
+        if self.resume is not None:
+            truncate_metrics(self.path / METRICS_FILE, step if step else -1)
+            return
+        with writing(self.path, "write the run's settings"):
+            if tokenizer is not None:
+                tokenizer.save(self.path)
+            replace_file(self.path / RUN_FILE, json.dumps(settings, indent=2) + "\n")
+
+    def last_good(self) -> str:
+        """The sentence a stopped run ends with: its newest complete checkpoint."""
+        last = ckpt.list_checkpoints(self.path)
+        return f"Last good checkpoint: {last[-1] if last else 'none yet'}"
+
+    def interrupted(self, step: int, path: Path | None, command: str) -> str:
+        """What a Ctrl-C after `step` says: the checkpoint kept (`path`) and how to go on."""
+        kept = f"checkpoint {path}" if path else "no checkpoint (the weights are not finite)"
+        return f"interrupted after step {step}: {kept}; continue with fullband {command} RECIPE --resume {self.path}"
+
+    def abandon(self) -> None:
+        """After a failure: the folder this run created goes when nothing of the run was written (no trace left)."""
+        if self.lock is not None and self.created and self.path.is_dir() and not any(self.path.iterdir()):
+            self.path.rmdir()
+        self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        torch.set_num_threads(self.threads)
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is not None:
+            self.abandon()
+        self.release()
 
 
 def claim_run_dir(run_dir: Path, *, resume: bool, key: str = "log.run_dir") -> tuple[FolderLock, bool]:
@@ -162,3 +247,45 @@ def truncate_metrics(path: Path, step: int) -> None:
         if row.get("step", 0) <= step:
             keep.append(line)
     replace_file(path, "".join(line + "\n" for line in keep))
+
+
+class StopRequest:
+    """Set by the first Ctrl-C (SIGINT) while a run trains: the loop finishes the step it is in, writes a checkpoint
+    and stops; a second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def agreed(self, d: Dist) -> bool:
+        """Whether to stop now: any rank was interrupted (every rank stops after the same step)."""
+        if d.world == 1:
+            return self.requested
+        return float(all_reduce_max(torch.tensor(float(self.requested), device=d.device), d)) > 0
+
+
+@contextlib.contextmanager
+def stop_after_step():
+    """A StopRequest the SIGINT handler sets for the time of the block (only in the main thread, and only where
+    Ctrl-C would otherwise raise KeyboardInterrupt: another handler installed by the caller is left alone)."""
+    import signal
+    import sys
+    import threading
+
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if stop.requested:
+            raise KeyboardInterrupt
+        stop.requested = True
+        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again stops now, without one)",
+              file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)

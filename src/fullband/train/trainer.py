@@ -12,7 +12,6 @@ model: the count of the native model of its sizes)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from dataclasses import dataclass, replace
@@ -22,16 +21,14 @@ import torch
 
 from fullband.bench.flops import train_flops
 from fullband.errors import TrainingDiverged
-from fullband.files import replace_file, writing
-from fullband.machine import run_threads
+from fullband.files import writing
 from fullband.eval.loss import validation_loss
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
 from fullband.train.build import build, resolve
 from fullband.train.data import RunData, prepare_data
 from fullband.train.objective import objective
-from fullband.train.rundir import (RUN_FILE, check_resume_config, claim_run_dir, resume_checkpoint, resume_run_dir,
-                                   saved_setting, truncate_metrics)
+from fullband.train.rundir import MUST_MATCH, RunDir, stop_after_step
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync,
                                      shutdown, unwrap)
@@ -63,18 +60,12 @@ def _print0(d: Dist, *args) -> None:
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | Path | None = None) -> None:
         self.d = init_distributed(cfg.train.device)
-        self.run_dir = Path(resume if resume is not None else cfg.log.run_dir)
-        if resume is not None:
-            self.run_dir = resume_run_dir(self.run_dir)
-        # the run directory is owned before anything in it is read or written: a second process stops here
-        self.lock, created = claim_run_dir(self.run_dir, resume=resume is not None) if self.d.main else (None, False)
+        self.rundir = RunDir(cfg.log.run_dir, resume=resume, owner=self.d.main)
+        self.run_dir = self.rundir.path
         try:
             self._setup(cfg, resume)
         except BaseException:
-            if self.lock is not None:
-                if created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
-                    self.run_dir.rmdir()  # nothing of the run was written: leave no trace
-                self.lock.release()
+            self.rundir.abandon()
             raise
 
     def _setup(self, cfg: RunConfig, resume: str | Path | None) -> None:
@@ -84,14 +75,8 @@ class Trainer:
         cfg = self.cfg
         if self.d.main:
             say_memory(cfg, self.d.device)
-        self.resume_from: Path | None = None
-        if resume is not None:
-            self.resume_from = resume_checkpoint(Path(resume), self.run_dir)
-            check_resume_config(self.run_dir, cfg.to_dict())
-        threads, said = run_threads(cfg.train.threads, "train.threads", resume=resume is not None,
-                                    recorded=saved_setting(self.run_dir, "train.threads"))
-        if said:
-            _print0(self.d, said)
+        threads = self.rundir.check(cfg.to_dict(), MUST_MATCH, "train.threads", cfg.train.threads)
+        self.resume_from = self.rundir.checkpoint
         cfg = self.cfg = replace(cfg, train=replace(cfg.train, threads=threads))  # what run.json records
         self.data: RunData = prepare_data(cfg, self.d, source=source)
         built = build(cfg, self.d, warm=resume is None)
@@ -101,8 +86,8 @@ class Trainer:
         self._step_flops: dict[tuple[int, int], float] = {}  # (k, r) -> one step's FLOPs, counted once
         self.autocast = _autocast(cfg.train.dtype, self.d.device)
         barrier(self.d)
-        if self.resume_from is not None:
-            state = ckpt.load_checkpoint(self.resume_from, self.model, self.optimizer, d=self.d)
+        state = self.rundir.load(self.model, self.optimizer, self.d)
+        if state is not None:
             self.data.sampler.check_state(state["sampler"])
             self.step, self.tokens = state["step"], state["tokens"]
             self.compute_tokens, self.elapsed = state["compute_tokens"], state["elapsed"]
@@ -114,12 +99,7 @@ class Trainer:
         elif resume is not None:  # a run killed before its first checkpoint: it starts again from step 0
             _print0(self.d, f"{self.run_dir} holds no complete checkpoint yet (the run stopped before its first); "
                             "starting it from step 0 with its saved settings")
-        elif self.d.main:
-            with writing(self.run_dir, "write the run's settings"):
-                self.data.tokenizer.save(self.run_dir)
-                replace_file(self.run_dir / RUN_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
-        if resume is not None and self.d.main:  # rows logged after the step it resumes from (all: before the first)
-            truncate_metrics(self.run_dir / METRICS_FILE, self.step)
+        self.rundir.begin(cfg.to_dict(), self.step, tokenizer=self.data.tokenizer)
         self.loggers = MetricsLog(self.run_dir, cfg, self.d) if self.d.main else None
 
     # ------------------------------------------------------------------ one optimizer step
@@ -176,12 +156,10 @@ class Trainer:
             bad = [0]
         if bad:
             self.optimizer.zero_grad(set_to_none=True)
-            last = ckpt.list_checkpoints(self.run_dir)
             where = f"pass {bad[0]}" if bad[0] else "the z-loss term"
             raise TrainingDiverged(f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); "
-                                   "stopped before applying it. Last good checkpoint: "
-                                   f"{last[-1] if last else 'none yet'}. Try a lower learning rate (optim.lr / "
-                                   "optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
+                                   f"stopped before applying it. {self.rundir.last_good()}. Try a lower learning rate "
+                                   "(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
         grad_norm = self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -219,9 +197,8 @@ class Trainer:
         newest. At the final step that ends the run with TrainingDiverged; before it, the next step's loss guard
         stops the run."""
         if not self.weights_finite():
-            last = ckpt.list_checkpoints(self.run_dir)
             msg = (f"the weights are no longer finite after step {self.step} (the update overflowed); the checkpoint "
-                   f"was not written. Last good checkpoint: {last[-1] if last else 'none yet'}")
+                   f"was not written. {self.rundir.last_good()}")
             if self.step == self.cfg.train.steps:
                 raise TrainingDiverged(msg + ". Try a lower learning rate (optim.lr / optim.adam_lr) or gradient "
                                        "clipping (optim.grad_clip)")
@@ -292,57 +269,12 @@ class Trainer:
             path = self.save() if due else None
             if not done and stop.agreed(d):  # Ctrl-C: this step is whole; keep it, then stop
                 path = path or (None if due else self.save())
-                kept = f"checkpoint {path}" if path else "no checkpoint (the weights are not finite)"
-                _print0(d, f"interrupted after step {self.step}: {kept}; continue with fullband train RECIPE "
-                           f"--resume {self.run_dir}")
+                _print0(d, self.rundir.interrupted(self.step, path, "train"))
                 raise KeyboardInterrupt
 
     def close(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        self.rundir.release()
         shutdown(self.d)
-
-
-class StopRequest:
-    """Set by the first Ctrl-C (SIGINT) while a run trains: the loop finishes the step it is in, writes a checkpoint
-    and stops; a second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def agreed(self, d: Dist) -> bool:
-        """Whether to stop now: any rank was interrupted (every rank stops after the same step)."""
-        if d.world == 1:
-            return self.requested
-        return float(all_reduce_max(torch.tensor(float(self.requested), device=d.device), d)) > 0
-
-
-@contextlib.contextmanager
-def stop_after_step():
-    """A StopRequest the SIGINT handler sets for the time of the block (only in the main thread, and only where
-    Ctrl-C would otherwise raise KeyboardInterrupt: another handler installed by the caller is left alone)."""
-    import signal
-    import sys
-    import threading
-
-    stop = StopRequest()
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield stop
-        return
-
-    def handler(signum, frame):
-        if stop.requested:
-            raise KeyboardInterrupt
-        stop.requested = True
-        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again stops now, without one)",
-              file=sys.stderr, flush=True)
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def step_estimate(cfg: RunConfig, device, *, passes: int | None = None, checkpointing: bool | None = None):
@@ -377,15 +309,12 @@ def say_memory(cfg: RunConfig, device) -> None:
 
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
-    before = torch.get_num_threads()  # the run sets its own (train.threads); the caller gets its count back
+    """Run (or resume) `cfg`; the run sets torch's threads (train.threads) and gives the caller its count back."""
+    trainer = Trainer(cfg, resume=resume)
     try:
-        trainer = Trainer(cfg, resume=resume)
-        try:
-            return trainer.run()
-        finally:
-            trainer.close()
+        return trainer.run()
     finally:
-        torch.set_num_threads(before)
+        trainer.close()
 
 
 def _autocast(dtype: str, device: torch.device):
