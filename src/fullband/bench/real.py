@@ -167,7 +167,7 @@ def run_model_steps(spec: str, *, batch: int = 4, seq_len: int = 256, passes=(1,
     """Forward + backward of the objective (jitter and prefix mixin on, as training runs it) for each k in
     `passes`, against transformers' own forward + backward with labels on the same model (a GGUF file or Llama
     folder; a same-shape random Llama for a fullband folder), interleaved, medians; no optimizer step."""
-    from fullband.train.objective import objective
+    from fullband.model.objective import objective
 
     model, hf, what = load_pair(spec)
     hf = hf if hf is not None else same_shape_llama(model)

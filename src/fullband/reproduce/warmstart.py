@@ -201,7 +201,7 @@ def _chat(model, tok, sc: Scale) -> dict:
     from fullband.decode.generate import generate
     from fullband.eval.chat import _mean_se
     from fullband.model.mode import DecodeMode
-    from fullband.train.objective import ntp
+    from fullband.model.objective import ntp
 
     device = next(model.parameters()).device
     template = chat_template(tok)
