@@ -322,7 +322,7 @@ def _against_controls(evaluated: dict, runs: list[Run]) -> list[str]:
 
 
 def _curves(trained: dict, runs: list[Run], figs: Path) -> list[str]:
-    from fullband.eval.report import plt as _plt
+    from fullband.files import plt as _plt
 
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=False)

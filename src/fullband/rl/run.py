@@ -302,7 +302,7 @@ def metric_rows(metrics: Path) -> list[dict]:
 
 def plot_rl(metrics: Path, out: Path) -> Path | None:
     """Reward and reply length per step (and the held-out reward, greedy, where it was measured), as a PNG."""
-    from fullband.eval.report import plt, save_figure
+    from fullband.files import plt, save_figure
 
     rows = metric_rows(metrics)
     if not rows:
