@@ -26,7 +26,8 @@ def load_pair(spec: str | Path):
     """(native FullbandLM, transformers model or None, what was loaded): a GGUF file or Llama folder gives both (the
     native model by `fullband convert`'s conversion, its fusion fresh); a fullband folder gives its model only."""
     from fullband.hf.convert import detect
-    from fullband.hf.gguf import is_gguf, load_causal_lm
+    from fullband.gguf_file import is_gguf
+    from fullband.hf.gguf import load_causal_lm
     from fullband.hf.llama import from_llama
     from fullband.loader import load_model
 

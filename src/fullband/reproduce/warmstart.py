@@ -92,7 +92,7 @@ def _common(sc: Scale, model: str, steps: int) -> list[str]:
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu",
            model: str = "") -> list[str]:
-    from fullband.hf.gguf import SHIPPED
+    from fullband.gguf_file import SHIPPED
 
     check(scale=scale, model=model)
     sc = SCALES[scale]

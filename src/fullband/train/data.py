@@ -53,7 +53,7 @@ def pretrained_model(cfg) -> str:
 
 def _pretrained_tokenizer(path: str) -> PretrainedTokenizer:
     """A pretrained model's tokenizer, its EOS id(s) (generation_config.json, else config.json) the stop ids."""
-    from fullband.hf.gguf import is_gguf, pretrained_args
+    from fullband.gguf_file import gguf_args, is_gguf
 
     stops: tuple[int, ...] = ()
     try:
@@ -61,7 +61,7 @@ def _pretrained_tokenizer(path: str) -> PretrainedTokenizer:
 
         from fullband.hf.convert import hf_stop_ids
 
-        name, extra = pretrained_args(path)
+        name, extra = gguf_args(path)
         stops = tuple(hf_stop_ids(GenerationConfig.from_pretrained(name, **extra)))
     except (ImportError, OSError, ValueError, TypeError):
         stops = ()
