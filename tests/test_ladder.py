@@ -1,16 +1,16 @@
 """The package ladder: every import in src/fullband (module-level and function-level alike, read from the syntax
 tree) goes down the package order or stays inside one package, and no imports form a circle.
 
-The order, lowest first (names on one rung, "folder / loader", share it and must not import each other):
+The order, lowest first (names on one rung, such as "eval / lmeval", share it and must not import each other):
 
     base < model < presets < data < decode < folder < hf < loader < fullband < chat < vllm < eval / lmeval
          < train < rl / bench < demo / doctor < reproduce < cli
 
 "base" is every top-level module not named elsewhere (errors, validate, files, configio, machine, version,
-gguf_file); presets (model shapes by name) reads a ModelConfig; loader loads any folder, a wrapped Hugging Face
-model's (fullband.hf.feedback) included; a package's `__init__` has its package's rank; "fullband" is the package's
-own `__init__` (the public API, which re-exports model, decode, data and loader). An import of `fullband.a.b` counts as an import of that module alone, not of the parents whose
-`__init__` Python runs first."""
+gguf_file). presets (model shapes by name) reads a ModelConfig; loader loads any folder, a wrapped Hugging Face
+model's (fullband.hf.feedback) included. A package's `__init__` has its package's rank; "fullband" is the package's
+own `__init__` (the public API, which re-exports model, decode, data and loader). An import of `fullband.a.b`
+counts as an import of that module alone, not of the parents whose `__init__` Python runs first."""
 
 from __future__ import annotations
 
@@ -145,7 +145,8 @@ def test_the_rules_catch_a_violation(tmp_path):
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
     edges = import_edges(pkg)
-    assert arrows_up(edges) == ["fullband/model/core.py:4  fullband.model.core -> fullband.train.y (rank model -> rank train)"]
+    assert arrows_up(edges) == [
+        "fullband/model/core.py:4  fullband.model.core -> fullband.train.y (rank model -> rank train)"]
     assert cycle(edges, module_level_only=True) == ["fullband.train.trainer", "fullband.train.y",
                                                     "fullband.train.trainer"]
     assert cycle(edges, module_level_only=False)[0] == "fullband.model.core"

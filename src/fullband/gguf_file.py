@@ -1,6 +1,5 @@
-"""GGUF files (llama.cpp's single-file format) as paths: the header checked with the `gguf` package before anything
-is loaded, the real model the project installs (SHIPPED), and `gguf_args`, the (folder, gguf_file=NAME) pair that
-transformers' readers take (fullband.hf.gguf reads the model with them; a tokenizer reads its own)."""
+"""GGUF files (llama.cpp's single-file format) as paths: the header checked with the `gguf` package, the real model
+the project installs (SHIPPED), and the (folder, gguf_file=NAME) pair transformers' readers take (gguf_args)."""
 
 from __future__ import annotations
 
