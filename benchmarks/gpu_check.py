@@ -15,7 +15,7 @@ estimated to take on one H100-class GPU (BUDGET_S; about 8 minutes in all, under
            65,536 with untied embeddings as nanochat's (fullband's defaults otherwise: SwiGLU d_ff 3456, QK-norm,
            gated fusion; 568M parameters); a random-token micro-batch of 4 x 2048 (D20_WINDOWS), the blocks compiled
            as the trainer compiles them (fullband.train.build), bfloat16 autocast. A step is the forward and
-           backward of fullband.train.objective with k = 1 and the NorMuon + AdamW update (constant learning
+           backward of fullband.model.objective with k = 1 and the NorMuon + AdamW update (constant learning
            rate, no clipping); a few warm-up steps (the first compiles), then timed steps (median, CUDA
            synchronised): tokens/s, MFU, peak memory (torch.cuda.max_memory_allocated, reset before the row;
            weights, gradients and optimizer state included)
@@ -24,7 +24,7 @@ estimated to take on one H100-class GPU (BUDGET_S; about 8 minutes in all, under
 
 MFU is FLOPs per token x tokens/s over the GPU's dense bfloat16 peak (PEAK_TFLOPS), the FLOPs counted three ways:
 6 N k (N the non-embedding parameters: every one but the input embedding's, so the blocks, the untied LM head and
-the fusion; attention not counted), fullband.bench.flops.train_flops (matrix products and causal attention, the
+the fusion; attention not counted), fullband.model.flops.train_flops (matrix products and causal attention, the
 fusion on the second pass only) and the same with attention over all T keys, which is nanochat's estimate_flops
 (6 N + 12 layers D T per token and pass). Figures to compare with (ANCHORS, printed under the table): the paper author's
 nanochat-based reproduction at d20 on A100s, ~60% bfloat16 MFU for one pass, a two-pass step 1.95x the
@@ -208,8 +208,8 @@ class D20:
         return cfg, built.model, built.optimizer, ids.to(d.device)
 
     def row(self, k: int) -> dict:
-        from fullband.bench.flops import train_flops
-        from fullband.train.objective import objective
+        from fullband.model.flops import train_flops
+        from fullband.model.objective import objective
         from fullband.train.trainer import _autocast
 
         if self.built is None:

@@ -20,7 +20,7 @@ import sys
 CHILD = r"""
 import json, statistics, sys, time, torch
 import fullband as fb
-from fullband.train.objective import objective
+from fullband.model.objective import objective
 what = sys.argv[1]
 torch.manual_seed(0)
 if what == "decode":

@@ -47,7 +47,8 @@ def llama_folder(cfg: ModelConfig, path: Path) -> None:
 
 def real_llama_folder(spec: str, path: Path) -> None:
     """A real Llama as a transformers folder (a GGUF file dequantized by transformers, or the folder copied)."""
-    from fullband.hf.gguf import is_gguf, load_causal_lm
+    from fullband.gguf_file import is_gguf
+    from fullband.hf.gguf import load_causal_lm
 
     if not is_gguf(spec):
         import shutil

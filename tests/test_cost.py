@@ -1,4 +1,4 @@
-"""The cost counter (fullband.bench.flops) against a hand count, torch's FlopCounterMode and the real model's
+"""The cost counter (fullband.model.flops) against a hand count, torch's FlopCounterMode and the real model's
 parameters and cache; `fullband bench cost` end to end on a micro config."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from fullband import FullbandLM, ModelConfig
-from fullband.bench import flops
 from fullband.bench.cost import standard_of
 from fullband.cli import main
+from fullband.model import flops
 from fullband.model.mode import DecodeMode
-from fullband.train.objective import objective
+from fullband.model.objective import objective
 
 HAND = dict(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16, max_seq_len=8)
 

@@ -49,7 +49,7 @@ def refused(capsys, src, dst, *more) -> str:
 
 
 def test_a_readable_gguf_header_is_described(tmp_path):
-    from fullband.hf.gguf import inspect_gguf
+    from fullband.gguf_file import inspect_gguf
 
     write_gguf(tmp_path / "m.gguf")
     info = inspect_gguf(tmp_path / "m.gguf")

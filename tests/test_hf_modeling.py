@@ -14,7 +14,7 @@ from conftest import tiny_model
 from fullband import generate
 from fullband.decode.score import score
 from fullband.errors import CheckpointError, ConfigError, InputError
-from fullband.train.objective import objective
+from fullband.model.objective import objective
 
 transformers = pytest.importorskip("transformers")
 from fullband.hf import FeedbackCache, FullbandConfig, FullbandForCausalLM  # noqa: E402

@@ -257,7 +257,7 @@ def test_lmeval_cli_errors_are_one_line(ckpt, tmp_path):
 def test_a_figure_that_fails_to_write_leaves_no_file(tmp_path, monkeypatch):
     import errno
 
-    from fullband.eval.report import plt, save_figure
+    from fullband.files import plt, save_figure
     from fullband.files import OutputError
 
     fig = plt().figure()

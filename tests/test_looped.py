@@ -152,7 +152,7 @@ def test_training_with_a_randomised_r_resumes_bitwise(tmp_path, corpus, cache, m
     r = [row["loops"] for row in steps]
     assert len(r) == 7 and len(set(r)) > 1  # r was drawn per step
     # the FLOPs of each step at its own r (k = 1 here), cumulative; the same after the resume (checked above)
-    from fullband.bench.flops import train_flops
+    from fullband.model.flops import train_flops
 
     model = ModelConfig.from_dict(json.loads((tmp_path / "whole" / "run.json").read_text())["model"])
     per_step = [256 * train_flops(model, 1, seq_len=32, loops=x) for x in r]

@@ -8,7 +8,7 @@ import torch
 from conftest import random_ids, tiny_config, tiny_model
 from fullband import DecodeMode, FullbandLM, ModelConfig
 from fullband.model.core import plain_positions
-from fullband.train.objective import ntp, objective, prefix_mixin, training_feed
+from fullband.model.objective import ntp, objective, prefix_mixin, training_feed
 
 
 @pytest.mark.parametrize(

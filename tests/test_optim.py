@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import random_ids, tiny_model
 from fullband.errors import ConfigError
-from fullband.train.objective import objective
+from fullband.model.objective import objective
 from fullband.train.optim import (
     NORMUON_ROUTES,
     CompositeOptimizer,

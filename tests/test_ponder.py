@@ -12,7 +12,7 @@ from conftest import assert_resume_is_bitwise, random_ids, tiny_model, write_con
 from fullband import FullbandLM, generate
 from fullband.errors import ConfigError, InputError
 from fullband.model.config import ModelConfig, require_default_layers
-from fullband.train.objective import objective
+from fullband.model.objective import objective
 from test_decode import _steps
 
 PONDER = dict(ponder=True, fusion="none", jitter=0.0, prefix_mixin_prob=0.0)

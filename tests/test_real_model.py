@@ -278,7 +278,7 @@ def test_warmstart_recipe_takes_its_sizes_weights_and_tokenizer_from_the_gguf_fi
 def test_bench_decode_and_train_take_a_real_model(smollm2, capsys):
     """`fullband bench decode --model` and `bench train --model` on the converted folder (smoke test: one thread,
     a few tokens): every row, the read bound, transformers at the same shape; `shipped:smollm2` names the file."""
-    from fullband.hf.gguf import SHIPPED, gguf_path
+    from fullband.gguf_file import SHIPPED, gguf_path
 
     assert gguf_path(SHIPPED) == smollm2.gguf
     folder = str(smollm2.native)

@@ -17,7 +17,7 @@ def _options(tmp_path, corpus, cache, **kw):
 def test_the_plan_matches_each_rival_s_training_flops():
     """Standard runs get round(N x the rival's counted training FLOPs per token / standard's) steps; the deeper
     standard model is the depth whose FLOPs per token come closest to ours."""
-    from fullband.bench.flops import train_flops
+    from fullband.model.flops import train_flops
     from fullband.reproduce.compare import METHODS, SCALES, _mean_passes, plan
     from fullband.reproduce.runner import Settings
 

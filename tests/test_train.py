@@ -48,7 +48,7 @@ def test_training_run_writes_metrics_checkpoints_and_plot(tmp_path, corpus, cach
     # training FLOPs: each step's own k counted, cumulative, in the training and eval rows and the result
     from itertools import accumulate
 
-    from fullband.bench.flops import train_flops
+    from fullband.model.flops import train_flops
 
     flops = list(accumulate(256 * train_flops(cfg.model, r["k"], seq_len=32) for r in steps))
     assert [r["flops"] for r in steps] == flops and result["flops"] == flops[-1]

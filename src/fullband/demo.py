@@ -14,9 +14,8 @@ from fullband.data.tokenizer import load_tokenizer
 from fullband.decode.generate import generate
 from fullband.decode.sampling import Sampling
 from fullband.eval.commands import eval_loss, eval_tracking
-from fullband.eval.report import save_figure
 from fullband.eval.tracking import tracking_figure
-from fullband.files import lock_folder, make_folder, read_json, replace_file
+from fullband.files import lock_folder, make_folder, read_json, replace_file, save_figure
 from fullband.folder import read_header
 from fullband.loader import load_model
 from fullband.machine import hardware

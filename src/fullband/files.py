@@ -1,7 +1,7 @@
 """Safe writes into users' folders. An output folder is written as a locked temporary sibling and renamed into
 place; an existing folder is replaced only when it is recognisably an earlier output of the same kind and the
 caller asked for it; a run directory belongs to one process at a time; a full disk or a read-only folder is
-reported as such, with the path."""
+reported as such, with the path. Also: where the token cache lives, and figures (matplotlib) written as PNG."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fullband.errors import FullbandError
+from fullband.errors import ConfigError, FullbandError
 
 try:
     import fcntl
@@ -441,6 +441,44 @@ def replace_file(path: str | Path, text: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def cache_root(cfg_dir: str) -> Path:
+    """data.cache_dir, else $FULLBAND_CACHE, else $XDG_CACHE_HOME/fullband; refused now if it is a file."""
+    if cfg_dir:
+        root, what = Path(cfg_dir).expanduser(), "data.cache_dir"
+    elif os.environ.get("FULLBAND_CACHE"):
+        root, what = Path(os.environ["FULLBAND_CACHE"]).expanduser(), "FULLBAND_CACHE"
+    else:
+        root, what = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "fullband", "the cache folder"
+    check_no_loop(root, what, ConfigError)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{what}={str(root)!r} is a file; accepted: a folder for the token cache (it is created "
+                          "when missing)")
+    return root
+
+
+def plt():
+    """matplotlib.pyplot on the Agg backend (no screen needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def save_figure(fig, path: Path) -> None:
+    """A figure as PNG through a temporary file and a rename (a failure leaves neither); the figure is closed."""
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with writing(path, f"write {path.name}"):
+            fig.savefig(tmp, dpi=120, format="png")
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt().close(fig)
 
 
 # ---------------------------------------------------------------------- a folder's record of its files

@@ -1,5 +1,5 @@
 """Cost of a method against its standard counterpart (the same width and depth with fusion = "none", no looped
-group and no ponder slots): parameters added, FLOPs counted (fullband.bench.flops) and time measured, for training,
+group and no ponder slots): parameters added, FLOPs counted (fullband.model.flops) and time measured, for training,
 decoding and prefill, in one table.
 
 Every timing is a ratio of two variants measured side by side in this process, taking turns (A B A B ...), the
@@ -13,15 +13,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fullband.bench import flops
 from fullband.bench.decode import decode_timer
 from fullband.errors import InputError
 from fullband.machine import hardware
+from fullband.model import flops
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.model.mode import DecodeMode
+from fullband.model.objective import objective
 from fullband.train.memory import check_fits, model_bytes, step_memory
-from fullband.train.objective import objective
 
 
 def standard_of(cfg: ModelConfig) -> ModelConfig:

@@ -16,14 +16,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fullband.bench.flops import DTYPE_BYTES, kv_bytes_per_token, param_count
 from fullband.decode.generate import generate, stream
 from fullband.errors import InputError
-from fullband.model.weights import lookup, split as split_rows
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
+from fullband.model.flops import DTYPE_BYTES, kv_bytes_per_token, param_count
 from fullband.model.layers import linear
 from fullband.model.mode import DecodeMode
+from fullband.model.weights import lookup, split as split_rows
 from fullband.train.memory import check_fits, model_bytes
 
 

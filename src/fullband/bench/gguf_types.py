@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     file or shipped:smollm2), each written unless it is already there."""
     import argparse
 
-    from fullband.hf.gguf import gguf_path
+    from fullband.gguf_file import gguf_path
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("src")

@@ -26,7 +26,8 @@ def load_pair(spec: str | Path):
     """(native FullbandLM, transformers model or None, what was loaded): a GGUF file or Llama folder gives both (the
     native model by `fullband convert`'s conversion, its fusion fresh); a fullband folder gives its model only."""
     from fullband.hf.convert import detect
-    from fullband.hf.gguf import is_gguf, load_causal_lm
+    from fullband.gguf_file import is_gguf
+    from fullband.hf.gguf import load_causal_lm
     from fullband.hf.llama import from_llama
     from fullband.loader import load_model
 
@@ -167,7 +168,7 @@ def run_model_steps(spec: str, *, batch: int = 4, seq_len: int = 256, passes=(1,
     """Forward + backward of the objective (jitter and prefix mixin on, as training runs it) for each k in
     `passes`, against transformers' own forward + backward with labels on the same model (a GGUF file or Llama
     folder; a same-shape random Llama for a fullband folder), interleaved, medians; no optimizer step."""
-    from fullband.train.objective import objective
+    from fullband.model.objective import objective
 
     model, hf, what = load_pair(spec)
     hf = hf if hf is not None else same_shape_llama(model)

@@ -261,9 +261,9 @@ class PretrainedTokenizer(BPETokenizer):
             from transformers import AutoTokenizer
         except ImportError:
             raise InputError("a pretrained model's tokenizer needs transformers: pip install 'fullband[hf]'") from None
-        from fullband.hf.gguf import pretrained_args
+        from fullband.gguf_file import gguf_args
 
-        name, extra = pretrained_args(path)
+        name, extra = gguf_args(path)
         try:
             tok = AutoTokenizer.from_pretrained(name, **extra)
         except (OSError, ValueError) as err:

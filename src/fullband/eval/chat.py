@@ -102,7 +102,7 @@ def chat_table(result: dict) -> str:
 
 
 def chat_figure(result: dict):
-    from fullband.eval.report import plt
+    from fullband.files import plt
 
     rows = result["rows"]
     names = [r["mode"] for r in rows]

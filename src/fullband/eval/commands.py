@@ -56,7 +56,7 @@ def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_perc
                           "corpus, by file; 100 scores the whole corpus)")
     from fullband.data.corpus import resolve_corpus
     from fullband.data.shards import tokenize_corpus
-    from fullband.train.data import cache_root
+    from fullband.files import cache_root
 
     data = run_data(checkpoint)
     spec = corpus or data.get("corpus")

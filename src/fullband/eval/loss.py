@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fullband.model.mode import DecodeMode
-from fullband.train.objective import ntp
+from fullband.model.objective import ntp
 
 
 @dataclass

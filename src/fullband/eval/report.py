@@ -5,22 +5,12 @@ tool wrote)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from fullband.files import OutputError, check_no_loop, check_writable, make_folder, read_json, replace_file, writing
-
-
-def plt():
-    """matplotlib.pyplot on the Agg backend (no screen needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as pyplot
-
-    return pyplot
+from fullband.files import (OutputError, check_no_loop, check_writable, make_folder, plt, read_json, replace_file,
+                            save_figure)
 
 
 # ---------------------------------------------------------------------- output files
@@ -38,19 +28,6 @@ def check_out(out: str | Path, name: str) -> Path:
                           "was overwritten. Choose another --out")
     check_writable(out, "--out")
     return out
-
-
-def save_figure(fig, path: Path) -> None:
-    """A figure as PNG through a temporary file and a rename (a failure leaves neither); the figure is closed."""
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with writing(path, f"write {path.name}"):
-            fig.savefig(tmp, dpi=120, format="png")
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-        plt().close(fig)
 
 
 def write(out: Path, name: str, result: dict, fig=None) -> None:

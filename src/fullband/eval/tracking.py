@@ -84,7 +84,7 @@ def tracking_table(result: dict) -> str:
 
 
 def tracking_figure(result: dict):
-    from fullband.eval.report import plt
+    from fullband.files import plt
 
     fig, ax = plt().subplots(figsize=(8, 4))
     for r in result["rows"]:

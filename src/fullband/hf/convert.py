@@ -39,7 +39,7 @@ HF_KIND = Kind("transformers fullband folder",
 
 def detect(src: str | Path) -> str:
     """The kind of checkpoint `src` is: 'native', 'hf' or 'llama' (folders), or 'gguf' (a .gguf file)."""
-    from fullband.hf.gguf import is_gguf
+    from fullband.gguf_file import is_gguf
 
     if is_gguf(src):
         return "gguf"
@@ -61,7 +61,7 @@ def detect(src: str | Path) -> str:
 def pretrained_source(path: str | Path) -> bool:
     """Whether `path` names a standard pretrained model fullband converts (a GGUF file, or a transformers Llama
     folder) rather than a folder fullband wrote: train.init_from then takes its sizes and tokenizer."""
-    from fullband.hf.gguf import is_gguf
+    from fullband.gguf_file import is_gguf
 
     if not path:
         return False
@@ -80,7 +80,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
     src, dst = Path(src), Path(dst)
     kind = detect(src)
     if kind == "gguf":  # refused by name before anything is written or loaded
-        from fullband.hf.gguf import gguf_path, require_native
+        from fullband.gguf_file import gguf_path
+        from fullband.hf.gguf import require_native
 
         require_native(src, use="fullband convert")
         src = gguf_path(src)
@@ -222,11 +223,11 @@ def _hf_tokenizer_source(src: Path):
     """transformers' own tokenizer of a Llama folder or GGUF file (None for folders of ours)."""
     from transformers import AutoTokenizer
 
-    from fullband.hf.gguf import is_gguf, pretrained_args
+    from fullband.gguf_file import gguf_args, is_gguf
 
     if not is_gguf(src) and detect(src) != "llama":
         return None
-    name, extra = pretrained_args(src)
+    name, extra = gguf_args(src)
     return AutoTokenizer.from_pretrained(name, **extra)
 
 

@@ -32,7 +32,7 @@ from fullband.model.decoder import FullbandLM
 from fullband.model.layers import Rotary
 from fullband.model.mode import DecodeMode, default_mode
 from fullband.model.weights import init_parameter_
-from fullband.train.objective import objective
+from fullband.model.objective import objective
 from fullband.validate import integer
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))

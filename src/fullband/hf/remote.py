@@ -22,7 +22,7 @@ ENTRY = "fullband.hf.modeling"
 SHIPPED = ("fullband.errors", "fullband.validate", "fullband.model.config", "fullband.model.layers",
            "fullband.model.attention", "fullband.model.fusion", "fullband.model.cache", "fullband.model.mode",
            "fullband.model.weights", "fullband.model.core", "fullband.model.decoder", "fullband.decode.sampling",
-           "fullband.decode.generate", "fullband.train.objective", "fullband.hf.remote", ENTRY)
+           "fullband.decode.generate", "fullband.model.objective", "fullband.hf.remote", ENTRY)
 
 
 def file_name(module: str) -> str:

@@ -10,7 +10,7 @@ recurrence, and how a decoding mode reads a prompt.
 
 The native model (model.decoder), the latent-feedback wrapper of a Hugging Face decoder (hf.feedback) and vLLM's
 model (vllm.model) supply their stacks; the transformers class, the decode engine, the evaluators, chat and the
-training objective (train.objective) call these rules. Shipped as source with every transformers folder
+training objective (model.objective) call these rules. Shipped as source with every transformers folder
 (fullband.hf.remote): it imports only other shipped modules.
 
 Shapes: B batch, T positions, D model width, V vocabulary."""

@@ -16,7 +16,7 @@ def runs() -> list[Run]:
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
     from fullband.eval.loss import validation_loss
-    from fullband.eval.report import plt as _plt
+    from fullband.files import plt as _plt
     from fullband.eval.stability import state_contribution
     from fullband.model.decoder import FullbandLM
 

@@ -277,7 +277,7 @@ def _outcome(table: dict, stage_runs: dict) -> list[str]:
 
 
 def _figure(table: dict, out: Path) -> None:
-    from fullband.eval.report import plt, save_figure
+    from fullband.files import plt, save_figure
 
     keys = list(table)
     labels = [f"{m} {s} {mode}" for m, s, mode in keys]

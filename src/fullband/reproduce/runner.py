@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from fullband.eval.report import save_figure
+from fullband.files import replace_file, save_figure
 from fullband.machine import hardware  # noqa: F401 (the reports' machine line, re-exported)
-from fullband.files import replace_file
 
 BASE = "configs/tiny.toml"
 

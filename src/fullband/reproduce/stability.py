@@ -14,7 +14,7 @@ def runs() -> list[Run]:
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
-    from fullband.eval.report import plt as _plt
+    from fullband.files import plt as _plt
     from fullband.eval.stability import contraction, jacobi_sweep
     from fullband.model.decoder import FullbandLM
 

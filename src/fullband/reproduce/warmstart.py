@@ -92,7 +92,7 @@ def _common(sc: Scale, model: str, steps: int) -> list[str]:
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu",
            model: str = "") -> list[str]:
-    from fullband.hf.gguf import SHIPPED
+    from fullband.gguf_file import SHIPPED
 
     check(scale=scale, model=model)
     sc = SCALES[scale]
@@ -201,7 +201,7 @@ def _chat(model, tok, sc: Scale) -> dict:
     from fullband.decode.generate import generate
     from fullband.eval.chat import _mean_se
     from fullband.model.mode import DecodeMode
-    from fullband.train.objective import ntp
+    from fullband.model.objective import ntp
 
     device = next(model.parameters()).device
     template = chat_template(tok)
@@ -322,7 +322,7 @@ def _against_controls(evaluated: dict, runs: list[Run]) -> list[str]:
 
 
 def _curves(trained: dict, runs: list[Run], figs: Path) -> list[str]:
-    from fullband.eval.report import plt as _plt
+    from fullband.files import plt as _plt
 
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=False)

@@ -106,7 +106,7 @@ def check_step_memory(cfg: RLConfig, model, longest_prompt: int, device) -> None
     """Refuse, before anything is allocated, a step whose rows (prompts_per_step x group) of the longest prompt plus
     max_new_tokens do not fit in memory: the log-probability passes' activations with gradients (as a training
     step's, train.memory.step_memory), AdamW's state, the reference model (kl_coef > 0) and the sampling caches."""
-    from fullband.bench.flops import kv_bytes_per_token
+    from fullband.model.flops import kv_bytes_per_token
     from fullband.rl.logprob import parse_path
     from fullband.train.memory import check_fits, model_bytes, step_memory
 
@@ -307,7 +307,7 @@ def metric_rows(metrics: Path) -> list[dict]:
 
 def plot_rl(metrics: Path, out: Path) -> Path | None:
     """Reward and reply length per step (and the held-out reward, greedy, where it was measured), as a PNG."""
-    from fullband.eval.report import plt, save_figure
+    from fullband.files import plt, save_figure
 
     rows = metric_rows(metrics)
     if not rows:

@@ -5,7 +5,7 @@
   the first update, detached (1 there; later updates move away from it and the clip acts): on-policy, a path's
   own error cancels in the ratio and shows in the gradient.
 - `rejection-sft` (on-policy SFT): keep the responses whose reward reaches `accept` (all of them, or each prompt's
-  shortest) and take one optimiser step of the chat training objective (fullband.train.objective: `sft_passes`
+  shortest) and take one optimiser step of the chat training objective (fullband.model.objective: `sft_passes`
   Jacobi passes, the pass weight, jitter and prefix mixin as the model's config says) on prompt + response,
   the prompts read as the sampling mode reads them (SOFT: plainly; FUSED: fed)."""
 
@@ -164,7 +164,7 @@ def kept_rows(rewards: Tensor, lengths: Sequence[int], group: int, accept: float
 
 def _rejection_sft(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, rewards: Tensor,
                    settings: RLSettings, *, seed: int) -> dict:
-    from fullband.train.objective import objective
+    from fullband.model.objective import objective
 
     keep = kept_rows(rewards, [len(y) for y in r.responses], settings.group, settings.accept, settings.keep)
     row = {"kept": len(keep), "loss": float("nan")}

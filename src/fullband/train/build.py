@@ -66,7 +66,8 @@ FEEDBACK_FIELDS = ("fusion", "fusion_init", "fusion_gate_scale", "feedback", "fe
 def llama_model_config(cfg: RunConfig) -> ModelConfig:
     """The model of a warm start from a pretrained Llama (train.init_from: a GGUF file or a transformers folder): its
     sizes, with the recipe's feedback fields."""
-    from fullband.hf.gguf import is_gguf, pretrained_config, require_native
+    from fullband.gguf_file import is_gguf
+    from fullband.hf.gguf import pretrained_config, require_native
     from fullband.hf.llama import config_from_llama
 
     path = cfg.train.init_from
@@ -181,7 +182,8 @@ def warm_start(model: FullbandLM, path: str) -> dict:
     from fullband.folder import load_state, read_config
 
     if pretrained_source(path):
-        from fullband.hf.gguf import is_gguf, load_causal_lm
+        from fullband.gguf_file import is_gguf
+        from fullband.hf.gguf import load_causal_lm
         from fullband.hf.llama import from_llama
 
         converted = from_llama(load_causal_lm(path) if is_gguf(path) else path, fusion=model.config.fusion)

@@ -3,7 +3,6 @@ shards for the train and validation splits, the step-deterministic sampler and f
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from fullband.data.sampler import WindowSampler, validation_batches
 from fullband.data.shards import tokenize_corpus
 from fullband.data.tokenizer import TOKENIZER_KIND, ByteTokenizer, PretrainedTokenizer, load_tokenizer, train_bpe
 from fullband.errors import ConfigError
-from fullband.files import atomic_folder, check_no_loop
+from fullband.files import atomic_folder, cache_root
 from fullband.model.config import ModelConfig
 from fullband.train.parallel import Dist, barrier
 
@@ -25,21 +24,6 @@ class RunData:
     sampler: WindowSampler
     val_batches: list
     model_config: ModelConfig
-
-
-def cache_root(cfg_dir: str) -> Path:
-    """data.cache_dir, else $FULLBAND_CACHE, else $XDG_CACHE_HOME/fullband; refused now if it is a file."""
-    if cfg_dir:
-        root, what = Path(cfg_dir).expanduser(), "data.cache_dir"
-    elif os.environ.get("FULLBAND_CACHE"):
-        root, what = Path(os.environ["FULLBAND_CACHE"]).expanduser(), "FULLBAND_CACHE"
-    else:
-        root, what = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "fullband", "the cache folder"
-    check_no_loop(root, what, ConfigError)
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"{what}={str(root)!r} is a file; accepted: a folder for the token cache (it is created "
-                          "when missing)")
-    return root
 
 
 def run_tokenizer(cfg, d: Dist, *, run_dir: Path | None = None):
@@ -69,7 +53,7 @@ def pretrained_model(cfg) -> str:
 
 def _pretrained_tokenizer(path: str) -> PretrainedTokenizer:
     """A pretrained model's tokenizer, its EOS id(s) (generation_config.json, else config.json) the stop ids."""
-    from fullband.hf.gguf import is_gguf, pretrained_args
+    from fullband.gguf_file import gguf_args, is_gguf
 
     stops: tuple[int, ...] = ()
     try:
@@ -77,7 +61,7 @@ def _pretrained_tokenizer(path: str) -> PretrainedTokenizer:
 
         from fullband.hf.convert import hf_stop_ids
 
-        name, extra = pretrained_args(path)
+        name, extra = gguf_args(path)
         stops = tuple(hf_stop_ids(GenerationConfig.from_pretrained(name, **extra)))
     except (ImportError, OSError, ValueError, TypeError):
         stops = ()

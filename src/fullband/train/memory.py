@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from fullband.bench.flops import param_count, repeats
 from fullband.errors import FullbandError, InputError
+from fullband.model.flops import param_count, repeats
 
 GB = 1e9
 

@@ -86,7 +86,7 @@ def _flatten(row: dict, prefix: str = "") -> dict[str, float]:
 
 def plot_metrics(metrics: Path, out: Path) -> Path | None:
     """Training loss per pass count (smoothed) and validation loss against tokens, as a PNG."""
-    from fullband.eval.report import plt as pyplot, save_figure
+    from fullband.files import plt as pyplot, save_figure
 
     try:
         plt = pyplot()

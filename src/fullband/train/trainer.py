@@ -6,7 +6,7 @@ data, the jitter and the prefix mixin. So a resumed run, or the same global batc
 replays the same computation.
 
 Compute is logged two ways: compute_tokens (tokens x passes, the paper's token-equivalent compute) and flops, the
-training FLOPs counted by fullband.bench.flops.train_flops for each step's k and r (for a wrapped Hugging Face
+training FLOPs counted by fullband.model.flops.train_flops for each step's k and r (for a wrapped Hugging Face
 model: the count of the native model of its sizes)."""
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from fullband.bench.flops import train_flops
 from fullband.errors import TrainingDiverged
 from fullband.files import writing
 from fullband.eval.loss import validation_loss
+from fullband.model.flops import train_flops
+from fullband.model.objective import objective
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
 from fullband.train.build import build, resolve
 from fullband.train.data import RunData, prepare_data
-from fullband.train.objective import objective
 from fullband.train.rundir import MUST_MATCH, RunDir, stop_after_step
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync,

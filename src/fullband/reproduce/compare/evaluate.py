@@ -75,7 +75,7 @@ def _looping(model, loops: int | None):
 
 def lm_reads(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
     """Held-out loss of every read of a language-modelling run, per window (for paired differences)."""
-    from fullband.bench.flops import forward_flops
+    from fullband.model.flops import forward_flops
     from fullband.eval.loss import validation_loss
     from fullband.model.decoder import FullbandLM
     from fullband.reproduce.runner import val_batches
@@ -101,7 +101,7 @@ def lm_reads(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
 def curve(p: Planned, run_dir: Path, cfg) -> list[dict]:
     """The run's held-out points (metrics.jsonl eval rows) with the tokens and training FLOPs spent by then (FLOPs
     counted step by step from each step's passes and loops)."""
-    from fullband.bench.flops import train_flops
+    from fullband.model.flops import train_flops
     from fullband.rl.run import metric_rows
 
     rows = metric_rows(run_dir / "metrics.jsonl")
@@ -117,7 +117,7 @@ def curve(p: Planned, run_dir: Path, cfg) -> list[dict]:
 
 def tracking_eval(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
     from fullband.data.tracking import parse_spec
-    from fullband.eval.report import save_figure
+    from fullband.files import save_figure
     from fullband.eval.tracking import accuracy_table, tracking_figure
     from fullband.eval.commands import load_any
 

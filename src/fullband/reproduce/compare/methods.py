@@ -94,6 +94,6 @@ def _mean_passes(passes: str) -> float:
 
 
 def _train_flops(cfg, passes: str, seq_len: int) -> float:
-    from fullband.bench.flops import train_flops
+    from fullband.model.flops import train_flops
 
     return train_flops(cfg, _mean_passes(passes), seq_len=seq_len)

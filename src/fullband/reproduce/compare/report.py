@@ -133,7 +133,7 @@ def _cost_lines(costs: dict[str, dict], planned: list[Planned]) -> list[str]:
     if not costs:
         return []
     some = next(iter(costs.values()))
-    lines = ["## Cost", "", f"Counted from the config (fullband.bench.flops) and measured side by side with the standard "
+    lines = ["## Cost", "", f"Counted from the config (fullband.model.flops) and measured side by side with the standard "
              f"model of the same width and depth (`fullband bench cost`; {some['hardware']}, {some['threads']} "
              f"threads; medians of {some['repeats']}, as ratios). Training: the schedule's expected step, "
              f"{some['batch']} windows of {some['seq_len']} tokens; decode: "
@@ -159,7 +159,7 @@ def _cost_lines(costs: dict[str, dict], planned: list[Planned]) -> list[str]:
                      f"({c['kv_bytes_per_token_standard']:,}) |")
     deep = next((p for p in planned if p.role == "deep"), None)
     if deep is not None:
-        from fullband.bench.flops import param_count, train_flops
+        from fullband.model.flops import param_count, train_flops
 
         std = next(p for p in planned if p.name == "fresh-standard")
         seq = 256
@@ -233,7 +233,7 @@ LINESTYLE = {"standard": "-", "feedback": "-", "looped": "--", "ponder": ":"}
 
 
 def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path, results: dict, lm_cfg) -> list[str]:
-    from fullband.eval.report import plt as _plt, save_figure
+    from fullband.files import plt as _plt, save_figure
 
     plt = _plt()
     lines = ["## Figures", ""]

