@@ -57,15 +57,13 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
     if not items:
         raise DataError(f"no conversation leaves room for {max_new_tokens} new tokens in max_seq_len="
                         f"{model.config.max_seq_len}; lower max_new_tokens")
-    new = max_new_tokens
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
     rows = []
-    per_item: dict[str, dict[str, list]] = {}
     for mode in modes:
         answers: list[list[int]] = [[] for _ in prompts]
         batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
         for batch in tqdm(batches, desc=f"chat eval {mode.label}", disable=not progress, leave=False):
-            for i, ids in zip(batch, generate(model, [prompts[i] for i in batch], new, mode=mode, stop_tokens=stops)):
+            for i, ids in zip(batch, generate(model, [prompts[i] for i in batch], max_new_tokens, mode=mode, stop_tokens=stops)):
                 answers[i] = ids
         texts = [tokenizer.decode([t for t in a if t not in stops]) for a in answers]
         correct = [float(final_answer(t) == ref) if score is None else float(score(msgs, t, ref))
@@ -74,16 +72,14 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
         ended = [float(bool(a) and a[-1] in stops) for a in answers]
         acc, acc_se = _mean_se(correct)
         length, length_se = _mean_se(lengths)
-        per_item[mode.label] = {"correct": correct, "lengths": lengths}
         rows.append({"mode": mode.label, "accuracy": acc, "accuracy_se": acc_se, "tokens": length,
                      "tokens_se": length_se, "ended": float(np.mean(ended)), "answers": texts,
                      "correct": correct, "lengths": lengths})
-    base = per_item[modes[0].label]
+    base = rows[0]
     for row in rows:
-        mine = per_item[row["mode"]]
-        row["accuracy_diff"], row["accuracy_diff_se"] = _mean_se(np.subtract(mine["correct"], base["correct"]))
-        row["tokens_diff"], row["tokens_diff_se"] = _mean_se(np.subtract(mine["lengths"], base["lengths"]))
-    return {"n": len(items), "skipped": skipped, "max_new_tokens": new, "baseline": modes[0].label, "rows": rows,
+        row["accuracy_diff"], row["accuracy_diff_se"] = _mean_se(np.subtract(row["correct"], base["correct"]))
+        row["tokens_diff"], row["tokens_diff_se"] = _mean_se(np.subtract(row["lengths"], base["lengths"]))
+    return {"n": len(items), "skipped": skipped, "max_new_tokens": max_new_tokens, "baseline": modes[0].label, "rows": rows,
             "references": [ref for _, ref in items]}
 
 
