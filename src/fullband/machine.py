@@ -26,8 +26,9 @@ def hardware() -> str:
     """'CPU model, N cores, torch version (threads), GPU' in one line."""
     import torch
 
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
 
 
 def _cpu_times() -> tuple[float, float] | None:

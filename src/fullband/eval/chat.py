@@ -57,13 +57,14 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
     if not items:
         raise DataError(f"no conversation leaves room for {max_new_tokens} new tokens in max_seq_len="
                         f"{model.config.max_seq_len}; lower max_new_tokens")
+    new = max_new_tokens
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
     rows = []
     for mode in modes:
         answers: list[list[int]] = [[] for _ in prompts]
         batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
         for batch in tqdm(batches, desc=f"chat eval {mode.label}", disable=not progress, leave=False):
-            for i, ids in zip(batch, generate(model, [prompts[i] for i in batch], max_new_tokens, mode=mode, stop_tokens=stops)):
+            for i, ids in zip(batch, generate(model, [prompts[i] for i in batch], new, mode=mode, stop_tokens=stops)):
                 answers[i] = ids
         texts = [tokenizer.decode([t for t in a if t not in stops]) for a in answers]
         correct = [float(final_answer(t) == ref) if score is None else float(score(msgs, t, ref))
@@ -79,7 +80,7 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
     for row in rows:
         row["accuracy_diff"], row["accuracy_diff_se"] = _mean_se(np.subtract(row["correct"], base["correct"]))
         row["tokens_diff"], row["tokens_diff_se"] = _mean_se(np.subtract(row["lengths"], base["lengths"]))
-    return {"n": len(items), "skipped": skipped, "max_new_tokens": max_new_tokens, "baseline": modes[0].label, "rows": rows,
+    return {"n": len(items), "skipped": skipped, "max_new_tokens": new, "baseline": modes[0].label, "rows": rows,
             "references": [ref for _, ref in items]}
 
 
