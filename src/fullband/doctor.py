@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fullband.errors import FullbandError
+from fullband.files import read_json
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -49,7 +50,7 @@ class Report:
 def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
     """Everything doctor can tell about `path` (nothing is written, locked for longer than a check, or deleted)."""
     from fullband.folder import CONFIG_FILE
-    from fullband.files import read_json, read_json_file
+    from fullband.files import read_json_file
     from fullband.train.checkpoint import STEP_DIR
     from fullband.train.rundir import RUN_FILE
 
@@ -103,11 +104,11 @@ def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
         report.add(FAIL, label("config.json"), str(err))
         return False
     record = data.get(FILES_KEY)
+    trainer = (folder / "trainer.json").is_file()
     if record is None:
         report.add(WARN, label("."), "config.json has no record of the files' sizes and hashes (written by an "
                                      "older fullband): completeness can only be checked by loading")
     else:
-        trainer = (folder / "trainer.json").is_file()
         left = sorted(n for n in record if not trainer and _training_state(n) and not (folder / n).exists())
         if left:  # model files copied out of a training checkpoint: they load; they cannot resume training
             report.add(WARN, label("."), f"the training state saved beside these weights is not here ({', '.join(left)}"
@@ -120,11 +121,9 @@ def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
         if not problems:
             what = "sizes and sha256" if hashes else "sizes (hashes not checked: --quick)"
             report.add(OK, label("."), f"{len(record)} files match the {what} recorded at save time")
-    trainer = (folder / "trainer.json").is_file()
-    if not trainer:
-        foreign = MODEL_KIND.foreign(folder)
-        if foreign:
-            report.add(WARN, label("."), f"holds files fullband does not write: {', '.join(foreign[:5])}")
+    foreign = [] if trainer else MODEL_KIND.foreign(folder)
+    if foreign:
+        report.add(WARN, label("."), f"holds files fullband does not write: {', '.join(foreign[:5])}")
     _weights(report, folder, label, data, config)
     _tokenizer(report, folder, label, config)
     if trainer:
@@ -220,7 +219,7 @@ def _transformers_view(report: Report, folder: Path, tok, hf: dict) -> None:
 
     stops = sorted(tok.stop_ids) if hf_chat_template(tok) or getattr(tok, "kind", "") == "pretrained" else []
     for name in ("config.json", "generation_config.json"):
-        data = (hf if name == "config.json" else _json(folder / name)) or {}
+        data = (hf if name == "config.json" else read_json(folder / name)) or {}
         eos = data.get("eos_token_id")
         declared = sorted(eos if isinstance(eos, list) else [] if eos is None else [eos])
         missing = [i for i in stops if i not in declared]
@@ -263,12 +262,6 @@ def _transformers_view(report: Report, folder: Path, tok, hf: dict) -> None:
     if not problems:
         report.add(OK, "tokenizer (transformers)", "AutoTokenizer agrees: special ids, left padding"
                                                     f"{', the chat template' if hf_chat_template(tok) else ''}")
-
-
-def _json(path: Path) -> dict | None:
-    from fullband.files import read_json
-
-    return read_json(path)
 
 
 def _trainer_files(report: Report, folder: Path, label) -> None:
@@ -317,7 +310,7 @@ def _hf_folder(report: Report, folder: Path, hashes: bool) -> bool:
     except FullbandError:
         config = None  # the weights' findings below say why
     if config is not None:
-        _tokenizer(report, folder, lambda name: name, config, hf=_json(folder / "config.json") or {})
+        _tokenizer(report, folder, lambda name: name, config, hf=read_json(folder / "config.json") or {})
     if (folder / "model.safetensors").is_file():
         try:
             from safetensors.torch import load_file
@@ -394,16 +387,11 @@ def _matches_run(report: Report, step: Path, cfg) -> bool:
     from fullband.train.checkpoint import read_trainer_state
     from fullband.train.rundir import resume_differences
 
-    if cfg is None:
-        return True
-    saved = read_trainer_state(step).get("config")
-    if not isinstance(saved, dict):
-        return True
-    diffs = resume_differences(saved, cfg.to_dict())
+    saved = None if cfg is None else read_trainer_state(step).get("config")
+    diffs = resume_differences(saved, cfg.to_dict()) if isinstance(saved, dict) else []
     if diffs:
         report.add(FAIL, f"{step.name}/trainer.json", "its config differs from run.json: " + "; ".join(diffs[:3]))
-        return False
-    return True
+    return not diffs
 
 
 def _metrics(report: Report, path: Path, last_step: int) -> None:

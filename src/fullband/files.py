@@ -576,17 +576,14 @@ def parse_json(text: str, where: str, *, error: type[FullbandError]):
     (a lone surrogate escape)."""
     try:
         value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape decodes, but is not text
     except RecursionError:
         raise error(f"{where}: JSON nested too deeply to read; accepted: at most a few hundred levels") from None
     except json.JSONDecodeError as err:
         raise error(f"{where}: invalid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise error(f"{where}: JSON text holds a lone surrogate (\\ud800-\\udfff escape), which is not Unicode "
                     "text") from None
-    except RecursionError:
-        raise error(f"{where}: JSON nested too deeply to read; accepted: at most a few hundred levels") from None
     return value
 
 

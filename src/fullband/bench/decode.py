@@ -84,7 +84,7 @@ def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Calla
 
     def run() -> float:
         with torch.inference_mode():
-            return statistics.median([_timed(once) for _ in range(5)])
+            return statistics.median([timed(once)() for _ in range(5)])
 
     return run
 
@@ -127,35 +127,63 @@ def theory_overhead(cfg: ModelConfig) -> float:
     return 2 * cfg.d_model**2 / per_token
 
 
-def hf_llama_generate(model: FullbandLM, prompt_len: int, new_tokens: int) -> Callable[[], None] | None:
-    """HF LlamaForCausalLM of the same shape (random weights, on the model's device), greedy, batch 1; None when
-    transformers is missing."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
-        return None
-    cfg = model.config
-    hf = LlamaForCausalLM(LlamaConfig(
+def same_shape_llama(cfg: ModelConfig, *, tie: bool):
+    """A random transformers LlamaForCausalLM of `cfg`'s shape, in eval mode (`tie`: its head is the embedding)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
-        tie_word_embeddings=True, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)).eval()
-    device = next(model.parameters()).device
-    hf.to(device)
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len)).to(device)
+        tie_word_embeddings=tie, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)).eval()
+
+
+def hf_timer(hf, prompts: torch.Tensor, new_tokens: int) -> Callable[[], float]:
+    """Seconds of transformers' greedy generate of new_tokens after `prompts` (end to end, prefill included)."""
 
     def run() -> None:
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+            hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        _sync(device)
+        _sync(prompts.device)
+
+    return timed(run)
+
+
+def hf_llama_generate(model: FullbandLM, prompt_len: int, new_tokens: int) -> Callable[[], float] | None:
+    """hf_timer of a same-shape Llama (random weights, on the model's device), batch 1; None without transformers."""
+    try:
+        hf = same_shape_llama(model.config, tie=True)
+    except ImportError:
+        return None
+    device = next(model.parameters()).device
+    hf.to(device)
+    return hf_timer(hf, torch.randint(0, model.config.vocab_size, (1, prompt_len)).to(device), new_tokens)
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """`fn` as a callable returning the seconds it took."""
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
 
     return run
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def timed_rounds(timers: dict[str, Callable[[], object] | None], repeats: int, log: Callable[[str], None],
+                 cell: str) -> dict[str, list]:
+    """Each timer once to warm up, then `repeats` rounds of all of them in turn (A B C A B C ...), each round
+    logged: every timer's results by name (none for a None timer)."""
+    live = {name: fn for name, fn in timers.items() if fn is not None}
+    for fn in live.values():
+        fn()
+    times: dict[str, list] = {name: [] for name in timers}
+    for r in range(repeats):
+        for name, fn in live.items():
+            times[name].append(fn())
+        log(f"[bench] {cell}: repetition {r + 1}/{repeats}")
+    return times
 
 
 def decode_memory(cfg: ModelConfig, *, batches, dtypes, prompt_len: int, new_tokens: int, pairs: int,
@@ -204,23 +232,11 @@ def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: l
                 decoders["standard compiled"] = decode_timer(model, prompts, new_tokens, "standard", 0, True)
                 decoders["soft compiled"] = decode_timer(model, prompts, new_tokens, "soft", 0, True)
             chain, chain7 = matmul_chain(model, batch), matmul_chain(model, batch, split=True)
-            e2e = (lambda: generate(model, prompts, new_tokens, mode="standard")) if batch == 1 else None
+            e2e = timed(lambda: generate(model, prompts, new_tokens, mode="standard")) if batch == 1 else None
             hf_run = hf_llama_generate(model, prompt_len, new_tokens) if hf and batch == 1 and dtype_name == "float32" else None
             log(f"[bench] {dtype_name} batch {batch}: warm-up" + (" (compiling)" if compile else ""))
-            for fn in [*decoders.values(), chain, chain7, e2e, hf_run]:
-                if fn is not None:
-                    fn()
-            times: dict[str, list] = {name: [] for name in [*decoders, "chain", "chain7", "e2e", "hf"]}
-            for r in range(repeats):
-                for name, fn in decoders.items():
-                    times[name].append(fn())
-                times["chain"].append(chain())
-                times["chain7"].append(chain7())
-                if e2e is not None:
-                    times["e2e"].append(_timed(e2e))
-                if hf_run is not None:
-                    times["hf"].append(_timed(hf_run))
-                log(f"[bench] {dtype_name} batch {batch}: repetition {r + 1}/{repeats}")
+            times = timed_rounds({**decoders, "chain": chain, "chain7": chain7, "e2e": e2e, "hf": hf_run}, repeats, log,
+                                 f"{dtype_name} batch {batch}")
             paired[f"{dtype_name}/b{batch}"] = paired_soft_overhead(model, prompts, pairs)
             steps = new_tokens - 1
             for name in decoders:

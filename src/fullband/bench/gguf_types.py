@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fullband.files import umask
+
 DTYPES = {"F32": np.float32, "F16": np.float16}
 FILE_TYPE_KEY = "general.file_type"
 
@@ -60,9 +62,7 @@ def retype_gguf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "F3
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     writer = None
     try:
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # mkstemp's 0600 -> what a plain open would give
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 -> what a plain open would give
         os.close(fd)
         writer = gguf.GGUFWriter(tmp, arch)
         for name, field in fields.items():

@@ -10,13 +10,13 @@ k-pass objective (k = 1, 2, 3) against transformers' own forward + backward (lab
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from fullband.bench.decode import decode_timer, matmul_chain, paired_soft_overhead, theory_overhead
+from fullband.bench.decode import (decode_timer, hf_timer, matmul_chain, paired_soft_overhead, same_shape_llama,
+                                   theory_overhead, timed, timed_rounds)
 from fullband.machine import hardware
 
 MB = 2**20
@@ -49,38 +49,12 @@ def decode_weights(model) -> list[torch.Tensor]:
 def stream_read(weights: list[torch.Tensor]) -> Callable[[], float]:
     """Seconds to read every byte of `weights` once (a sum per tensor: the memory system's streaming read)."""
 
-    def run() -> float:
-        t0 = time.perf_counter()
+    def run() -> None:
         with torch.inference_mode():
             for w in weights:
                 w.sum()
-        return time.perf_counter() - t0
 
-    return run
-
-
-def hf_timer(hf, prompts: torch.Tensor, new_tokens: int) -> Callable[[], float]:
-    """Seconds of transformers' greedy generate of new_tokens after `prompts` (end to end, prefill included)."""
-
-    def run() -> float:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t0
-
-    return run
-
-
-def same_shape_llama(model):
-    """A random transformers Llama of the native model's shape (times what transformers does at that shape)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = model.config
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
-        tie_word_embeddings=cfg.tie_embeddings, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)).eval()
+    return timed(run)
 
 
 def run_model_decode(spec: str, *, batches=(1, 8), threads=(1, 2), prompt_len: int = 32, new_tokens: int = 128,
@@ -90,7 +64,7 @@ def run_model_decode(spec: str, *, batches=(1, 8), threads=(1, 2), prompt_len: i
     over STANDARD from `pairs` paired decode steps per cell (bench.decode.paired_soft_overhead)."""
     model, hf_model, what = load_pair(spec)
     if hf and hf_model is None:
-        hf_model = same_shape_llama(model)
+        hf_model = same_shape_llama(model.config, tie=model.config.tie_embeddings)
     fused = f"fused k={prefill_passes}"
     weights = decode_weights(model)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
@@ -108,18 +82,8 @@ def run_model_decode(spec: str, *, batches=(1, 8), threads=(1, 2), prompt_len: i
                 chain, read = matmul_chain(model, batch), stream_read(weights)
                 hf_run = hf_timer(hf_model, prompts, new_tokens) if hf_model is not None else None
                 log(f"[bench] {n} thread(s), batch {batch}: warm-up")
-                for fn in [*timers.values(), chain, read, hf_run]:
-                    if fn is not None:
-                        fn()
-                times: dict[str, list] = {name: [] for name in [*timers, "chain", "read", "hf"]}
-                for r in range(repeats):
-                    for name, fn in timers.items():
-                        times[name].append(fn())
-                    times["chain"].append(chain())
-                    times["read"].append(read())
-                    if hf_run is not None:
-                        times["hf"].append(hf_run())
-                    log(f"[bench] {n} thread(s), batch {batch}: repetition {r + 1}/{repeats}")
+                times = timed_rounds({**timers, "chain": chain, "read": read, "hf": hf_run}, repeats, log,
+                                     f"{n} thread(s), batch {batch}")
                 paired[f"t{n}/b{batch}"] = paired_soft_overhead(model, prompts, pairs)
                 steps = new_tokens - 1
                 cell = dict(threads=n, batch=batch)
@@ -171,7 +135,7 @@ def run_model_steps(spec: str, *, batch: int = 4, seq_len: int = 256, passes=(1,
     from fullband.model.objective import objective
 
     model, hf, what = load_pair(spec)
-    hf = hf if hf is not None else same_shape_llama(model)
+    hf = hf if hf is not None else same_shape_llama(model.config, tie=model.config.tie_embeddings)
     model.train()
     hf.train()
     g = torch.Generator().manual_seed(0)
@@ -190,15 +154,7 @@ def run_model_steps(spec: str, *, batch: int = 4, seq_len: int = 256, passes=(1,
         hf.zero_grad(set_to_none=True)
 
     fns = {"transformers": theirs, **{f"k={k}": ours(k) for k in passes}}
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-        log(f"[bench] training steps: repetition {r + 1}/{repeats}")
+    times = timed_rounds({name: timed(fn) for name, fn in fns.items()}, repeats, log, "training steps")
     base = statistics.median(times["transformers"])
     rows = [{"variant": name, "seconds": statistics.median(t), "vs_transformers": statistics.median(t) / base,
              "passes": 1 if name == "transformers" else int(name[2:])} for name, t in times.items()]

@@ -273,15 +273,14 @@ class PretrainedTokenizer(BPETokenizer):
     @classmethod
     def from_hf(cls, tok: Any, *, source: str, stop_ids: tuple[int, ...] = ()) -> "PretrainedTokenizer":
         """A transformers fast tokenizer as fullband reads it: its ids, special tokens, BOS policy and template."""
-        path = source  # what the messages name
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is None:
-            raise InputError(f"the tokenizer of {str(path)!r} ({type(tok).__name__}) is not a fast tokenizer; "
+            raise InputError(f"the tokenizer of {str(source)!r} ({type(tok).__name__}) is not a fast tokenizer; "
                              "accepted: a model with a tokenizer.json")
         eos = tok.eos_token_id
         bos = tok.bos_token_id if tok.bos_token_id is not None else eos
         if bos is None:
-            raise InputError(f"the tokenizer of {str(path)!r} has neither a BOS nor an EOS token; fullband needs a "
+            raise InputError(f"the tokenizer of {str(source)!r} has neither a BOS nor an EOS token; fullband needs a "
                              "document-start token")
         eos = eos if eos is not None else bos
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
@@ -290,7 +289,7 @@ class PretrainedTokenizer(BPETokenizer):
         plain = tok("a", add_special_tokens=False)["input_ids"]
         full = tok("a")["input_ids"]
         add_bos = len(full) > len(plain) and full[:1] == [tok.bos_token_id]
-        return cls(backend, source=str(path), special_ids=(bos, eos, pad), stop_ids=stop_ids,
+        return cls(backend, source=str(source), special_ids=(bos, eos, pad), stop_ids=stop_ids,
                    chat_template=template if isinstance(template, str) else None, add_bos=add_bos)
 
     def save_ids(self, directory: str | Path) -> None:

@@ -60,7 +60,6 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
     new = max_new_tokens
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
     rows = []
-    per_item: dict[str, dict[str, list]] = {}
     for mode in modes:
         answers: list[list[int]] = [[] for _ in prompts]
         batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
@@ -74,15 +73,13 @@ def chat_eval(model, tokenizer, items: list[tuple[list[Message], str]], modes: l
         ended = [float(bool(a) and a[-1] in stops) for a in answers]
         acc, acc_se = _mean_se(correct)
         length, length_se = _mean_se(lengths)
-        per_item[mode.label] = {"correct": correct, "lengths": lengths}
         rows.append({"mode": mode.label, "accuracy": acc, "accuracy_se": acc_se, "tokens": length,
                      "tokens_se": length_se, "ended": float(np.mean(ended)), "answers": texts,
                      "correct": correct, "lengths": lengths})
-    base = per_item[modes[0].label]
+    base = rows[0]
     for row in rows:
-        mine = per_item[row["mode"]]
-        row["accuracy_diff"], row["accuracy_diff_se"] = _mean_se(np.subtract(mine["correct"], base["correct"]))
-        row["tokens_diff"], row["tokens_diff_se"] = _mean_se(np.subtract(mine["lengths"], base["lengths"]))
+        row["accuracy_diff"], row["accuracy_diff_se"] = _mean_se(np.subtract(row["correct"], base["correct"]))
+        row["tokens_diff"], row["tokens_diff_se"] = _mean_se(np.subtract(row["lengths"], base["lengths"]))
     return {"n": len(items), "skipped": skipped, "max_new_tokens": new, "baseline": modes[0].label, "rows": rows,
             "references": [ref for _, ref in items]}
 

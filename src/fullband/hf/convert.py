@@ -20,7 +20,8 @@ import torch
 from fullband.data.tokenizer import BYTE_TOKENIZER_FILE, SPECIAL_IDS_FILE
 from fullband.errors import CheckpointError, ConfigError
 from fullband.files import Kind, atomic_folder, check_destination, read_json, read_json_file
-from fullband.folder import HF_INDEX_FILE, HF_MODEL_TYPE, is_transformers_folder, load_transformers_folder
+from fullband.folder import (HF_INDEX_FILE, HF_MODEL_TYPE, MODEL_KIND, is_transformers_folder, load_transformers_folder,
+                             write_model_files)
 from fullband.model.config import require_one_slot
 
 TARGETS = ("hf", "native")
@@ -31,8 +32,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 HF_KIND = Kind("transformers fullband folder",
                frozenset({"config.json", "generation_config.json", "model.safetensors", HF_INDEX_FILE,
                           "modeling_fullband.py", "chat_template.jinja", "added_tokens.json", BYTE_TOKENIZER_FILE,
-                          SPECIAL_IDS_FILE,
-                          *HF_TOKENIZER_FILES}),
+                          SPECIAL_IDS_FILE, *HF_TOKENIZER_FILES}),
                patterns=(r"model-\d{5}-of-\d{5}\.safetensors", r"fullband_[a-z_]+\.py"),
                marker=is_transformers_folder)
 
@@ -75,8 +75,6 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
             fusion: str = "gated", overwrite: bool = False) -> tuple[str, str]:
     """Convert folder `src` into `dst` (format `to`: 'hf' or 'native'; default the other one, 'native' for a
     Llama). Returns (source kind, target kind)."""
-    from fullband.folder import MODEL_KIND
-
     src, dst = Path(src), Path(dst)
     kind = detect(src)
     if kind == "gguf":  # refused by name before anything is written or loaded
@@ -108,8 +106,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
                        action=f"write the {target} folder") as tmp:
         if target == "hf":
             _write_hf(native, tmp, src, tokenizer, stops)
-        else:
-            _write_native(native, tmp, src, tokenizer)
+        else:  # model.safetensors + tokenizer + config.json (last: it records the other files)
+            write_model_files(tmp, native.config, native.state_dict(), tokenizer=tokenizer)
     return kind, target
 
 
@@ -125,10 +123,7 @@ def source_stop_ids(src: Path) -> list[int]:
     """The EOS id(s) a transformers folder declares (generation_config.json, else config.json; [] when none):
     the converted model keeps them as its default stop tokens, as transformers' generate would stop there."""
     for name in ("generation_config.json", "config.json"):
-        data = read_json(src / name) or {}
-        eos = data.get("eos_token_id")
-        ids = eos if isinstance(eos, list) else [eos]
-        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+        ids = hf_stop_ids(read_json(src / name) or {})
         if ids:
             return ids
     return []
@@ -167,8 +162,8 @@ def _read(src: Path, kind: str, fusion: str):
 
 
 def hf_stop_ids(config) -> list[int]:
-    """The EOS id(s) a transformers (generation) config declares, as a list ([] when none)."""
-    eos = getattr(config, "eos_token_id", None)
+    """The EOS id(s) a transformers (generation) config, or its JSON object, declares, as a list ([] when none)."""
+    eos = config.get("eos_token_id") if isinstance(config, dict) else getattr(config, "eos_token_id", None)
     ids = eos if isinstance(eos, list) else [eos]
     return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
 
@@ -211,9 +206,8 @@ def save_hf_tokenizer(tokenizer, out: Path, src: Path | None = None) -> None:
     bos, eos, pad = SPECIAL_TOKENS
     bpe = isinstance(tokenizer, BPETokenizer)  # AutoTokenizer reads a BPE as a fast tokenizer
     # the byte tokenizer: its transformers equivalent for other tools, and itself for the way back
-    source = {"tokenizer_object": type(tokenizer.hf_tokenizer).from_str(tokenizer.hf_tokenizer.to_str())} if bpe \
-        else {"tokenizer_object": tokenizer.to_hf()}
-    PreTrainedTokenizerFast(**source, bos_token=bos, eos_token=eos, pad_token=pad, padding_side="left",
+    backend = type(tokenizer.hf_tokenizer).from_str(tokenizer.hf_tokenizer.to_str()) if bpe else tokenizer.to_hf()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad, padding_side="left",
                             **chat).save_pretrained(out)
     if not bpe:
         tokenizer.save(out, name=BYTE_TOKENIZER_FILE)
@@ -229,10 +223,3 @@ def _hf_tokenizer_source(src: Path):
         return None
     name, extra = gguf_args(src)
     return AutoTokenizer.from_pretrained(name, **extra)
-
-
-def _write_native(native, out: Path, src: Path, tokenizer) -> None:
-    """model.safetensors + tokenizer + config.json (last: it records the other files)."""
-    from fullband.folder import write_model_files
-
-    write_model_files(out, native.config, native.state_dict(), tokenizer=tokenizer)

@@ -6,6 +6,7 @@ A `.gguf` path is accepted wherever a transformers folder is (`fullband convert`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any
@@ -68,10 +69,8 @@ def unquantized(model):
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
     if hasattr(model, "is_quantized"):
-        try:
+        with contextlib.suppress(AttributeError):  # a read-only property in some versions: derived from hf_quantizer
             model.is_quantized = False
-        except AttributeError:  # a read-only property in some versions: derived from hf_quantizer
-            pass
     return model
 
 
