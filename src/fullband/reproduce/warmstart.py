@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.errors import InputError, closest
-from fullband.reproduce.runner import Experiment, Run, Settings, config_line, saved_figure, train_run
+from fullband.reproduce.runner import Experiment, Run, Settings, config_line, paired, saved_figure, train_run
 
 RECIPE = "configs/warmstart-smollm2.toml"
 FEEDBACK_ONLY = '["fusion.*", "norm_in.*"]'
@@ -291,10 +291,7 @@ def _text_table(evaluated: dict, runs: list[Run]) -> list[str]:
 
 
 def _paired(a: list[float], b: list[float]) -> str:
-    from fullband.eval.chat import _mean_se
-
-    mean, se = _mean_se([x - y for x, y in zip(a, b)])
-    return f"{mean:+.3f} ± {se:.3f}"
+    return "{:+.3f} ± {:.3f}".format(*paired(a, b))
 
 
 def _windows(evaluated: dict, name: str, mode: str) -> list[float]:
