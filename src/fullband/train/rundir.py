@@ -26,12 +26,9 @@ MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tok
 
 
 class RunDir:
-    """One run's folder from start to end: owned by this process (`owner`: the main rank) before anything in it is
-    read or written; on a resume (`resume`: the run directory or one of its step folders), its checkpoint found and
-    settings that differ from run.json's refused; torch's threads the run's own until release() gives the caller its
-    count back; run.json written once, by a new run; metrics.jsonl cut back to the checkpoint a resume starts from;
-    and, after a failure, the folder it created removed when nothing was written to it. `key`: the recipe's setting
-    that names the folder (log.run_dir, rl.run_dir), as messages say it."""
+    """One run's folder from claim to release (the module's docstring says what that holds); torch's threads are the
+    run's own until release() gives the caller its count back. `owner`: the main rank; `resume`: the run directory or
+    one of its step folders; `key`: the recipe's setting that names the folder (log.run_dir, rl.run_dir)."""
 
     def __init__(self, folder: str | Path, *, resume: str | Path | None, key: str = "log.run_dir",
                  owner: bool = True) -> None:
