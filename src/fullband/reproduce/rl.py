@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, config_line, held_out_chat, rl_run,
-                                       train_tuned)
+from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, config_line, held_out_chat, paired,
+                                       rl_run, train_tuned)
 
 SFT = "configs/sft-tiny.toml"
 RL = "configs/rl-tiny.toml"
@@ -143,8 +143,8 @@ def _table_lines(table: dict) -> list[str]:
         if stage == "sft":
             d_acc = d_len = ""
         else:
-            d, se = _paired(row["correct"], ref["correct"])
-            dl, sel = _paired(row["lengths"], ref["lengths"])
+            d, se = paired(row["correct"], ref["correct"])
+            dl, sel = paired(row["lengths"], ref["lengths"])
             d_acc, d_len = f"{d:+.3f} ± {se:.3f}", f"{dl:+.1f} ± {sel:.1f}"
         lines.append(f"| {model} | {stage} | {mode} | {row['accuracy']:.3f} ± {row['accuracy_se']:.3f} | {d_acc} | "
                      f"{row['tokens']:.1f} ± {row['tokens_se']:.1f} | {np.median(row['lengths']):.0f} | {d_len} |")
@@ -158,11 +158,6 @@ def _same_eval(cached: Path, ckpt: Path, data: Path, n: int, max_new_tokens: int
     r = read_json(cached) or {}
     return r.get("checkpoint") == str(ckpt) and r.get("data") == str(data) and r.get("max_new_tokens") == \
         max_new_tokens and r.get("n", 0) + r.get("skipped", 0) == n and "lengths" in (r.get("rows") or [{}])[0]
-
-
-def _paired(a, b) -> tuple[float, float]:
-    d = np.subtract(a, b, dtype=np.float64)
-    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else float("nan")
 
 
 def _study(ckpt: Path, data_file: Path, prompts: int, tokens: int, out: Path) -> list[dict]:
@@ -257,16 +252,16 @@ def _outcome(table: dict, stage_runs: dict) -> list[str]:
         ref = table[model, "sft", own]
         for stage in STAGES[1:]:
             row = table[model, stage, own]
-            d, se = _paired(row["correct"], ref["correct"])
-            dl, sel = _paired(row["lengths"], ref["lengths"])
+            d, se = paired(row["correct"], ref["correct"])
+            dl, sel = paired(row["lengths"], ref["lengths"])
             lines.append(f"- {model}, {stage} vs SFT in {own}: exact match {ref['accuracy']:.3f} → "
                          f"{row['accuracy']:.3f} ({d:+.3f} ± {se:.3f}: {said(d, se, 'higher', 'lower')}); reply "
                          f"length {ref['tokens']:.1f} → {row['tokens']:.1f} tokens ({dl:+.1f} ± {sel:.1f}: "
                          f"{said(dl, sel, 'longer', 'shorter')}).")
     for stage in STAGES:
         soft, std = table["fbt", stage, "soft"], table["fbt", stage, "standard"]
-        d, se = _paired(soft["lengths"], std["lengths"])
-        da, sea = _paired(soft["correct"], std["correct"])
+        d, se = paired(soft["lengths"], std["lengths"])
+        da, sea = paired(soft["correct"], std["correct"])
         lines.append(f"- fbt {stage}: SOFT vs STANDARD decoding, exact match {da:+.3f} ± {sea:.3f} "
                      f"({said(da, sea, 'higher', 'lower')}), reply length {d:+.2f} ± {se:.2f} tokens "
                      f"({said(d, se, 'longer', 'shorter')}).")

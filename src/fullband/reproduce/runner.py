@@ -153,6 +153,15 @@ def saved_figure(fig, figs: Path, png: str, alt: str) -> list[str]:
     return figure_and_commands(figs.name, png, alt)
 
 
+def paired(a, b) -> tuple[float, float]:
+    """Mean and standard error of the item-by-item differences a - b (s.e. nan under two items)."""
+    import numpy as np
+
+    from fullband.eval.chat import _mean_se
+
+    return _mean_se(np.subtract(a, b, dtype=np.float64))
+
+
 def config_line(run: Run, *extra: str) -> str:
     sets = " ".join(f"--set '{o}'" if " " in o or "{" in o else f"--set {o}" for o in [*run.overrides, *extra])
     return f"`fullband train {run.config or BASE}{' ' + sets if sets else ''}`"

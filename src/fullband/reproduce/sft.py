@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, Tuned, config_line, held_out_chat,
-                                       train_tuned)
+                                       paired, train_tuned)
 
 SFT = "configs/sft-tiny.toml"
 
@@ -108,9 +108,7 @@ def _outcome(fbt: dict, standard: dict, fbt_run: Tuned, std_run: Tuned, params: 
     soft = next(r for r in fbt_rows if r["mode"] == "soft")
     best = max(fbt_rows[1:], key=lambda r: r["accuracy"])
     std = standard["rows"][0]
-    vs_std = [a - b for a, b in zip(correct(best), correct(std))]
-    d_std = sum(vs_std) / len(vs_std)
-    se_std = (sum((v - d_std) ** 2 for v in vs_std) / (len(vs_std) - 1) / len(vs_std)) ** 0.5 if len(vs_std) > 1 else 0
+    d_std, se_std = paired(correct(best), correct(std))
     budget = ("the same tokens" if std_run.tokens == fbt_run.tokens else
               f"{std_run.tokens / fbt_run.tokens:.2g}x the tokens") + (
         f", {std_run.compute_tokens / fbt_run.compute_tokens:.2g}x the training compute, base and SFT together")

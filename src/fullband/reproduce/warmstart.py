@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.errors import InputError, closest
-from fullband.reproduce.runner import Experiment, Run, Settings, config_line, saved_figure, train_run
+from fullband.reproduce.runner import (Experiment, Run, Settings, config_line, paired, saved_figure, train_run,
+                                       val_batches)
 
 RECIPE = "configs/warmstart-smollm2.toml"
 FEEDBACK_ONLY = '["fusion.*", "norm_in.*"]'
@@ -105,7 +106,8 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
         trained[run.name] = {"ckpt": ckpt, "wall": wall, "extra": extra, "curve": _curve(root / run.name),
                              "step_seconds": _step_seconds(root / run.name)}
     base = _base(root, model)
-    held = _held_out(Path(trained[runs[0].name]["ckpt"]), sc)
+    # the held-out windows every model is read on (the runs' validation split; one tokenizer for all)
+    held = val_batches(Path(trained[runs[0].name]["ckpt"]), sc.final_windows, sc.seq_len)
     evaluated = {name: _evaluated(Path(info["ckpt"]), held, sc, figs, name) for name, info in trained.items()}
     evaluated["pretrained"] = _evaluated(base, held, sc, figs, "pretrained")
     return _write(runs, trained, evaluated, sc, scale, model, figs)
@@ -142,15 +144,6 @@ def _base(root: Path, model: str) -> Path:
         torch.manual_seed(0)  # the fresh fusion's draw, so a rerun elsewhere reads the same pretrained model
         convert(model, out)
     return out
-
-
-def _held_out(ckpt: Path, sc: Scale) -> list:
-    """The held-out windows every model is read on (the runs' validation split; one tokenizer for all)."""
-    from fullband.data.tokenizer import load_tokenizer
-    from fullband.eval.commands import held_out_stream, window_batches
-
-    stream = held_out_stream(ckpt, load_tokenizer(ckpt), corpus=None, val_percent=None)
-    return list(window_batches(stream, sc.seq_len, sc.final_windows, 16))
 
 
 def _evaluated(ckpt: Path, held: list, sc: Scale, figs: Path, name: str) -> dict:
@@ -291,14 +284,12 @@ def _text_table(evaluated: dict, runs: list[Run]) -> list[str]:
 
 
 def _paired(a: list[float], b: list[float]) -> str:
-    from fullband.eval.chat import _mean_se
-
-    mean, se = _mean_se([x - y for x, y in zip(a, b)])
-    return f"{mean:+.3f} ± {se:.3f}"
+    return "{:+.3f} ± {:.3f}".format(*paired(a, b))
 
 
-def _windows(evaluated: dict, name: str, mode: str) -> list[float]:
-    return {row["mode"]: row for row in evaluated[name]["text"]}[mode]["per_window"]
+def _read(evaluated: dict, name: str, mode: str) -> dict:
+    """A model's held-out read in `mode` (its row of the text table)."""
+    return {row["mode"]: row for row in evaluated[name]["text"]}[mode]
 
 
 def _against_controls(evaluated: dict, runs: list[Run]) -> list[str]:
@@ -315,8 +306,8 @@ def _against_controls(evaluated: dict, runs: list[Run]) -> list[str]:
         if run.name.startswith("continued"):
             continue
         for mode in modes:
-            mine = _windows(evaluated, run.name, mode)
-            cells = [_paired(mine, _windows(evaluated, c, "STANDARD")) for c in controls]
+            mine = _read(evaluated, run.name, mode)["per_window"]
+            cells = [_paired(mine, _read(evaluated, c, "STANDARD")["per_window"]) for c in controls]
             lines.append(f"| {run.name} | {mode} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -401,18 +392,12 @@ def _stability_lines(evaluated: dict, runs: list[Run]) -> list[str]:
     return lines + [""]
 
 
-def _gap(evaluated: dict, name: str, mode: str) -> float:
-    rows = {row["mode"]: row for row in evaluated[name]["text"]}
-    return rows[mode]["minus_first"]
-
-
 def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list[str]:
     feedback = [r.name for r in runs if not r.name.startswith("continued")]
     mode = "FUSED k=1"
-    best = min(feedback, key=lambda n: _gap(evaluated, n, mode))
-    gap, start = _gap(evaluated, best, mode), _gap(evaluated, "pretrained", mode)
-    std = {name: {row["mode"]: row for row in evaluated[name]["text"]}["STANDARD"]["nats_per_token"]
-           for name in [*trained, "pretrained"]}
+    best = min(feedback, key=lambda n: _read(evaluated, n, mode)["minus_first"])
+    gap, start = (_read(evaluated, n, mode)["minus_first"] for n in (best, "pretrained"))
+    std = {name: _read(evaluated, name, "STANDARD")["nats_per_token"] for name in [*trained, "pretrained"]}
     lines = ["## Outcome", "",
              f"- The fed reads start far from STANDARD: with a fresh fusion the pretrained model's FUSED k=1 is "
              f"{start:+.3f} nats/token from its STANDARD read. After {sc.steps} steps the closest run, **{best}**, "
@@ -431,7 +416,7 @@ def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list
                          f"{per_s:.0f} tokens/s (an extrapolation, not a measurement: the decay may slow).")
         else:
             lines.append(f"- The gap (pass 2 - pass 1) did not shrink over the second half ({g0:.3f} -> {g1:.3f}).")
-    gaps = {n: _gap(evaluated, n, mode) for n in feedback}
+    gaps = {n: _read(evaluated, n, mode)["minus_first"] for n in feedback}
     for a, b, what in (("everything", "feedback-only", "training every weight against the feedback weights alone"),
                        ("everything-blend", "everything", "the blend curriculum (every weight trained)"),
                        ("feedback-only-blend", "feedback-only", "the blend curriculum (the feedback weights alone)"),

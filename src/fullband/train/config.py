@@ -146,7 +146,9 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        from_pretrained = self.model.hf_path or _pretrained_file(self.train.init_from)
+        from fullband.hf.convert import pretrained_source  # brings transformers when called, not at import
+
+        from_pretrained = self.model.hf_path or pretrained_source(self.train.init_from)
         if self.train.seq_len > self.model.max_seq_len and not from_pretrained:  # checked against that model's context
             raise ConfigError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                               f"lower train.seq_len or raise model.max_seq_len")
@@ -184,10 +186,3 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Run
         return RunConfig.from_dict(data)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
-
-
-def _pretrained_file(init_from: str) -> bool:
-    """Whether train.init_from names a pretrained model whose sizes the run takes (a GGUF file or a Llama folder)."""
-    from fullband.hf.convert import pretrained_source
-
-    return pretrained_source(init_from)

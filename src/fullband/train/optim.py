@@ -118,8 +118,7 @@ def _on_adamw(routes: tuple[Route, ...]) -> tuple[Route, ...]:
     return tuple(dataclasses.replace(r, optimizer="adam", splits=None, decay=r.decay) for r in routes)
 
 
-ADAMW_ROUTES: tuple[Route, ...] = _on_adamw(NORMUON_ROUTES)
-ROUTES: dict[str, tuple[Route, ...]] = {"normuon": NORMUON_ROUTES, "adamw": ADAMW_ROUTES}
+ROUTES: dict[str, tuple[Route, ...]] = {"normuon": NORMUON_ROUTES, "adamw": _on_adamw(NORMUON_ROUTES)}
 
 # A pretrained Hugging Face model wrapped with latent feedback (model.hf_path): its own weights continue on
 # AdamW (adam_lr; their layout differs per architecture, e.g. GPT-2 stores Conv1D weights transposed, so no
@@ -247,11 +246,6 @@ def normuon_update(m: Tensor, v: Tensor, *, lr: float, beta2: float, eps: float,
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _dtensor_type() -> type | None:
-    # A DTensor can only exist once its module is loaded, so this check never imports it (0.5 s).
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-
-
 class NorMuon(torch.optim.Optimizer):
     """NorMuon (Li et al. 2025): Muon's orthogonalised momentum with an Adam-like second moment per output
     neuron (row), rescaled to Adam's update RMS. For each 2-D parameter W with gradient G:
@@ -278,18 +272,14 @@ class NorMuon(torch.optim.Optimizer):
             for p in group["params"]:
                 _check_matrix(p, group["splits"])
 
-    def _ns_dtype(self, p: Tensor) -> torch.dtype:
-        if self.ns_dtype is not None:
-            return self.ns_dtype
-        return torch.bfloat16 if p.device.type == "cuda" else torch.float32
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        dtensor = _dtensor_type()
+        # a DTensor can only exist once its module is loaded, so this check never imports it (0.5 s)
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -303,9 +293,10 @@ class NorMuon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 u = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 sharded = dtensor is not None and isinstance(p, dtensor)
+                ns_dtype = self.ns_dtype or (torch.bfloat16 if p.device.type == "cuda" else torch.float32)
                 update = normuon_update(u.full_tensor() if sharded else u, state["second_moment"], lr=group["lr"],
                                         beta2=group["beta2"], eps=group["eps"], ns_steps=group["ns_steps"],
-                                        splits=group["splits"], ns_dtype=self._ns_dtype(p))
+                                        splits=group["splits"], ns_dtype=ns_dtype)
                 if sharded:
                     update = _local_shard(update.to(p.dtype), p)
                 p.mul_(1 - group["lr"] * group["weight_decay"])

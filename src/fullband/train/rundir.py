@@ -26,31 +26,68 @@ MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tok
 
 
 class RunDir:
-    """One run's folder from start to end: owned by this process (`owner`: the main rank) before anything in it is
-    read or written; on a resume (`resume`: the run directory or one of its step folders), its checkpoint found and
-    settings that differ from run.json's refused; torch's threads the run's own until release() gives the caller its
-    count back; run.json written once, by a new run; metrics.jsonl cut back to the checkpoint a resume starts from;
-    and, after a failure, the folder it created removed when nothing was written to it. `key`: the recipe's setting
-    that names the folder (log.run_dir, rl.run_dir), as messages say it."""
+    """One run's folder from claim to release (the module's docstring says what that holds); torch's threads are the
+    run's own until release() gives the caller its count back. `owner`: the main rank; `resume`: the run directory or
+    one of its step folders; `key`: the recipe's setting that names the folder (log.run_dir, rl.run_dir)."""
 
     def __init__(self, folder: str | Path, *, resume: str | Path | None, key: str = "log.run_dir",
                  owner: bool = True) -> None:
-        self.resume = Path(resume) if resume is not None else None
-        self.path = resume_run_dir(self.resume) if self.resume is not None else Path(folder)
+        self.resume, self.path = (Path(resume) if resume is not None else None), Path(folder)
+        if self.resume is not None:  # a run directory or one of its step_NNNNNN folders: the run directory
+            if not self.resume.exists():
+                raise ConfigError(f"--resume {str(self.resume)!r} does not exist")
+            if not self.resume.is_dir():
+                raise ConfigError(f"--resume {str(self.resume)!r} is a file; accepted: a run directory or a "
+                                  "step_NNNNNN folder")
+            self.path = self.resume.parent if ckpt.STEP_DIR.match(self.resume.name) else self.resume
         self.owner, self.threads = owner, torch.get_num_threads()  # the caller's, given back by release()
         self.checkpoint: Path | None = None  # the one a resume starts from (None: from step 0)
         # the run directory is owned before anything in it is read or written: a second process stops here
-        self.lock, self.created = claim_run_dir(self.path, resume=resume is not None, key=key) if owner else (None, False)
+        self.lock, self.created = self._claim(key) if owner else (None, False)
+
+    def _claim(self, key: str) -> tuple[FolderLock, bool]:
+        """Create (for a new run) and lock the folder; remove what a killed run left half-written (.step_N.tmp
+        folders). Returns the lock and whether the folder was created here. A fresh run is refused in a folder that
+        already holds anything."""
+        run_dir, created = self.path, not self.path.exists()
+        make_folder(run_dir, key)
+        lock = lock_folder(run_dir, "run directory", hint=f", or choose another {key} (--set {key}=...)")
+        try:
+            swept = sweep_temps(run_dir, r"\.step_\d+\.tmp")
+            if swept:
+                print(f"removed {len(swept)} half-written checkpoint folder(s) a stopped run left in {run_dir}: "
+                      f"{', '.join(swept)}", flush=True)
+            entries = sorted(p.name for p in run_dir.iterdir()) if self.resume is None else []
+            if entries and not ((run_dir / RUN_FILE).is_file() or ckpt.list_checkpoints(run_dir)):
+                raise ConfigError(f"{key} {str(run_dir)!r} is not empty and holds no fullband run (it holds "
+                                  f"{describe_entries(entries)}); a run needs a new or empty folder: choose another "
+                                  f"{key} (e.g. --set {key}=runs/new)")
+            if entries:
+                raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
+                                  f"{run_dir} or choose another {key} (e.g. --set {key}=runs/new)")
+        except BaseException:
+            lock.release()
+            raise
+        return lock, created
 
     def check(self, now: dict, keys: tuple[str, ...], threads_key: str, threads: int) -> int:
-        """On a resume: find its checkpoint and refuse settings (`now`, the resolved config as a dict) that differ from
-        run.json's in `keys`. Then set torch's threads (`threads`, the recipe's `threads_key`; a resume keeps the count
-        the run started with) and return the count run.json records."""
+        """On a resume: find its checkpoint (the named step folder, else the run's latest; None: the run stopped
+        before its first checkpoint, and starts again from step 0 with its saved settings) and refuse settings
+        (`now`, the resolved config as a dict) that differ from run.json's in `keys`. Then set torch's threads
+        (`threads`, the recipe's `threads_key`; a resume keeps the count the run started with) and return the count
+        run.json records."""
+        recorded = None
         if self.resume is not None:
-            self.checkpoint = resume_checkpoint(self.resume, self.path)
-            check_resume_config(self.path, now, keys)
-        count, said = run_threads(threads, threads_key, resume=self.resume is not None,
-                                  recorded=saved_setting(self.path, threads_key))
+            if ckpt.STEP_DIR.match(self.resume.name):
+                ckpt.read_trainer_state(self.resume)
+                self.checkpoint = self.resume
+            elif found := ckpt.list_checkpoints(self.path):
+                self.checkpoint = found[-1]
+            elif not (self.path / RUN_FILE).is_file():
+                raise ConfigError(f"--resume {str(self.path)!r} is not a fullband run directory: it has no {RUN_FILE} "
+                                  "and no step_NNNNNN/ checkpoint; start a new run there instead (without --resume)")
+            recorded = _get(check_resume_config(self.path, now, keys), threads_key)
+        count, said = run_threads(threads, threads_key, resume=self.resume is not None, recorded=recorded)
         if said and self.owner:
             print(said, flush=True)
         return count
@@ -102,61 +139,9 @@ class RunDir:
         self.release()
 
 
-def claim_run_dir(run_dir: Path, *, resume: bool, key: str = "log.run_dir") -> tuple[FolderLock, bool]:
-    """Create (for a new run) and lock `run_dir` for this process; remove what a killed run left half-written
-    (.step_N.tmp folders). Returns the lock and whether the folder was created here. A fresh run is refused
-    in a folder that already holds anything. `key`: the recipe's setting that names the folder, as messages say it
-    (rl.run_dir for fullband rl)."""
-    created = not run_dir.exists()
-    if resume and created:
-        raise ConfigError(f"--resume {str(run_dir)!r} does not exist")
-    make_folder(run_dir, key)
-    lock = lock_folder(run_dir, "run directory", hint=f", or choose another {key} (--set {key}=...)")
-    try:
-        swept = sweep_temps(run_dir, r"\.step_\d+\.tmp")
-        if swept:
-            print(f"removed {len(swept)} half-written checkpoint folder(s) a stopped run left in {run_dir}: "
-                  f"{', '.join(swept)}", flush=True)
-        entries = sorted(p.name for p in run_dir.iterdir()) if not resume else []
-        if entries and not ((run_dir / RUN_FILE).is_file() or ckpt.list_checkpoints(run_dir)):
-            raise ConfigError(f"{key} {str(run_dir)!r} is not empty and holds no fullband run (it holds "
-                              f"{describe_entries(entries)}); a run needs a new or empty folder: choose another "
-                              f"{key} (e.g. --set {key}=runs/new)")
-        if entries:
-            raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; resume it with --resume "
-                              f"{run_dir} or choose another {key} (e.g. --set {key}=runs/new)")
-    except BaseException:
-        lock.release()
-        raise
-    return lock, created
-
-
-def resume_run_dir(path: Path) -> Path:
-    """--resume accepts a run directory or one of its step_NNNNNN folders: the run directory."""
-    if not path.exists():
-        raise ConfigError(f"--resume {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise ConfigError(f"--resume {str(path)!r} is a file; accepted: a run directory or a step_NNNNNN folder")
-    return path.parent if ckpt.STEP_DIR.match(path.name) else path
-
-
-def resume_checkpoint(path: Path, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from: the named step folder, else the run's latest (None: the run stopped
-    before its first checkpoint, and starts again from step 0 with its saved settings)."""
-    if ckpt.STEP_DIR.match(path.name):
-        ckpt.read_trainer_state(path)
-        return path
-    found = ckpt.list_checkpoints(run_dir)
-    if found:
-        return found[-1]
-    if not (run_dir / RUN_FILE).is_file():
-        raise ConfigError(f"--resume {str(run_dir)!r} is not a fullband run directory: it has no {RUN_FILE} and no "
-                          "step_NNNNNN/ checkpoint; start a new run there instead (without --resume)")
-    return None
-
-
-def check_resume_config(run_dir: Path, now: dict, keys: tuple[str, ...] = MUST_MATCH) -> None:
-    """Refuse a resume whose settings (`now`, a resolved config as a dict) differ from run.json's in one of `keys`."""
+def check_resume_config(run_dir: Path, now: dict, keys: tuple[str, ...]) -> dict:
+    """Refuse a resume whose settings (`now`, a resolved config as a dict) differ from run.json's in one of `keys`;
+    run.json's settings."""
     saved_path = run_dir / RUN_FILE
     if not saved_path.is_file():
         raise ConfigError(f"{str(run_dir)!r} has no {RUN_FILE}; it is not a fullband run directory")
@@ -179,16 +164,7 @@ def check_resume_config(run_dir: Path, now: dict, keys: tuple[str, ...] = MUST_M
     if diffs:
         raise ConfigError(f"cannot resume {str(run_dir)!r} with this config; {len(diffs)} setting(s) differ: "
                           + "; ".join(diffs) + ". Use the run's own settings (its run.json) or start a new run")
-
-
-def saved_setting(run_dir: Path, dotted: str):
-    """One setting of a run's run.json (`dotted`, e.g. 'train.threads'); None where the file or the key is missing
-    (check_resume_config has checked the file)."""
-    try:
-        saved = read_json_file(run_dir / RUN_FILE, "the run's settings", error=ConfigError)
-    except ConfigError:
-        return None
-    return _get(saved, dotted) if isinstance(saved, dict) else None
+    return saved
 
 
 def _run_kind(saved) -> str | None:
@@ -253,8 +229,7 @@ class StopRequest:
     """Set by the first Ctrl-C (SIGINT) while a run trains: the loop finishes the step it is in, writes a checkpoint
     and stops; a second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint)."""
 
-    def __init__(self) -> None:
-        self.requested = False
+    requested = False
 
     def agreed(self, d: Dist) -> bool:
         """Whether to stop now: any rank was interrupted (every rank stops after the same step)."""

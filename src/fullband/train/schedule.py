@@ -101,11 +101,6 @@ PRESETS: dict[str, list[tuple[float, dict[int, float]]]] = {
 GROW = "grow:"
 
 
-def _growing(deep: int) -> list[tuple[float, dict[int, float]]]:
-    return [(until, {k: n / 2 for k, n in Counter(min(k, deep) for k in pair).items()})
-            for until, pair in ((0.25, (1, 1)), (0.5, (2, 4)), (0.75, (4, 8)), (1.0, (8, deep)))]
-
-
 @dataclass(frozen=True, eq=True)
 class PassSchedule:
     """Stages (until_fraction, {k: probability}) in increasing `until`, the last at 1.0. The pass count of a
@@ -128,7 +123,9 @@ class PassSchedule:
             deep = name[len(GROW):]
             if not (deep.isascii() and deep.isdigit() and int(deep) >= 1):
                 raise ConfigError(f"pass schedule {name!r}: {GROW}N needs an integer N >= 1 (e.g. {GROW}11)")
-            return cls(_growing(int(deep)), name=name)
+            deep = int(deep)
+            return cls([(until, {k: n / 2 for k, n in Counter(min(k, deep) for k in pair).items()})
+                        for until, pair in ((0.25, (1, 1)), (0.5, (2, 4)), (0.75, (4, 8)), (1.0, (8, deep)))], name=name)
         if name not in PRESETS:
             hint = closest(name, PRESETS) if isinstance(name, str) else ""
             raise ConfigError(f"unknown pass schedule {name!r}{hint}; accepted presets: {', '.join(PRESETS)}, "

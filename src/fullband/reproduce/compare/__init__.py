@@ -15,11 +15,10 @@ beside the report (newer than their checkpoint: reused), and so is a record of e
 training time and its held-out curve, `records/<name>.json`): a run whose checkpoints are gone (another machine, a
 fresh clone) is reused from its record and evaluations, and trained again only when its command changed.
 
-methods.py: the rival methods; plan.py: the scales and the runs (equal tokens, equal FLOPs); evaluate.py: the kept
-evaluations; report.py: training within the budget, the tables, the figures and the summary."""
+plan.py: the rival methods, the scales and the runs (equal tokens, equal FLOPs); evaluate.py: the kept evaluations;
+report.py: training within the budget, the tables, the figures and the summary."""
 
-from fullband.reproduce.compare.methods import METHODS, RIVALS, _mean_passes  # noqa: F401 (tests)
-from fullband.reproduce.compare.plan import SCALES, check, plan, runs
+from fullband.reproduce.compare.plan import METHODS, RIVALS, SCALES, _mean_passes, check, plan, runs  # noqa: F401
 from fullband.reproduce.compare.report import report
 from fullband.reproduce.runner import Experiment
 

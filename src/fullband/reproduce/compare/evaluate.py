@@ -7,8 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from fullband.reproduce.compare.methods import METHODS, _schedule, reads, tracking_modes
-from fullband.reproduce.compare.plan import REGIMES, Planned, Scale
+from fullband.reproduce.compare.plan import METHODS, REGIMES, Planned, Scale, _schedule, reads, tracking_modes
 from fullband.reproduce.runner import Settings
 
 

@@ -3,15 +3,14 @@ them and writes the cost, language-modelling and state-tracking tables, the figu
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
 from fullband.machine import hardware
 from fullband.reproduce.compare.evaluate import _kept_record, _write_record, cost_table, curve, lm_reads, tracking_eval
-from fullband.reproduce.compare.methods import METHODS, RIVALS, _train_flops
-from fullband.reproduce.compare.plan import REGIMES, SCALES, TASKS, TRACKING, Planned, Scale, check, plan
-from fullband.reproduce.runner import Run, Settings, config_line, run_threads, train_run
+from fullband.reproduce.compare.plan import (METHODS, REGIMES, RIVALS, SCALES, TASKS, TRACKING, Planned, Scale,
+                                             _train_flops, check, plan)
+from fullband.reproduce.runner import Run, Settings, config_line, paired, run_threads, train_run
 
 
 def _other_threads(done: tuple[Path, float, int | None]) -> bool:
@@ -27,15 +26,8 @@ def _train_time(done: tuple[Path, float, int | None]) -> str:
     return f"{done[1] / 60:.1f} min" + (f" ({threads} thread{'s' * (threads != 1)})" if _other_threads(done) else "")
 
 
-def _fmt(x: float, se: float) -> str:
-    return f"{x:.4f} ± {se:.4f}"
-
-
 def _paired(a: dict, b: dict) -> tuple[float, float]:
-    d = [x - y for x, y in zip(a["per_window"], b["per_window"])]
-    mean = sum(d) / len(d)
-    var = sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1)
-    return mean, math.sqrt(var / len(d))
+    return paired(a["per_window"], b["per_window"])
 
 
 def _best(res: dict) -> tuple[str, dict]:
@@ -201,7 +193,7 @@ def _lm_lines(regime: str, planned: list[Planned], results: dict, done: dict, sc
             head = (f"| {p.name} | {p.steps} | {p.steps * tokens_per_step / 1e6:.2f}M | {share:.2f} | "
                     f"{_train_time(done[p.name])}" if i == 0 else "| | | | |")
             ratio = r["flops"] / base["flops"] if base else float("nan")
-            lines.append(f"{head} | {label} | {ratio:.2f} | {_fmt(r['nats'], r['stderr'])} | {diff} |")
+            lines.append(f"{head} | {label} | {ratio:.2f} | {r['nats']:.4f} ± {r['stderr']:.4f} | {diff} |")
     return lines + [""]
 
 
