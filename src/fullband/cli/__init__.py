@@ -801,6 +801,3 @@ def _fit_threads(command: str) -> int | None:
         print(f"fullband {command}: {message}", file=sys.stderr)
     return before
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""`python -m fullband.cli`: the `fullband` command."""
+
+import sys
+
+from fullband.cli import main
+
+sys.exit(main())
