@@ -1,7 +1,4 @@
 """`python -m fullband.cli`: the `fullband` command."""
-
-import sys
-
 from fullband.cli import main
 
-sys.exit(main())
+raise SystemExit(main())
