@@ -45,7 +45,8 @@ class Command:
 
 
 class Registry(Sequence):
-    """A registry's names as choices=, read when first needed: its module is slow to import (fullband.hf: transformers)."""
+    """A registry's names as choices=, read when first needed: its module is slow to import (fullband.hf imports
+    transformers)."""
 
     def __init__(self, module: str, name: str):
         self.names = lambda: getattr(importlib.import_module(module), name)

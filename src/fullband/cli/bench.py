@@ -109,7 +109,8 @@ TRAIN = Command("train", "training step tokens/s and peak memory for k = 1, 2, 3
     opt("--seq-len", type=count(2), default=256, help="with --model: tokens per sequence"),
     JSON,
 ))
-COST = Command("cost", "a method vs its standard counterpart: parameters, FLOPs counted, time measured", cmd_bench_cost, (
+COST = Command("cost", "a method vs its standard counterpart: parameters, FLOPs counted, time measured",
+               cmd_bench_cost, (
     opt("--config", default="configs/tiny.toml", help="a preset name or a .toml/.json file ([model])"),
     SET_MODEL,
     opt("--vs", choices=["standard"], default="standard",

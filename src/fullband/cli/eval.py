@@ -8,9 +8,10 @@ import inspect
 from pathlib import Path
 
 from fullband.cli.args import Command, count, opt, tolerance, unescape
-from fullband.data.tracking import TASKS
+from fullband.data import synthetic, tracking
 from fullband.eval.commands import CHAT_MODES
 from fullband.eval.probe import PREFILLS
+from fullband.eval.stability import KS
 from fullband.eval.tracking import DEFAULT_MODES
 
 
@@ -30,6 +31,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run = getattr(commands, f"eval_{what}")
     run(**{name: value for name, value in given.items() if name in inspect.signature(run).parameters})
     return 0
+
+
+def _words(values) -> str:
+    return " ".join(map(str, values))
 
 
 COMMON = (
@@ -55,14 +60,15 @@ WHAT = (
     Command("stability", "iterate the pass map to k = 1000 (Fig. 3)", cmd_eval, (
         *COMMON, *DATA,
         opt("--windows", type=count(0), default=32),
-        opt("--ks", type=count(1), nargs="+", default=None, help="pass counts (default 1 2 3 5 10 30 100 300 1000)"),
+        opt("--ks", type=count(1), nargs="+", default=None, help=f"pass counts (default {_words(KS)})"),
     )),
     Command("probe", "linear probes on synthetic state tracking (Fig. 7)", cmd_eval, (
         *COMMON,
-        opt("--tasks", nargs="+", default=["completion", "memory"], choices=["completion", "memory", "registers"]),
+        opt("--tasks", nargs="+", default=["completion", "memory"], choices=synthetic.TASKS),
         opt("--modes", nargs="+", default=list(PREFILLS), choices=PREFILLS),
         opt("--suffix", type=count(1), default=8, help="k of the k-step suffix recurrence"),
-        opt("--scratch", type=count(0), nargs="+", default=None, help="scratch update counts (default 0 8 32 128 256)"),
+        opt("--scratch", type=count(0), nargs="+", default=None,
+            help=f"scratch update counts (default {_words(synthetic.SCRATCH)})"),
     )),
     Command("generate-length", "median generated length and accuracy per mode", cmd_eval, (
         *COMMON,
@@ -83,11 +89,11 @@ WHAT = (
     )),
     Command("tracking", "state tracking accuracy by input length and mode", cmd_eval, (
         *COMMON,
-        opt("--task", choices=TASKS, help="default: the task the run trained on"),
+        opt("--task", choices=tracking.TASKS, help="default: the task the run trained on"),
         opt("--train-length", type=count(1), help="L, the longest training input (default: the run's); tested at L, "
             "2L, 4L, 8L"),
         opt("--n", type=count(1), default=200, help="examples per length"),
-        opt("--modes", nargs="+", default=None, help=f"MODE or fused:K (default: {' '.join(DEFAULT_MODES)})"),
+        opt("--modes", nargs="+", default=None, help=f"MODE or fused:K (default: {_words(DEFAULT_MODES)})"),
         opt("--batch-size", type=count(1), default=32),
     ), description="--checkpoint may also be a `fullband convert --to hf` folder or a Llama folder (read as "
                    "`fullband convert` reads it); give --task and --train-length for any folder that is not from a "
