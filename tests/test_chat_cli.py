@@ -314,3 +314,25 @@ def test_chat_on_a_folder_without_a_chat_template_is_one_line(tmp_path, capsys):
     assert main(["chat", "--checkpoint", str(tmp_path / "base")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "neither a chat template nor fullband's chat markers" in err
+
+
+@pytest.mark.parametrize("args, label", [
+    (["--mode", "fused:2"], "fused k=2"),
+    (["--mode", "fused", "--prefill-passes", "2"], "fused k=2"),  # the older spelling of fused:2
+    (["--mode", "fused:2", "--prefill-passes", "2"], "fused k=2"),
+    (["--mode", "fused:auto"], "fused auto tol=0.001"),
+])
+def test_chat_takes_every_spelling_of_a_mode(checkpoint, args, label, monkeypatch, capsys):
+    from fullband.cli import main
+
+    monkeypatch.setattr("builtins.input", lambda prompt: (_ for _ in ()).throw(EOFError))  # Ctrl-D at once
+    assert main(["chat", "--checkpoint", str(checkpoint), *args]) == 0
+    assert f"({label}); /help for commands" in capsys.readouterr().out
+
+
+def test_chat_refuses_a_mode_and_prefill_passes_that_disagree(checkpoint, capsys):
+    from fullband.cli import main
+
+    assert main(["chat", "--checkpoint", str(checkpoint), "--mode", "fused:2", "--prefill-passes", "3"]) == 2
+    assert capsys.readouterr().err == ("fullband chat: error: --mode fused:2 and --prefill-passes 3 disagree (fused:2 "
+                                       "is --prefill-passes 2); accepted: one of them, e.g. --mode fused:2 alone\n")

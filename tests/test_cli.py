@@ -53,6 +53,53 @@ def test_errors_are_one_line_messages(tmp_path, capsys):
     assert "did you mean 'tiny'" in capsys.readouterr().err
 
 
+
+def test_generate_takes_fused_k_as_its_mode(tmp_path, capsys):
+    """One spelling of a mode at every CLI edge: --mode fused:2 is --mode fused --prefill-passes 2 (the older
+    spelling, kept; refused in one line when the two disagree), --mode fused:auto is adaptive prefill."""
+    out = tmp_path / "ckpt"
+    main(["init", "--config", "tiny", "--out", str(out)])
+    gen = ["generate", "--checkpoint", str(out), "--prompt", "def f(x):", "--max-new-tokens", "6", "--ignore-eos"]
+    texts = set()
+    for args in (["--mode", "fused:2"], ["--mode", "fused", "--prefill-passes", "2"],
+                 ["--mode", "fused:2", "--prefill-passes", "2"]):
+        capsys.readouterr()
+        assert main([*gen, *args]) == 0
+        captured = capsys.readouterr()
+        assert "6 tokens, fused k=2," in captured.err
+        texts.add(captured.out)
+    assert len(texts) == 1
+    for args in (["--mode", "fused:auto", "--prefill-tol", "0.01"], ["--mode", "fused", "--prefill-passes", "auto",
+                                                                     "--prefill-tol", "0.01"]):
+        assert main([*gen, *args]) == 0
+        assert "6 tokens, fused auto tol=0.01," in capsys.readouterr().err
+    for args, err in ((["--mode", "fused:2", "--prefill-passes", "3"], "--mode fused:2 and --prefill-passes 3 disagree "
+                       "(fused:2 is --prefill-passes 2); accepted: one of them, e.g. --mode fused:2 alone"),
+                      (["--mode", "fused:auto", "--prefill-passes", "4"], "--mode fused:auto and --prefill-passes 4 "
+                       "disagree (fused:auto is --prefill-passes auto)"),
+                      (["--mode", "soft:2"], "mode 'soft:2': only fused takes prefill passes (fused:K)"),
+                      (["--mode", "fused:x"], "mode 'fused:x' is not MODE or fused:K (e.g. fused:2, fused:auto)")):
+        assert main([*gen, *args]) == 2
+        last = capsys.readouterr().err
+        assert last.startswith(f"fullband generate: error: {err}") and last.count("\n") == 1, last
+
+
+@pytest.mark.parametrize("args", [
+    ["generate-length", "--prompts", "p.jsonl"], ["chat", "--data", "arithmetic"], ["tracking", "--task", "parity"],
+])
+def test_eval_modes_are_read_as_generate_reads_them(args, tmp_path, monkeypatch, capsys):
+    """eval's --modes take fused:K and fused:auto (DecodeMode.parse), and a bad one is one line before any work."""
+    from fullband.cli import build_parser
+    from fullband.model.mode import DecodeMode
+
+    parsed = build_parser().parse_args(["eval", *args, "--checkpoint", "c", "--modes", "fused:2", "fused:auto"])
+    assert [DecodeMode.parse(m) for m in parsed.modes] == [DecodeMode("fused", 2), DecodeMode("fused", "auto")]
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", *args, "--checkpoint", "c", "--out", "out", "--modes", "fused:2", "fused:x"]) == 2
+    assert "error: mode 'fused:x' is not MODE or fused:K" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("args, flag", [
     (["reproduce", "compare", "--scale", ""], "--scale"),  # read as the default: the 6-hour study started
     (["reproduce", "stability", "--root", ""], "--root"),

@@ -1,0 +1,4 @@
+"""`python -m fullband.cli`: the `fullband` command."""
+from fullband.cli import main
+
+raise SystemExit(main())
