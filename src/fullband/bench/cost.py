@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fullband.bench.decode import decode_timer
+from fullband.bench.decode import decode_timer, timed_rounds
 from fullband.errors import InputError
 from fullband.machine import hardware
 from fullband.model import flops
@@ -60,20 +60,6 @@ def _train_timer(model: FullbandLM, ids: torch.Tensor, passes: int) -> Callable[
         return dt
 
     return run
-
-
-def interleaved(timers: dict[str, Callable[[], object]], repeats: int, tick: Callable[[], None]) -> dict[str, list]:
-    """Each timer once to warm up, then `repeats` rounds taking turns, every other round in reverse order (A B C,
-    C B A, ...: no variant always runs first, or after the same one); -> every timer's results, in order."""
-    for fn in timers.values():
-        fn()
-        tick()
-    out: dict[str, list] = {name: [] for name in timers}
-    for r in range(repeats):
-        for name in list(timers)[:: -1 if r % 2 else 1]:
-            out[name].append(timers[name]())
-            tick()
-    return out
 
 
 def cost_memory(cfg: ModelConfig, *, passes: Sequence[int], batch: int, seq_len: int, prompt_len: int,
@@ -174,7 +160,7 @@ def _train_rows(method: FullbandLM, standard: FullbandLM, ids: torch.Tensor, pas
     seq_len = ids.shape[1]
     timers = {"standard model": _train_timer(standard, ids, 1)}
     timers.update({f"k={k}": _train_timer(method, ids, k) for k in passes})
-    times = interleaved(timers, repeats, tick)
+    times = timed_rounds(timers, repeats, alternate=True, tick=tick)
     base = statistics.median(times["standard model"])
     rows = [{"variant": "standard model", "passes": 1.0,
              "flops_per_token": flops.train_flops(standard.config, 1, seq_len=seq_len), "step_s": base,
@@ -194,7 +180,7 @@ def _decode_rows(method: FullbandLM, standard: FullbandLM, modes: list[DecodeMod
     variants = [("standard model", standard, DecodeMode("standard")),
                 *((m.label.replace(m.name, m.name.upper(), 1), method, m) for m in modes)]
     timers = {name: decode_timer(model, prompts, new_tokens, m.name, m.prefill_passes) for name, model, m in variants}
-    times = interleaved(timers, repeats, tick)
+    times = timed_rounds(timers, repeats, alternate=True, tick=tick)
     pre = {name: statistics.median(p for p, _ in ts) for name, ts in times.items()}
     dec = {name: statistics.median(d for _, d in ts) / (new_tokens - 1) for name, ts in times.items()}
     decode = [{"batch": b, "variant": name, "step_s": dec[name],

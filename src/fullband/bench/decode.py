@@ -171,18 +171,22 @@ def timed(fn: Callable[[], object]) -> Callable[[], float]:
     return run
 
 
-def timed_rounds(timers: dict[str, Callable[[], object] | None], repeats: int, log: Callable[[str], None],
-                 cell: str) -> dict[str, list]:
-    """Each timer once to warm up, then `repeats` rounds of all of them in turn (A B C A B C ...), each round
-    logged: every timer's results by name (none for a None timer)."""
+def timed_rounds(timers: dict[str, Callable[[], object] | None], repeats: int, log: Callable[[str], None] | None = None,
+                 cell: str = "", *, alternate: bool = False, tick: Callable[[], None] = lambda: None) -> dict[str, list]:
+    """Each timer once to warm up, then `repeats` rounds of all of them in turn (A B C A B C ...; with `alternate`
+    every other round in reverse, A B C C B A ...: no variant always runs first, or after the same one), `tick`
+    after every run and each round logged: every timer's results by name (none for a None timer)."""
     live = {name: fn for name, fn in timers.items() if fn is not None}
     for fn in live.values():
         fn()
+        tick()
     times: dict[str, list] = {name: [] for name in timers}
     for r in range(repeats):
-        for name, fn in live.items():
-            times[name].append(fn())
-        log(f"[bench] {cell}: repetition {r + 1}/{repeats}")
+        for name in list(live)[:: -1 if alternate and r % 2 else 1]:
+            times[name].append(live[name]())
+            tick()
+        if log:
+            log(f"[bench] {cell}: repetition {r + 1}/{repeats}")
     return times
 
 

@@ -3,6 +3,7 @@ Each batch is a pure function of (seed, step, micro, rank, world_size), so a res
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
@@ -125,11 +126,17 @@ def validation_batches(stream: StreamLike, seq_len: int, n_windows: int, batch_s
     """Fixed (inputs, targets) batches over `n_windows` evenly spaced windows (all windows if the stream is shorter)."""
     seq_len, n_windows, batch_size = (_positive(k, v) for k, v in
                                       (("seq_len", seq_len), ("n_windows", n_windows), ("batch_size", batch_size)))
+    return list(window_batches(stream, seq_len, n_windows, batch_size))
+
+
+def window_batches(stream: StreamLike, seq_len: int, windows: int, batch_size: int) -> Iterator[Batch]:
+    """validation_batches read lazily batch by batch (the stream stays on disk), unchecked; `windows` <= 0: all."""
     total = count_windows(stream, seq_len)
-    n = min(n_windows, total)
+    n = min(windows, total) if windows > 0 else total
     # floor(i * total / n) is strictly increasing for n <= total: distinct, evenly spread windows.
     picks = np.arange(n, dtype=np.int64) * total // n
-    return [read_windows(stream, picks[i : i + batch_size], seq_len) for i in range(0, n, batch_size)]
+    for i in range(0, n, batch_size):
+        yield read_windows(stream, picks[i : i + batch_size], seq_len)
 
 
 class ChatSampler(WindowSampler):

@@ -5,15 +5,13 @@ under CHECKPOINT/eval or --out)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fullband.data.sampler import count_windows, read_windows
+from fullband.data.sampler import count_windows, window_batches
 from fullband.data.tokenizer import load_tokenizer
 from fullband.model.mode import DecodeMode
 from fullband.errors import ConfigError
@@ -100,15 +98,6 @@ def run_data(checkpoint: Path) -> dict:
                           "--corpus (and --task / --train-length for tracking) or restore it from a checkpoint's "
                           "trainer.json")
     return data
-
-
-def window_batches(stream, seq_len: int, windows: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Evenly spaced validation windows, read lazily batch by batch (the stream stays on disk)."""
-    total = count_windows(stream, seq_len)
-    n = min(windows, total) if windows > 0 else total
-    picks = np.arange(n, dtype=np.int64) * total // n
-    for i in range(0, n, batch_size):
-        yield read_windows(stream, picks[i : i + batch_size], seq_len)
 
 
 def bytes_per_token(tokenizer, vocab_size: int) -> torch.Tensor:

@@ -11,7 +11,6 @@ step), a resumed run (`--resume RUN_DIR`) computes what the uninterrupted one wo
 from __future__ import annotations
 
 import copy
-import json
 import random
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -23,7 +22,7 @@ from fullband.configio import apply_overrides, from_dict, read_settings_file, to
 from fullband.errors import ConfigError, DataError, InputError, TrainingDiverged
 from fullband.presets import recipe_path
 from fullband.train import checkpoint as ckpt
-from fullband.train.metrics import METRICS_FILE, MetricsLog
+from fullband.train.metrics import METRICS_FILE, MetricsLog, metric_rows
 from fullband.train.parallel import Dist
 from fullband.train.rundir import RunDir, stop_after_step
 from fullband.rl.step import RLSettings
@@ -298,11 +297,6 @@ def _nothing_learned(cfg: RLConfig, row: dict, groups: int) -> str | None:
         return (f"step {row['step']}: no reply reached rl.accept={cfg.accept:g} (mean reward "
                 f"{row['reward']:.3g}), so this step trained on nothing")
     return None
-
-
-def metric_rows(metrics: Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl."""
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
 def plot_rl(metrics: Path, out: Path) -> Path | None:

@@ -84,6 +84,11 @@ def _flatten(row: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
+def metric_rows(metrics: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
 def plot_metrics(metrics: Path, out: Path) -> Path | None:
     """Training loss per pass count (smoothed) and validation loss against tokens, as a PNG."""
     from fullband.files import plt as pyplot, save_figure
@@ -92,7 +97,7 @@ def plot_metrics(metrics: Path, out: Path) -> Path | None:
         plt = pyplot()
     except ImportError:
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = metric_rows(metrics)
     train_rows = [r for r in rows if "loss_pass" in r]
     eval_rows = [r for r in rows if "eval" in r]
     if not train_rows:

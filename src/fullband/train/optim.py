@@ -344,11 +344,10 @@ class CompositeOptimizer:
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for opt in self.optimizers.values():
+        """Every inner optimizer's step; the first runs `closure` (if any) before it steps and returns its loss."""
+        first, *rest = self.optimizers.values()
+        loss = first.step(closure)
+        for opt in rest:
             opt.step()
         return loss
 

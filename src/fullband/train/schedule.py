@@ -144,7 +144,7 @@ class PassSchedule:
         if not isinstance(value, Sequence) or isinstance(value, bytes):
             raise ConfigError(f"pass schedule {value!r} is invalid; accepted: a preset name ({', '.join(PRESETS)}) "
                               f"or a list of {{until = ..., probs = {{\"k\" = p, ...}}}} stages")
-        return cls([_stage_from_data(i, item) for i, item in enumerate(value)])
+        return cls(list(value))  # __init__ reads and checks each stage
 
     def to_data(self) -> list[dict[str, Any]]:
         """Stages as TOML / JSON data (string keys); PassSchedule.parse(s.to_data()) == s."""
