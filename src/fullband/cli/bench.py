@@ -1,6 +1,5 @@
 """`fullband bench decode | train | cost`: the benchmarks, each a table on stdout and, with --json, a results file."""
 
-from __future__ import annotations
 
 import argparse
 import json

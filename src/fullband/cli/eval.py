@@ -1,7 +1,6 @@
 """`fullband eval WHAT`: the paper's diagnostics on a checkpoint (fullband.eval.commands), each writing WHAT.json and
 WHAT.png."""
 
-from __future__ import annotations
 
 import argparse
 import inspect

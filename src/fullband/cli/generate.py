@@ -1,7 +1,6 @@
 """`fullband generate` and `fullband chat`: decode from a checkpoint into the terminal, in any decoding mode (one
 spelling, DecodeMode.parse's: standard | soft | fused | fused:K | fused:auto | exact)."""
 
-from __future__ import annotations
 
 import argparse
 import sys
