@@ -179,20 +179,16 @@ def _chat_turn(session, text: str, out) -> None:
 
 SAMPLING = (  # what generate and chat share
     opt("--temperature", type=float, default=0.0, help="0 = greedy (default)"),
-    opt("--top-k", type=int, default=None),
-    opt("--top-p", type=float, default=None),
+    opt("--top-k", type=int, default=None), opt("--top-p", type=float, default=None),
     opt("--seed", type=SEED, default=None),
-    opt("--dtype", choices=DTYPES, default="float32"),
-    opt("--device", default="cpu"),
+    opt("--dtype", choices=DTYPES, default="float32"), opt("--device", default="cpu"),
 )
 MODE = opt("--mode", default=None, help="standard | soft | fused | fused:K | fused:auto | exact (default: soft; "
            "standard for a model whose feedback weights are untrained, e.g. a converted Llama)")
 
 GENERATE = Command("generate", "stream a continuation of a prompt", cmd_generate, (
     *SAMPLING,
-    opt("--checkpoint", required=True),
-    opt("--prompt", required=True),
-    MODE,
+    opt("--checkpoint", required=True), opt("--prompt", required=True), MODE,
     opt("--prefill-passes", type=_prefill_passes, default=1,
         help="extra fused passes over the prompt (fused mode; --mode fused:K says the same), or 'auto': iterate until "
              "the RMS state update < --prefill-tol (at most 32)"),

@@ -69,8 +69,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 INIT = Command("init", "write a randomly initialised checkpoint", cmd_init, (
-    opt("--config", required=True, help="a preset name (tiny, bench-91m) or a .toml/.json file"),
-    SET_MODEL,
+    opt("--config", required=True, help="a preset name (tiny, bench-91m) or a .toml/.json file"), SET_MODEL,
     opt("--out", required=True, help="checkpoint folder to write (new or empty)"),
     opt("--overwrite", action="store_true", help="replace a model folder written earlier (nothing else)"),
     opt("--seed", type=SEED, default=0),
@@ -78,13 +77,11 @@ INIT = Command("init", "write a randomly initialised checkpoint", cmd_init, (
 RESUME = opt("--resume", metavar="DIR", help="a run directory (its latest checkpoint) or a step_NNNNNN folder")
 TRAIN = Command("train", "train a model from a recipe (configs/*.toml); torchrun for several GPUs", cmd_train, (
     opt("config", help="recipe TOML, e.g. configs/tiny.toml"),
-    opt("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting (repeatable)"),
-    RESUME,
+    opt("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting (repeatable)"), RESUME,
 ))
 RL = Command("rl", "on-policy RL with verifiable rewards from a chat model (a recipe's [rl] table)", cmd_rl, (
     opt("config", help="recipe TOML, e.g. configs/rl-tiny.toml"),
-    opt("--set", action="append", metavar="rl.KEY=VALUE", help="override a setting (repeatable)"),
-    RESUME,
+    opt("--set", action="append", metavar="rl.KEY=VALUE", help="override a setting (repeatable)"), RESUME,
 ))
 TOKENIZER = Command("tokenizer", "tokenizers", (
     Command("train", "train a byte-level BPE (Hugging Face tokenizers) on a corpus", cmd_tokenizer_train, (
