@@ -12,13 +12,13 @@ from fullband.eval.commands import CHAT_MODES
 from fullband.eval.probe import PREFILLS
 from fullband.eval.stability import KS
 from fullband.eval.tracking import DEFAULT_MODES
+from fullband.model.mode import DecodeMode
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """fullband.eval.commands.eval_WHAT, given the options of its parameters' names (--modes: decoding modes, read by
     DecodeMode.parse, but for a probe's prefills)."""
     from fullband.eval import commands
-    from fullband.model.mode import DecodeMode
 
     what = args.what.replace("-", "_")
     commands.report.check_out(args.out or Path(args.checkpoint) / "eval", what)  # before the work
