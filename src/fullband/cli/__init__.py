@@ -1,6 +1,5 @@
 """The `fullband` command: one entry point, one subcommand per job (init, generate, train, eval, convert, ...)."""
 
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -13,8 +12,7 @@ from fullband.cli.bench import BENCH
 from fullband.cli.eval import EVAL
 from fullband.cli.folders import CONVERT, DOCTOR, SERVE
 from fullband.cli.generate import CHAT, GENERATE
-from fullband.cli.reproduce import DEMO, REPRODUCE
-from fullband.cli.train import INIT, RL, TOKENIZER, TRAIN
+from fullband.cli.train import DEMO, INIT, REPRODUCE, RL, TOKENIZER, TRAIN
 from fullband.errors import FullbandError, FullbandWarning
 
 # The commands, in the order `fullband --help` lists them; each module keeps a command's options beside its function.
@@ -61,27 +59,30 @@ def _refuse_empty(parser: argparse.ArgumentParser) -> None:
             action.type = _nonempty(flag, optional=bool(action.option_strings) and not action.required)
 
 
-def _show_warnings(command: str) -> None:
-    """fullband's own warnings as one line each on stderr ('fullband generate: warning: ...'), others as usual."""
-    default = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, FullbandWarning):
-            print(f"fullband {command}: warning: {message}", file=sys.stderr)
-        else:
-            default(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None and args.command in HEAVY:  # the command as a program (not called from Python)
         from fullband.machine import restart_keeping_freed_memory
 
         restart_keeping_freed_memory()
-    _show_warnings(args.command)
-    threads = _fit_threads(args.command)
+    default_show = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # fullband's warnings: one line on stderr
+        if issubclass(category, FullbandWarning):
+            print(f"fullband {args.command}: warning: {message}", file=sys.stderr)
+        else:
+            default_show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    threads = None
+    if args.command in (*HEAVY, "generate", "chat"):  # torch's threads to the free cores, said once; restored after
+        import torch
+
+        from fullband.machine import fit_threads
+
+        threads, message = torch.get_num_threads(), fit_threads()
+        if message:
+            print(f"fullband {args.command}: {message}", file=sys.stderr)
     try:
         return args.func(args)
     except FullbandError as err:
@@ -118,20 +119,4 @@ def main(argv: list[str] | None = None) -> int:
 
 # commands whose steps take and free gigabytes: they run with glibc keeping freed memory (fullband.machine)
 HEAVY = ("train", "rl", "eval", "bench", "demo", "reproduce")
-
-
-def _fit_threads(command: str) -> int | None:
-    """Torch's threads to the free cores (fullband.machine), saying so once; -> the count to restore after."""
-    computing = ("train", "rl", "generate", "chat", "eval", "bench", "demo", "reproduce")
-    if command not in computing:
-        return None
-    import torch
-
-    from fullband.machine import fit_threads
-
-    before = torch.get_num_threads()
-    message = fit_threads()
-    if message:
-        print(f"fullband {command}: {message}", file=sys.stderr)
-    return before
 

@@ -1,8 +1,6 @@
 """What the command modules share: a command as data (Command, opt) and the checks of command-line values, made at
 parse time or before any work."""
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import math
@@ -26,7 +24,7 @@ class Command:
 
     name: str
     help: str
-    run: Callable[[argparse.Namespace], int] | tuple[Command, ...]
+    run: Callable[[argparse.Namespace], int] | tuple["Command", ...]
     options: tuple = ()
     description: str | None = None
     sub: tuple[str, str] = ("", "")

@@ -1,6 +1,5 @@
 """`fullband bench decode | train | cost`: the benchmarks, each a table on stdout and, with --json, a results file."""
 
-from __future__ import annotations
 
 import argparse
 import json
@@ -79,8 +78,7 @@ def cmd_bench_cost(args: argparse.Namespace) -> int:
 
 
 DECODE = Command("decode", "STANDARD vs SOFT vs FUSED decode tokens/s, matmul bound, HF generate", cmd_bench_decode, (
-    opt("--config", default="bench-91m"),
-    opt("--set", action="append", metavar="KEY=VALUE"),
+    opt("--config", default="bench-91m"), opt("--set", action="append", metavar="KEY=VALUE"),
     opt("--model", help="a real model instead of --config: a .gguf file (shipped:smollm2), a transformers Llama folder "
         "or a fullband folder; float32, against transformers and the machine's bounds"),
     opt("--threads", type=count(1), nargs="+", default=[1, 2], help="with --model: torch threads"),
@@ -88,31 +86,24 @@ DECODE = Command("decode", "STANDARD vs SOFT vs FUSED decode tokens/s, matmul bo
         "SOFT's overhead (per threads x batch)"),
     opt("--batch-sizes", type=count(1), nargs="+", default=[1, 8]),
     opt("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"]),
-    opt("--prompt-len", type=count(1), default=32),
-    opt("--new-tokens", type=count(2), default=64),
-    opt("--prefill-passes", type=count(0), default=1),
-    opt("--repeats", type=count(1), default=5),
+    opt("--prompt-len", type=count(1), default=32), opt("--new-tokens", type=count(2), default=64),
+    opt("--prefill-passes", type=count(0), default=1), opt("--repeats", type=count(1), default=5),
     opt("--no-hf", action="store_true", help="skip the Hugging Face generate comparison"),
     opt("--compile", action="store_true", help="also time the torch.compile'd decode step"),
-    opt("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N"),
-    JSON,
+    opt("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N"), JSON,
 ))
 TRAIN = Command("train", "training step tokens/s and peak memory for k = 1, 2, 3 and 75/22/3", cmd_bench_train, (
-    opt("--config", default="configs/tiny.toml"),
-    opt("--set", action="append", metavar="SECTION.KEY=VALUE"),
+    opt("--config", default="configs/tiny.toml"), opt("--set", action="append", metavar="SECTION.KEY=VALUE"),
     opt("--steps", type=int, default=6, help="timed steps per variant and round"),
-    opt("--warmup", type=int, default=2),
-    opt("--rounds", type=int, default=3),
+    opt("--warmup", type=int, default=2), opt("--rounds", type=int, default=3),
     opt("--model", help="instead of a recipe: forward + backward of k = 1, 2, 3 passes on this model (a .gguf file, a "
         "Llama folder or a fullband folder) against transformers' own step, in one process"),
     opt("--batch", type=count(1), default=4, help="with --model: sequences per step"),
-    opt("--seq-len", type=count(2), default=256, help="with --model: tokens per sequence"),
-    JSON,
+    opt("--seq-len", type=count(2), default=256, help="with --model: tokens per sequence"), JSON,
 ))
 COST = Command("cost", "a method vs its standard counterpart: parameters, FLOPs counted, time measured",
                cmd_bench_cost, (
-    opt("--config", default="configs/tiny.toml", help="a preset name or a .toml/.json file ([model])"),
-    SET_MODEL,
+    opt("--config", default="configs/tiny.toml", help="a preset name or a .toml/.json file ([model])"), SET_MODEL,
     opt("--vs", choices=["standard"], default="standard",
         help="the baseline: the same width and depth with fusion='none', no loop, no ponder slots"),
     opt("--passes", type=count(1), nargs="+", default=[1, 2, 3], help="training pass counts to cost"),
@@ -120,12 +111,9 @@ COST = Command("cost", "a method vs its standard counterpart: parameters, FLOPs 
     opt("--batch", type=count(1), default=8, help="training rows per timed step"),
     opt("--seq-len", type=count(1), default=128, help="training positions per row"),
     opt("--batch-sizes", type=count(1), nargs="+", default=[1, 8], help="decode batch sizes"),
-    opt("--prompt-len", type=count(1), default=32),
-    opt("--new-tokens", type=count(2), default=32),
+    opt("--prompt-len", type=count(1), default=32), opt("--new-tokens", type=count(2), default=32),
     opt("--prefill-passes", type=count(1), default=1, help="k of the FUSED mode timed"),
     opt("--repeats", type=count(1), default=7, help="alternated repetitions of every variant"),
-    opt("--dtype", choices=["float32", "bfloat16"], default="float32"),
-    opt("--no-progress", action="store_true"),
-    JSON,
+    opt("--dtype", choices=["float32", "bfloat16"], default="float32"), opt("--no-progress", action="store_true"), JSON,
 ))
 BENCH = Command("bench", "benchmarks", (DECODE, TRAIN, COST), sub=("bench", "BENCH"))

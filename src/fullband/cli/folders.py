@@ -1,6 +1,5 @@
 """`fullband convert | serve | doctor`: what is done with a model folder besides decoding it."""
 
-from __future__ import annotations
 
 import argparse
 import json

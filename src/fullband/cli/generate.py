@@ -1,7 +1,6 @@
 """`fullband generate` and `fullband chat`: decode from a checkpoint into the terminal, in any decoding mode (one
 spelling, DecodeMode.parse's: standard | soft | fused | fused:K | fused:auto | exact)."""
 
-from __future__ import annotations
 
 import argparse
 import sys
@@ -9,6 +8,7 @@ import time
 
 from fullband.cli.args import SEED, Command, count, device, dtype, opt, tolerance, utf8
 from fullband.errors import FullbandError, InputError
+from fullband.model.mode import AUTO, DecodeMode, default_mode, default_note
 from fullband.validate import DTYPES, ascii_int
 
 
@@ -56,8 +56,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _prefill_passes(text: str) -> int | str:
     """argparse type of --prefill-passes K, the older spelling of --mode fused:K: K as DecodeMode.parse reads it (an
     integer >= 0, or 'auto': adaptive prefill, see --prefill-tol)."""
-    from fullband.model.mode import AUTO, DecodeMode
-
     try:
         if text:  # (DecodeMode.parse reads a bare 'fused:' as fused)
             mode = DecodeMode.parse(f"fused:{text}")
@@ -74,8 +72,6 @@ def _mode_arg(text: str | None, prefill_passes: int | str = 1, tol: float | None
     """--mode (read by DecodeMode.parse: MODE, fused:K or fused:auto) with --prefill-passes K (`--mode fused
     --prefill-passes 2` is fused:2) and --prefill-tol (fused:auto's tolerance) as a DecodeMode; None when no --mode
     was given (the model's default, known once it is loaded)."""
-    from fullband.model.mode import AUTO, DecodeMode
-
     if text is None:
         return None
     mode = DecodeMode.parse(text)
@@ -91,8 +87,6 @@ def _mode_arg(text: str | None, prefill_passes: int | str = 1, tol: float | None
 def _model_mode(asked, config):
     """The mode asked for, checked against the model, or the model's default (said on stderr when it is STANDARD
     because the model's feedback weights are untrained)."""
-    from fullband.model.mode import default_mode, default_note
-
     if asked is not None:
         return asked.check(config)
     note = default_note(config)
@@ -110,7 +104,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from fullband.chat import ChatSession, check_chat_model
     from fullband.data.tokenizer import load_tokenizer
     from fullband.loader import load_model
-    from fullband.model.mode import DecodeMode
 
     asked = _mode_arg(args.mode, args.prefill_passes)
     model = load_model(args.checkpoint, device=device(args.device), dtype=dtype(args.dtype))
@@ -180,20 +173,16 @@ def _chat_turn(session, text: str, out) -> None:
 
 SAMPLING = (  # what generate and chat share
     opt("--temperature", type=float, default=0.0, help="0 = greedy (default)"),
-    opt("--top-k", type=int, default=None),
-    opt("--top-p", type=float, default=None),
+    opt("--top-k", type=int, default=None), opt("--top-p", type=float, default=None),
     opt("--seed", type=SEED, default=None),
-    opt("--dtype", choices=DTYPES, default="float32"),
-    opt("--device", default="cpu"),
+    opt("--dtype", choices=DTYPES, default="float32"), opt("--device", default="cpu"),
 )
 MODE = opt("--mode", default=None, help="standard | soft | fused | fused:K | fused:auto | exact (default: soft; "
            "standard for a model whose feedback weights are untrained, e.g. a converted Llama)")
 
 GENERATE = Command("generate", "stream a continuation of a prompt", cmd_generate, (
     *SAMPLING,
-    opt("--checkpoint", required=True),
-    opt("--prompt", required=True),
-    MODE,
+    opt("--checkpoint", required=True), opt("--prompt", required=True), MODE,
     opt("--prefill-passes", type=_prefill_passes, default=1,
         help="extra fused passes over the prompt (fused mode; --mode fused:K says the same), or 'auto': iterate until "
              "the RMS state update < --prefill-tol (at most 32)"),
