@@ -165,3 +165,11 @@ def test_no_import_circle():
         found = cycle(edges, module_level_only=module_level_only)
         assert found is None, f"import circle ({'module level' if module_level_only else 'any level'}): " + \
             " -> ".join(found)
+
+
+def test_model_imports_only_the_errors_and_the_checks():
+    """model/ is the method: of the base modules it reads errors and validate alone (no files, no machine)."""
+    above = [f"{file}:{line} {a} -> {b}" for a, b, file, line, _ in import_edges()
+             if a.startswith("fullband.model.") and not b.startswith("fullband.model.")
+             and b not in ("fullband.errors", "fullband.validate")]
+    assert not above, "\n".join(above)
