@@ -84,8 +84,7 @@ class Trainer:
         self.schedule = cfg.train.schedule
         self.step, self.tokens, self.compute_tokens, self.elapsed, self.flops = 0, 0, 0, 0.0, 0.0
         self._step_flops: dict[tuple[int, int], float] = {}  # (k, r) -> one step's FLOPs, counted once
-        bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and self.d.device.type == "cuda")
-        self.autocast = torch.autocast(self.d.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        self.autocast = _autocast(cfg.train.dtype, self.d.device)
         barrier(self.d)
         state = self.rundir.load(self.model, self.optimizer, self.d)
         if state is not None:
@@ -316,3 +315,10 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
         return trainer.run()
     finally:
         trainer.close()
+
+
+def _autocast(dtype: str, device: torch.device):
+    """The micro-batch's autocast (benchmarks/gpu_check.py runs its steps in it too)."""
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
