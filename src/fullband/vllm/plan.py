@@ -230,10 +230,10 @@ def _dense_prefill(job: DenseJob, core: FeedbackModel, rows: Rows, prev: torch.T
     if kept is None:
         ids = torch.tensor([job.prompt], dtype=torch.long, device=prev.device)  # (1, T)
         e, plain = core.embed_inputs(ids), core.plain_of(ids)
-        kept = core.iterate(e, plain, job.passes - 1)[0], plain[0]
+        kept = shift_right(core.iterate(e, plain, job.passes - 1)[0])[0], plain[0]  # what each position reads
     rows.fused[job.batch_row] = None if job.last else kept
-    state, plain = kept
+    read, plain = kept
     chunk = slice(job.start, job.start + job.rows)
     at = slice(job.first_row, job.first_row + job.rows)
-    prev[at] = shift_right(state)[0, chunk].to(prev.dtype)
+    prev[at] = read[chunk].to(prev.dtype)
     feed[at] = ~plain[chunk]
