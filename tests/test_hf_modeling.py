@@ -15,6 +15,7 @@ from fullband import generate
 from fullband.decode.score import score
 from fullband.errors import CheckpointError, ConfigError, InputError
 from fullband.model.objective import objective
+from fullband.model.mode import DecodeMode
 
 transformers = pytest.importorskip("transformers")
 from fullband.hf import FeedbackCache, FullbandConfig, FullbandForCausalLM  # noqa: E402
@@ -203,6 +204,17 @@ def test_cache_select_and_repeat_move_the_state_with_the_rows(pair):
         cache.crop(3)
 
 
+def test_a_mode_spelled_fused_k_is_read_as_name_and_passes(pair):
+    """DecodeMode.parse's spellings in the config and per call: "fused:2" is ("fused", 2), stored that way."""
+    _, hf = pair
+    cfg = FullbandConfig(feedback_mode="fused:2")
+    assert (cfg.feedback_mode, cfg.prefill_passes) == ("fused", 2) and cfg.decode_mode() == DecodeMode("fused", 2)
+    assert (FullbandConfig(feedback_mode="fused:auto").prefill_passes, cfg.decode_mode("fused:3").prefill_passes) == (
+        "auto", 3)
+    ids = torch.tensor([[256, 1, 2, 3]])
+    assert torch.equal(hf(ids, feedback_mode="fused:2").logits, hf(ids, feedback_mode="fused", prefill_passes=2).logits)
+
+
 def test_bad_input_is_named(pair):
     native, hf = pair
     ids = torch.tensor([[256, 1, 2]])
@@ -227,6 +239,8 @@ def test_bad_input_is_named(pair):
         FullbandConfig(d_model=65, n_heads=4)
     with pytest.raises(ConfigError, match="feedback_mode='greedy'"):
         FullbandConfig(feedback_mode="greedy")
+    with pytest.raises(ConfigError, match="mode 'fused:2' and prefill_passes=3 disagree"):
+        FullbandConfig(feedback_mode="fused:2", prefill_passes=3)
     none = FullbandForCausalLM.from_native(tiny_model(fusion="none"))
     with pytest.raises(InputError, match="needs feedback weights"):
         none(ids, feedback_mode="soft")

@@ -29,6 +29,10 @@ def test_request_modes_over_the_folder_default():
     assert request_mode({"feedback_mode": "fused", "prefill_passes": 0}, SOFT) == DecodeMode("fused", 0)
     assert request_mode({"prefill_passes": 4}, DecodeMode("fused", 1)) == DecodeMode("fused", 4)
     assert request_mode({"other_plugin_key": 1}, SOFT) == SOFT  # keys of others are left alone
+    # every spelling DecodeMode.parse reads: fused:K, and the folder's default written that way
+    assert request_mode({"feedback_mode": "fused:3"}, DecodeMode("fused", 1)) == DecodeMode("fused", 3)
+    assert request_mode({"feedback_mode": "fused:2", "prefill_passes": 2}, SOFT) == DecodeMode("fused", 2)
+    assert served_default("fused:2", 1, has_feedback=True) == DecodeMode("fused", 2)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -40,6 +44,9 @@ def test_request_modes_over_the_folder_default():
     ({"feedback_mode": "fused", "prefill_passes": True}, "prefill_passes=True must be an integer (got bool)"),
     ({"feedback_mode": "fused", "prefill_passes": "auto"}, "prefill_passes='auto' is invalid"),
     ({"feedback_mode": "fused", "prefill_passes": 2000}, "prefill_passes=2000 is above the cap of max_seq_len=1024"),
+    ({"feedback_mode": "fused:auto"}, "feedback_mode='fused:auto' is invalid (adaptive prefill is not served)"),
+    ({"feedback_mode": "fused:2", "prefill_passes": 3}, "mode 'fused:2' and prefill_passes=3 disagree"),
+    ({"feedback_mode": "soft:2"}, "mode 'soft:2': only fused takes prefill passes (fused:K)"),
     ({"prefill_passes": 2}, "applies to feedback_mode='fused' only (the request asks for 'soft')"),
     ({"feedback_mod": "fused"}, "unknown request key 'feedback_mod' (did you mean 'feedback_mode'?)"),
     ({"prefill_pass": 2}, "unknown request key 'prefill_pass' (did you mean 'prefill_passes'?)"),

@@ -88,15 +88,15 @@ class FullbandConfig(PretrainedConfig):
     Every ModelConfig field is an attribute of the same name (standard aliases such as `hidden_size` map to
     them); `feedback_mode` ("standard" | "soft" | "fused" | "exact"; default the model's, as `fullband.generate`:
     "soft", or "standard" when its feedback weights are untrained or absent) and
-    `prefill_passes` (fused passes over the prompt, default 1, or "auto") are what `generate` and `forward` use
-    unless given per call."""
+    `prefill_passes` (fused passes over the prompt, default 1, or "auto"; or spelled in the mode: "fused:2") are what
+    `generate` and `forward` use unless given per call. They are stored as a name and passes ("fused", 2)."""
 
     model_type = "fullband"
     attribute_map = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
                      "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff",
                      "max_position_embeddings": "max_seq_len", "initializer_range": "init_std"}
 
-    def __init__(self, feedback_mode: str | None = None, prefill_passes: int = 1, use_cache: bool = True,
+    def __init__(self, feedback_mode: str | None = None, prefill_passes: int | str | None = None, use_cache: bool = True,
                  **kwargs: Any) -> None:
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_FIELDS}
         for alias, name in self.attribute_map.items():
@@ -108,9 +108,9 @@ class FullbandConfig(PretrainedConfig):
             if name != "bos_token_id":
                 setattr(self, name, value)
         feedback_mode = default_mode(resolved).name if feedback_mode is None else feedback_mode
-        DecodeMode.of(feedback_mode, prefill_passes, error=ConfigError, field="feedback_mode").check(
-            resolved, ConfigError, weights=False)
-        self.feedback_mode, self.prefill_passes = feedback_mode, prefill_passes
+        mode = DecodeMode.parse(feedback_mode, prefill_passes, error=ConfigError, field="feedback_mode")
+        mode.check(resolved, ConfigError, weights=False)
+        self.feedback_mode, self.prefill_passes = mode.name, "auto" if mode.adaptive else mode.prefill_passes
         self.use_cache = bool(use_cache)
         kwargs["bos_token_id"] = resolved.bos_token_id
         # the native model ties (or not) its own head; transformers must not tie anything
@@ -125,6 +125,14 @@ class FullbandConfig(PretrainedConfig):
 
     def to_model_config(self) -> ModelConfig:
         return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS})
+
+    def decode_mode(self, feedback_mode: str | None = None, prefill_passes: int | str | None = None) -> DecodeMode:
+        """The mode of a call: its feedback_mode / prefill_passes over this config's (the config's passes go with a
+        mode name that spells none, e.g. "fused", not "fused:3")."""
+        mode = self.feedback_mode if feedback_mode is None else feedback_mode
+        if prefill_passes is None and ":" not in str(mode):
+            prefill_passes = self.prefill_passes
+        return DecodeMode.parse(mode, prefill_passes, error=ConfigError, field="feedback_mode")
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs: Any) -> "FullbandConfig":
@@ -231,7 +239,7 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         config = kwargs.get("generation_config") or self.generation_config
         use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
         mode = kwargs.get("feedback_mode", self.config.feedback_mode)
-        if use_cache is False and mode != "standard":
+        if use_cache is False and self.config.decode_mode(mode).feeds_state:
             raise InputError(f"generate(use_cache=False) cannot decode in feedback_mode={mode!r}: the fed-back state "
                              "lives in the cache; use the cache, or feedback_mode='standard'")
         return super().generate(*args, **kwargs)
@@ -280,9 +288,7 @@ class FullbandForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None:
             raise InputError("input_ids is required")
         cache = cache if cache is not None else past_key_values
-        mode = DecodeMode.of(feedback_mode if feedback_mode is not None else self.config.feedback_mode,
-                             prefill_passes if prefill_passes is not None else self.config.prefill_passes,
-                             error=ConfigError, field="feedback_mode")
+        mode = self.config.decode_mode(feedback_mode, prefill_passes)
         model = self.model
         mode.check(model.config)
         if cache is not None:

@@ -134,7 +134,7 @@ class DecodeMode:
         cap = max(1, length if fixed_point is None else fixed_point)
         rereads = self.name == "fused"
         if fed:
-            if self.name != "soft":
+            if not self.reads_fed_spans:
                 raise error(f"{what}: fed prompt positions are for mode 'soft' (a plain prompt, fed replies), not "
                             f"{self.label!r}: standard feeds nothing, fused and exact read the whole prompt fed")
             return Read(min(1 + fed, cap), None, True, "plain", rereads)
@@ -148,6 +148,11 @@ class DecodeMode:
     def feeds_state(self) -> bool:
         """Whether generated positions are fused with the previous position's top state."""
         return self.name != "standard"
+
+    @property
+    def reads_fed_spans(self) -> bool:
+        """Whether a prompt may hold positions read as they were generated (SOFT: a plain prompt, fed replies)."""
+        return self.name == "soft"
 
     @property
     def exact(self) -> bool:

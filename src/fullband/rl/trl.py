@@ -15,7 +15,6 @@ from torch import Tensor
 from fullband.errors import FullbandError, InputError
 # importing fullband.hf registers FullbandForCausalLM: TRL loads folders by path
 from fullband.hf.modeling import FullbandForCausalLM, check_pretrained
-from fullband.model.mode import DecodeMode
 from fullband.rl.logprob import Rollout, parse_path, rl_mode, scores
 
 try:
@@ -41,7 +40,7 @@ class FeedbackGRPOTrainer(GRPOTrainer):
         _native(self.model)  # a FullbandForCausalLM, or say so
         config = self.model.config
         # the policy's mode reads every model's completions, the reference's too (its folder may say another)
-        self.feedback_mode = rl_mode(DecodeMode.of(config.feedback_mode, config.prefill_passes))
+        self.feedback_mode = rl_mode(config.decode_mode())
         if self.args.gradient_checkpointing:  # GRPOConfig's default; transformers would refuse it at train()
             raise InputError("FullbandForCausalLM has no transformers activation checkpointing; set "
                              "GRPOConfig(gradient_checkpointing=False)")

@@ -86,7 +86,7 @@ class ServedRequests:
         if serving is None or not SERVED.has_feedback or not isinstance(data.get("messages"), list):
             return False
         try:
-            if SERVED.mode_of(SimpleNamespace(extra_args=xargs)).name != "soft":
+            if not SERVED.mode_of(SimpleNamespace(extra_args=xargs)).reads_fed_spans:
                 return False
             if self.template is None:
                 self.template = chat_template(load_tokenizer(serving.model_config.model))

@@ -42,18 +42,21 @@ def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, h
     for key in args.keys() - set(KEYS):
         if hint := closest(str(key), KEYS):
             raise InputError(f"unknown request key {key!r}{hint}; fullband reads {', '.join(KEYS)}")
-    name = args.get("feedback_mode", default.name)
-    if not isinstance(name, str) or name not in SERVED_MODES:
-        raise InputError(f"feedback_mode={name!r} is not a serving mode; accepted: {', '.join(SERVED_MODES)}")
-    passes = args.get("prefill_passes", default.prefill_passes if name == default.name == "fused" else 1)
-    if "prefill_passes" in args and name != "fused":
+    spelled, passes = args.get("feedback_mode", default.name), args.get("prefill_passes")
+    name = spelled.partition(":")[0] if isinstance(spelled, str) else spelled
+    if name not in SERVED_MODES:
+        raise InputError(f"feedback_mode={spelled!r} is not a serving mode; accepted: {', '.join(SERVED_MODES)}")
+    if passes is not None and name != "fused":
         raise InputError(f"prefill_passes={passes!r} applies to feedback_mode='fused' only (the request asks for "
                          f"{name!r})")
-    if isinstance(passes, str):  # DecodeMode reads "auto" (adaptive prefill): not served
-        raise InputError(f"prefill_passes={passes!r} is invalid; accepted: an integer 0 <= prefill_passes <= "
-                         f"{max_passes} (fused Jacobi passes over the prompt after the plain one)")
-    limits = SimpleNamespace(has_feedback=has_feedback, max_seq_len=max_passes)
-    mode = DecodeMode.of(name, passes, field="feedback_mode").check(limits)
+    if passes is None and spelled == default.name == "fused":
+        passes = default.prefill_passes
+    mode = DecodeMode.parse(spelled, passes, field="feedback_mode")
+    if mode.adaptive:  # adaptive prefill ("auto") is not served
+        seen = f"feedback_mode={spelled!r}" if passes is None else f"prefill_passes={passes!r}"
+        raise InputError(f"{seen} is invalid (adaptive prefill is not served); accepted: an integer 0 <= "
+                         f"prefill_passes <= {max_passes} (fused Jacobi passes over the prompt after the plain one)")
+    mode = mode.check(SimpleNamespace(has_feedback=has_feedback, max_seq_len=max_passes))
     if STATES in args:
         key = args[STATES]
         if not isinstance(key, str) or not key:
