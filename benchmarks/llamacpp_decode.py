@@ -69,7 +69,9 @@ class Model:
 
     def __init__(self, path: str):
         self.path = path
-        self.ptr = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+        params = lc.llama_model_default_params()
+        params.use_extra_bufts = False  # llama.cpp's AMX matmul on repacked Q4 / Q8 weights crashes on AMX Xeons
+        self.ptr = lc.llama_model_load_from_file(path.encode(), params)
         if not self.ptr:
             raise SystemExit(f"llama.cpp could not load {path}")
         self.vocab = lc.llama_model_get_vocab(self.ptr)

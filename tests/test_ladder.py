@@ -3,7 +3,7 @@ tree) goes down the package order or stays inside one package, and no imports fo
 
 The order, lowest first (names on one rung, such as "eval / lmeval", share it and must not import each other):
 
-    base < model < presets < data < decode < folder < hf < loader < fullband < chat < vllm < eval / lmeval
+    base < model < presets < data < decode < folder < hf < loader < fullband < chat < vllm / llamacpp < eval / lmeval
          < train < rl / bench < demo / doctor < reproduce < cli
 
 "base" is every top-level module not named elsewhere (errors, validate, files, configio, machine, version,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "fullband"
 
-LADDER = ("base", "model", "presets", "data", "decode", "folder", "hf", "loader", "fullband", "chat", "vllm",
+LADDER = ("base", "model", "presets", "data", "decode", "folder", "hf", "loader", "fullband", "chat", "vllm/llamacpp",
           "eval/lmeval", "train", "rl/bench", "demo/doctor", "reproduce", "cli")
 RUNG = {name: i for i, rung in enumerate(LADDER) for name in rung.split("/")}
 
