@@ -202,7 +202,7 @@ def encode_chat(template, messages: Sequence[Message]) -> ChatSequence:
 def chat_prompt(tokenizer, messages, *, template=None) -> list[int]:
     """The ids a model reads before answering `messages` (a list of {"role", "content"} dicts ending with a user
     turn, or Message objects): BOS, the rendered conversation and the assistant's turn marker."""
-    return _prompt(template or chat_template(tokenizer), _messages(messages))
+    return _prompt_segments(template or chat_template(tokenizer), _messages(messages))[0]
 
 
 def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -222,7 +222,7 @@ def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], l
     at, reply = int(template.prompt_bos), iter(replies)
     for kind, seg in segments:
         if kind == "response":
-            before = _prompt(template, msgs[:next(reply)])
+            before = _prompt_segments(template, msgs[:next(reply)])[0]
             if at != len(before) or ids[:at] != before:
                 spans = []
             elif len(seg) > 1:
@@ -234,10 +234,6 @@ def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], l
 def _messages(messages) -> list[Message]:
     return [m if isinstance(m, Message) else as_message(m, f"messages[{i}]", empty_reply=True)
             for i, m in enumerate(messages)]
-
-
-def _prompt(template, msgs: Sequence[Message]) -> list[int]:
-    return _prompt_segments(template, msgs)[0]
 
 
 def _prompt_segments(template, msgs: Sequence[Message]) -> tuple[list[int], Segments]:
