@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fullband.data.tokenizer import TextStream
-from fullband.data.chat.messages import Message, check_messages
+from fullband.data.chat.messages import Message
 from fullband.data.chat.templates import chat_prompt, chat_template
 from fullband.decode.generate import DecodeState, advance, prefill
 from fullband.decode.sampling import Sampling
@@ -157,4 +157,4 @@ def check_chat_model(model, tokenizer) -> None:
                          f"{model.config.vocab_size}")
 
 
-__all__ = ["ChatSession", "Turn", "check_chat_model", "check_messages"]
+__all__ = ["ChatSession", "Turn", "check_chat_model"]

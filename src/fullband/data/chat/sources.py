@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from fullband.data.chat.arithmetic import STYLES, arithmetic_chats, final_answer
-from fullband.data.chat.messages import Message, _numbered, check_messages
+from fullband.data.chat.messages import Message, check_messages
 from fullband.errors import DataError
 from fullband.data.corpus import in_val, regular_files
-from fullband.files import regular_file
+from fullband.files import jsonl_values, regular_file
 from fullband.validate import parse_int
 
 SYNTHETIC = "arithmetic"  # "arithmetic" or "arithmetic:N": arithmetic_chats(N, seed=0), generated in memory
@@ -134,4 +134,4 @@ def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
     if not files:
         raise DataError(f"chat corpus {spec!r} holds no .jsonl file; accepted: {CHAT_ACCEPTED}")
     for file in files:
-        yield from _numbered(file)
+        yield from jsonl_values(file, "chat data", error=DataError)
