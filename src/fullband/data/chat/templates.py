@@ -43,7 +43,7 @@ def assemble(segments: Sequence[tuple[str, Sequence[int]]], bos_id: int | None) 
     module docstring for targets and fed)."""
     ids: list[int] = [] if bos_id is None else [bos_id]
     response: list[bool] = [False] * len(ids)
-    last_of_response: list[bool] = [False] * len(ids)
+    fed: list[bool] = [False] * len(ids)  # a response's positions but its last (the end marker, read plainly)
     for kind, seg in segments:
         if kind not in SEGMENTS:
             raise DataError(f"segment kind {kind!r}; accepted: {', '.join(SEGMENTS)}")
@@ -52,9 +52,8 @@ def assemble(segments: Sequence[tuple[str, Sequence[int]]], bos_id: int | None) 
             raise DataError("an empty response segment (it must hold at least the turn's end marker)")
         ids += seg
         response += [kind == "response"] * len(seg)
-        last_of_response += [kind == "response" and i == len(seg) - 1 for i in range(len(seg))]
+        fed += [kind == "response" and i < len(seg) - 1 for i in range(len(seg))]
     targets = [ids[t + 1] if response[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
-    fed = [r and not last for r, last in zip(response, last_of_response)]
     return ChatSequence(ids, targets, fed)
 
 
