@@ -49,9 +49,8 @@ class ChatSession:
         self.template = chat_template(tokenizer)
         mode = default_mode(model.config) if mode is None else mode  # the model's: SOFT, or STANDARD if untrained
         self.mode = DecodeMode.of(mode, prefill_passes).check(model.config)
-        integer("max_new_tokens", max_new_tokens, 1, error=InputError)
+        self.max_new_tokens = integer("max_new_tokens", max_new_tokens, 1, error=InputError)
         self.sampling = Sampling(temperature, top_k, top_p, seed)
-        self.max_new_tokens = max_new_tokens
         self.device = next(model.parameters()).device
         self.generator = self.sampling.generator(self.device)
         self.stops = set(tokenizer.stop_ids)

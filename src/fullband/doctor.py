@@ -284,7 +284,7 @@ def _trainer_files(report: Report, folder: Path, label) -> None:
 
 
 def _hf_folder(report: Report, folder: Path, hashes: bool) -> bool:
-    from fullband.folder import check_finite, read_header
+    from fullband.folder import check_finite, load_transformers_folder, read_header
 
     n_fail = sum(f.level == FAIL for f in report.findings)
     try:
@@ -297,8 +297,6 @@ def _hf_folder(report: Report, folder: Path, hashes: bool) -> bool:
     except Exception as err:  # transformers' own errors
         report.add(FAIL, "config.json", f"cannot be read by transformers: {err}")
     try:
-        from fullband.folder import load_transformers_folder
-
         with warnings.catch_warnings(action="ignore"):
             config = load_transformers_folder(folder).config
     except FullbandError:

@@ -21,11 +21,10 @@ from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.cache import KVCache
 from fullband.model.core import FeedbackModel, ModelOutput
-from fullband.model.mode import MODES, DecodeMode, default_mode
+from fullband.model.mode import DecodeMode, default_mode
 from fullband.validate import integer, spans
 
-__all__ = ["MODES", "DecodeMode", "DecodeRequest", "DecodeState", "Sampling", "Step", "advance", "generate", "prefill",
-           "stream"]
+__all__ = ["DecodeMode", "DecodeRequest", "DecodeState", "Sampling", "Step", "advance", "generate", "prefill", "stream"]
 
 
 @dataclass
