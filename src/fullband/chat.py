@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fullband.data.tokenizer import TextStream
-from fullband.data.chat.messages import Message, check_messages
+from fullband.data.chat.messages import Message
 from fullband.data.chat.templates import chat_prompt, chat_template
 from fullband.decode.generate import DecodeState, advance, prefill
 from fullband.decode.sampling import Sampling
@@ -49,9 +49,8 @@ class ChatSession:
         self.template = chat_template(tokenizer)
         mode = default_mode(model.config) if mode is None else mode  # the model's: SOFT, or STANDARD if untrained
         self.mode = DecodeMode.of(mode, prefill_passes).check(model.config)
-        integer("max_new_tokens", max_new_tokens, 1, error=InputError)
+        self.max_new_tokens = integer("max_new_tokens", max_new_tokens, 1, error=InputError)
         self.sampling = Sampling(temperature, top_k, top_p, seed)
-        self.max_new_tokens = max_new_tokens
         self.device = next(model.parameters()).device
         self.generator = self.sampling.generator(self.device)
         self.stops = set(tokenizer.stop_ids)
@@ -157,4 +156,4 @@ def check_chat_model(model, tokenizer) -> None:
                          f"{model.config.vocab_size}")
 
 
-__all__ = ["ChatSession", "Turn", "check_chat_model", "check_messages"]
+__all__ = ["ChatSession", "Turn", "check_chat_model"]

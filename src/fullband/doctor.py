@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fullband.errors import FullbandError
-from fullband.files import read_json
+from fullband.files import check_record, read_json, read_json_file, try_lock
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -50,7 +50,6 @@ class Report:
 def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
     """Everything doctor can tell about `path` (nothing is written, locked for longer than a check, or deleted)."""
     from fullband.folder import CONFIG_FILE
-    from fullband.files import read_json_file
     from fullband.train.checkpoint import STEP_DIR
     from fullband.train.rundir import RUN_FILE
 
@@ -86,14 +85,12 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
 def _checkpoint(report: Report, folder: Path, where: str, hashes: bool) -> bool:
     """Findings for a native model folder or training checkpoint; True when nothing failed."""
     from fullband.folder import FILES_KEY, MODEL_KIND, _model_config, read_config_file
-    from fullband.files import check_record
 
     n_fail = sum(f.level == FAIL for f in report.findings)
     label = lambda name: name if where == "." else f"{where}/{name}"  # noqa: E731
     try:
         data = read_config_file(folder)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True, action="always") as caught:
             config = _model_config(folder, data)
         for w in caught:
             report.add(WARN, label("config.json"), str(w.message))
@@ -141,8 +138,7 @@ def _weights(report: Report, folder: Path, label, data: dict, config) -> None:
     from fullband.folder import HF_CONFIG_KEY, WEIGHTS_FILE
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             model = load_model(folder)
     except FullbandError as err:
         report.add(FAIL, label(WEIGHTS_FILE), str(err))
@@ -229,8 +225,7 @@ def _transformers_view(report: Report, folder: Path, tok, hf: dict) -> None:
     try:
         import transformers
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             auto = transformers.AutoTokenizer.from_pretrained(str(folder))
     except ImportError:
         return
@@ -289,7 +284,7 @@ def _trainer_files(report: Report, folder: Path, label) -> None:
 
 
 def _hf_folder(report: Report, folder: Path, hashes: bool) -> bool:
-    from fullband.folder import check_finite, read_header
+    from fullband.folder import check_finite, load_transformers_folder, read_header
 
     n_fail = sum(f.level == FAIL for f in report.findings)
     try:
@@ -302,10 +297,7 @@ def _hf_folder(report: Report, folder: Path, hashes: bool) -> bool:
     except Exception as err:  # transformers' own errors
         report.add(FAIL, "config.json", f"cannot be read by transformers: {err}")
     try:
-        from fullband.folder import load_transformers_folder
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             config = load_transformers_folder(folder).config
     except FullbandError:
         config = None  # the weights' findings below say why
@@ -328,7 +320,6 @@ def _hf_folder(report: Report, folder: Path, hashes: bool) -> bool:
 # ---------------------------------------------------------------------- a run directory
 def _run_dir(path: Path, hashes: bool) -> Report:
     from fullband.configio import read_settings_file
-    from fullband.files import try_lock
     from fullband.train.checkpoint import STEP_DIR, TRAINER_FILE, read_trainer_state
     from fullband.train.config import RunConfig
     from fullband.train.metrics import METRICS_FILE

@@ -328,11 +328,6 @@ def sweep_temps(parent: Path, pattern: str) -> list[str]:
     return removed
 
 
-def temp_pattern(prefix: str, suffix: str = TEMP_SUFFIX) -> str:
-    """The sweep_temps pattern of the folders make_temp(parent, prefix, suffix) creates."""
-    return re.escape(prefix) + ".+" + re.escape(suffix)
-
-
 def make_temp(parent: Path, prefix: str, suffix: str = TEMP_SUFFIX) -> tuple[Path, FolderLock]:
     """A new temporary folder in `parent`, locked by this process (so a sweep by another one leaves it alone)."""
     for _ in range(5):
@@ -363,10 +358,10 @@ def atomic_folder(dst: str | Path, kind: Kind, *, overwrite: bool = False, sourc
         _restore_interrupted_swap(dst.parent, dst)
     check_destination(dst, kind, overwrite=overwrite, sources=sources, flag=flag, error=error)
     parent = make_folder(dst.parent, "parent folder")
-    prefix, suffix = f".{dst.name}.", TEMP_SUFFIX
-    sweep_temps(parent, temp_pattern(prefix, suffix))
+    prefix = f".{dst.name}."
+    sweep_temps(parent, re.escape(prefix) + ".+" + re.escape(TEMP_SUFFIX))  # the names make_temp gives
     with writing(parent, action):
-        tmp, lock = make_temp(parent, prefix, suffix)
+        tmp, lock = make_temp(parent, prefix)
     try:
         with writing(dst, action):  # the error names the folder asked for, not its temporary
             yield tmp

@@ -96,12 +96,9 @@ def _version() -> str:
 
 
 def _field(reader, key: str) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
     try:
-        return field.contents()
-    except (ValueError, IndexError, TypeError):
+        return reader.fields[key].contents()
+    except (KeyError, ValueError, IndexError, TypeError):  # absent, or not readable as a value
         return None
 
 

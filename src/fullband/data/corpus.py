@@ -80,8 +80,9 @@ class TextFiles:
                 continue
             # Bytes + explicit decode: no newline translation, and non-UTF-8 files do not stop a run.
             text = path.read_bytes().decode("utf-8", errors="replace")
-            if not by_file:
-                cut = _tail_cut(text, val_percent)
+            if not by_file:  # the last val_percent of the characters is val, from a line start when there is one
+                cut = int(len(text) * (1 - val_percent / 100))
+                cut = text.rfind("\n", 0, cut) + 1 or cut
                 text = text[cut:] if want_val else text[:cut]
             yield text
 
@@ -94,12 +95,6 @@ class TextFiles:
         if self.label == "stdlib":
             return f"stdlib ({self.source}): {len(self.files)} .py files ({how})"
         return f"{self.label} {self.source}: {len(self.files)} files ({how})"
-
-
-def _tail_cut(text: str, val_percent: float) -> int:
-    cut = int(len(text) * (1 - val_percent / 100))
-    line_start = text.rfind("\n", 0, cut) + 1
-    return line_start if line_start > 0 else cut
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fullband.errors import ConfigError, DataError
+from fullband.validate import integer
 
 FORMAT = "fullband-window-sampler"
 VERSION = 1
@@ -23,12 +24,6 @@ class StreamLike(Protocol):
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"{name}={value!r}; accepted: an integer >= 1")
-    return int(value)
 
 
 def count_windows(stream: StreamLike, seq_len: int) -> int:
@@ -57,15 +52,13 @@ class WindowSampler:
     def __init__(self, stream: StreamLike, seq_len: int, global_batch: int, micro_batch: int, seed: int, rank: int = 0,
                  world_size: int = 1) -> None:
         self.stream = stream
-        self.seq_len = _positive("seq_len", seq_len)
-        self.global_batch = _positive("global_batch", global_batch)
-        self.micro_batch = _positive("micro_batch", micro_batch)
-        self.world_size = _positive("world_size", world_size)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ConfigError(f"seed={seed!r}; accepted: an integer >= 0")
+        self.seq_len = integer("seq_len", seq_len, 1)
+        self.global_batch = integer("global_batch", global_batch, 1)
+        self.micro_batch = integer("micro_batch", micro_batch, 1)
+        self.world_size = integer("world_size", world_size, 1)
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
             raise ConfigError(f"rank={rank!r}; accepted: an integer in [0, world_size={self.world_size})")
-        self.seed, self.rank = int(seed), int(rank)
+        self.seed, self.rank = integer("seed", seed, 0), int(rank)
         per_step = self.micro_batch * self.world_size
         if self.global_batch % per_step:
             nearest = max(per_step, global_batch // per_step * per_step)
@@ -86,8 +79,7 @@ class WindowSampler:
 
     def windows(self, step: int, micro: int) -> np.ndarray:
         """Window indices of this rank's micro-batch `micro` of optimizer step `step`."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise DataError(f"step={step!r}; accepted: an integer >= 0")
+        integer("step", step, 0, error=DataError)
         if isinstance(micro, bool) or not isinstance(micro, (int, np.integer)) or not 0 <= micro < self.accum_steps:
             raise DataError(f"micro={micro!r}; accepted: an integer in [0, accum_steps={self.accum_steps})")
         first = (int(micro) * self.world_size + self.rank) * self.micro_batch
@@ -124,7 +116,7 @@ class WindowSampler:
 
 def validation_batches(stream: StreamLike, seq_len: int, n_windows: int, batch_size: int) -> list[Batch]:
     """Fixed (inputs, targets) batches over `n_windows` evenly spaced windows (all windows if the stream is shorter)."""
-    seq_len, n_windows, batch_size = (_positive(k, v) for k, v in
+    seq_len, n_windows, batch_size = (integer(k, v, 1) for k, v in
                                       (("seq_len", seq_len), ("n_windows", n_windows), ("batch_size", batch_size)))
     return list(window_batches(stream, seq_len, n_windows, batch_size))
 
@@ -165,7 +157,7 @@ class ChatSampler(WindowSampler):
 def chat_validation_batches(packed, n_windows: int, batch_size: int) -> list[tuple[torch.Tensor, ...]]:
     """Fixed (inputs, targets, plain) batches over `n_windows` evenly spaced packed windows, prompts read plainly
     (as SOFT decoding reads them)."""
-    n_windows, batch_size = _positive("n_windows", n_windows), _positive("batch_size", batch_size)
+    n_windows, batch_size = integer("n_windows", n_windows, 1), integer("batch_size", batch_size, 1)
     total = packed.ids.shape[0]
     n = min(n_windows, total)
     picks = np.arange(n, dtype=np.int64) * total // n

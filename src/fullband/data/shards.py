@@ -153,14 +153,13 @@ def tokenize_corpus(corpus: Corpus, tokenizer: TokenizerLike, split: str, cache_
             _write_shards(tmp, corpus, tokenizer, split, key, progress=progress, shard_tokens=shard_tokens)
             _publish(tmp, out, key)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # still there unless it was published
         lock.release()
     return TokenStream.open(out, cached=False)
 
 
 def _write_shards(tmp: Path, corpus: Corpus, tokenizer: TokenizerLike, split: str, key: str, *, progress: bool,
-                  shard_tokens: int) -> dict:
+                  shard_tokens: int) -> None:
     dtype = _dtype(token_dtype(tokenizer.vocab_size).name)
     writer = _ShardWriter(tmp, dtype, shard_tokens)
     n_docs = 0
@@ -178,7 +177,6 @@ def _write_shards(tmp: Path, corpus: Corpus, tokenizer: TokenizerLike, split: st
                               "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id},
                 "dtype": dtype.name, "n_documents": n_docs, "n_tokens": writer.n_tokens, "shards": writer.shards}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
 
 
 def _with_bos(batch: list[list[int]], bos_id: int, dtype: np.dtype) -> np.ndarray:

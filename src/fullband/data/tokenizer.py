@@ -12,7 +12,7 @@ from typing import Any
 
 from fullband.data.corpus import _short_hash, resolve_corpus
 from fullband.errors import CheckpointError, InputError
-from fullband.files import Kind, atomic_folder, check_destination, parse_json, read_text
+from fullband.files import Kind, atomic_folder, check_destination, parse_json, read_json_file, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 BYTE_TOKENIZER_FILE = "fullband_tokenizer.json"  # beside a transformers folder of ours: the byte tokenizer it was made from
@@ -26,9 +26,10 @@ CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 INSTALL_HINT = "pip install 'fullband[data]'"
 
 
-def _check_text(text: Any) -> None:
+def _check_text(text: Any) -> str:
     if not isinstance(text, str):
         raise InputError(f"text must be a str, got {type(text).__name__}")
+    return text
 
 
 class ByteTokenizer:
@@ -54,10 +55,6 @@ class ByteTokenizer:
         """This vocabulary with the chat markers added (itself when it has them)."""
         return self if self.chat else ByteTokenizer(chat=True)
 
-    def _names(self) -> dict[int, str]:
-        chat = {i: t for t, i in (self.chat_ids or {}).items()}
-        return {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>", **chat}
-
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """The ids that end a generation by default (fullband generate stops at them unless --ignore-eos): EOS,
@@ -72,21 +69,23 @@ class ByteTokenizer:
     add_bos = True  # a prompt starts with BOS (fullband's own vocabularies; a pretrained model's says)
 
     def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
-        """Ids of `text`, with BOS in front when `bos` is true (default: the vocabulary's add_bos)."""
-        _check_text(text)
+        """Ids of `text` (special-token text read as text), with BOS in front when `bos` is true (default: the
+        vocabulary's add_bos: always for fullband's own vocabularies, as the model's tokenizer does for a pretrained
+        one)."""
         bos = self.add_bos if bos is None else bos
-        ids = list(text.encode("utf-8"))
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+        return ([self.bos_id] if bos else []) + self._ids(_check_text(text)) + ([self.eos_id] if eos else [])
+
+    def _ids(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text, without BOS/EOS (the fast path used to build token shards)."""
-        for text in texts:
-            _check_text(text)
-        return [list(text.encode("utf-8")) for text in texts]
+        return [self._ids(_check_text(text)) for text in texts]
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         """Text of the byte ids (invalid UTF-8 becomes U+FFFD); special ids are dropped or shown as <bos> etc."""
-        names = self._names()
+        chat = {i: t for t, i in (self.chat_ids or {}).items()}
+        names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>", **chat}
         parts, run = [], bytearray()
         for i in ids:
             if i < 256:
@@ -203,20 +202,15 @@ class BPETokenizer:
 
     add_bos = ByteTokenizer.add_bos
 
-    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
-        """Ids of `text` (special-token text read as text), with BOS in front when `bos` is true (default: the
-        vocabulary's add_bos: always for fullband's own BPE, as the model's tokenizer does for a pretrained one)."""
-        _check_text(text)
-        bos = self.add_bos if bos is None else bos
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+    encode = ByteTokenizer.encode
+
+    def _ids(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text, without BOS/EOS; runs in the library's Rust thread pool."""
-        for text in texts:
-            _check_text(text)
         # encode_batch_fast skips offset tracking, which we never read.
-        encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        encodings = self._tok.encode_batch_fast([_check_text(text) for text in texts], add_special_tokens=False)
         return [e.ids for e in encodings]
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
@@ -378,8 +372,7 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
     ids_path = Path(directory) / SPECIAL_IDS_FILE
     if ids_path.is_file():
         try:
-            ids = parse_json(read_text(ids_path, "the special ids", error=CheckpointError), str(ids_path),
-                             error=CheckpointError)
+            ids = read_json_file(ids_path, "the special ids", error=CheckpointError)
             special = (int(ids["bos_id"]), int(ids["eos_id"]), int(ids["pad_id"]))
             stops = tuple(int(i) for i in ids.get("stop_ids", ()))
             add_bos = ids.get("add_bos", True)  # folders written before the policy was kept: BOS, as then

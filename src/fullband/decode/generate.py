@@ -21,11 +21,10 @@ from fullband.decode.sampling import Sampling
 from fullband.errors import InputError
 from fullband.model.cache import KVCache
 from fullband.model.core import FeedbackModel, ModelOutput
-from fullband.model.mode import MODES, DecodeMode, default_mode
+from fullband.model.mode import DecodeMode, default_mode
 from fullband.validate import integer, spans
 
-__all__ = ["MODES", "DecodeMode", "DecodeRequest", "DecodeState", "Sampling", "Step", "advance", "generate", "prefill",
-           "stream"]
+__all__ = ["DecodeMode", "DecodeRequest", "DecodeState", "Sampling", "Step", "advance", "generate", "prefill", "stream"]
 
 
 @dataclass
@@ -102,35 +101,31 @@ def make_stepper(model: FeedbackModel, state: DecodeState, *, compile: bool = Fa
     tensors and kv_len are dynamic graph inputs, so one compile serves every batch size, cache and length; other
     models run it through torch.compile as it comes (graph breaks allowed)."""
     cache = state.cache
-    if isinstance(cache, KVCache):
-        fn = _step
-        if compile:
-            kind = next(model.parameters()).device.type
-            if kind not in _COMPILED:
-                # one graph per model, dtype, mode (state or not), batch 1 or more, ragged or not: allow them all
-                import torch._dynamo.config as dynamo_config
+    native = isinstance(cache, KVCache)
+    fn = _step if native else model.step
+    if compile and not native:
+        fn = torch.compile(model.step, dynamic=True)
+    elif compile:
+        kind = next(model.parameters()).device.type
+        if kind not in _COMPILED:
+            # one graph per model, dtype, mode (state or not), batch 1 or more, ragged or not: allow them all
+            import torch._dynamo.config as dynamo_config
 
-                name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
-                # on CPU the C++ wrapper removes the Python overhead between kernels (the batch-1 bottleneck)
-                options = {"cpp_wrapper": True} if kind == "cpu" else None
-                _COMPILED[kind] = torch.compile(_step, dynamic=True, fullgraph=True, options=options)
-            fn = _COMPILED[kind]
+            name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+            # on CPU the C++ wrapper removes the Python overhead between kernels (the batch-1 bottleneck)
+            options = {"cpp_wrapper": True} if kind == "cpu" else None
+            _COMPILED[kind] = torch.compile(_step, dynamic=True, fullgraph=True, options=options)
+        fn = _COMPILED[kind]
 
-        def native(tokens, positions, prev, kv_len):
-            mask = cache.visible(positions, kv_len) if state.ragged else None
-            return fn(model, cache.k, cache.v, tokens, positions, prev, kv_len, mask)
-
-        return native
-
-    step = torch.compile(model.step, dynamic=True) if compile else model.step
-
-    def other(tokens, positions, prev, kv_len):
+    def stepper(tokens, positions, prev, kv_len):
         mask = cache.visible(positions, kv_len) if state.ragged else None
-        new_state, top = step(tokens, positions, cache, prev=prev, kv_len=kv_len, mask=mask)
+        if native:
+            return fn(model, cache.k, cache.v, tokens, positions, prev, kv_len, mask)
+        new_state, top = fn(tokens, positions, cache, prev=prev, kv_len=kv_len, mask=mask)
         return new_state, model.head(top)
 
-    return other
+    return stepper
 
 
 # ---------------------------------------------------------------------- the loop

@@ -25,8 +25,7 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        number("temperature", self.temperature, low=0, error=InputError)
-        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "temperature", float(number("temperature", self.temperature, low=0, error=InputError)))
         if self.top_k is not None:
             integer("top_k", self.top_k, 1, error=InputError)
         if self.top_p is not None:

@@ -43,7 +43,7 @@ def check_messages(obj: Any, where: str, *, reply: bool = True) -> list[Message]
 
 def read_chat_jsonl(path: str | Path) -> Iterator[list[Message]]:
     """Each conversation of a JSONL file (blank lines skipped, a UTF-8 byte-order mark allowed)."""
-    for where, obj in _numbered(Path(path)):
+    for where, obj in jsonl_values(path, "chat data", error=DataError):
         yield check_messages(obj, where)
 
 
@@ -64,8 +64,3 @@ def as_message(m: Any, where: str, *, empty_reply: bool = False) -> Message:
     if role == "assistant" and not content.strip() and not empty_reply:
         raise DataError(f"{where}: empty assistant turn (nothing to learn from)")
     return Message(role, content)
-
-
-def _numbered(path: Path) -> Iterator[tuple[str, Any]]:
-    """(file:line, object) of each non-blank JSON line of a file (a regular UTF-8 file, read line by line)."""
-    return jsonl_values(path, "chat data", error=DataError)

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from fullband.data.chat.arithmetic import STYLES, arithmetic_chats, final_answer
-from fullband.data.chat.messages import Message, _numbered, as_message, check_messages
+from fullband.data.chat.messages import Message, check_messages
 from fullband.errors import DataError
 from fullband.data.corpus import in_val, regular_files
-from fullband.files import regular_file
+from fullband.files import jsonl_values, regular_file
 from fullband.validate import parse_int
 
 SYNTHETIC = "arithmetic"  # "arithmetic" or "arithmetic:N": arithmetic_chats(N, seed=0), generated in memory
@@ -46,20 +46,15 @@ def check_prompt(obj: Any, where: str) -> tuple[list[Message], str, list[Message
     `answer` key, its messages up to the last user turn (a reply after it is left out) and that answer; without
     one, the conversation up to its last assistant turn and that turn's final 'Answer: ...'. DataError naming
     `where` otherwise."""
-    if isinstance(obj, dict) and "answer" in obj:
+    messages = check_messages(obj, where, reply=False)
+    if "answer" in obj:
         answer = obj["answer"]
         if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
             raise DataError(f"{where}: 'answer' must be a non-empty string or a number, got {answer!r}")
-        messages = obj.get("messages")
-        if not isinstance(messages, list):
-            raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, got "
-                            f"{type(messages).__name__}")
-        out = [as_message(m, f"{where}: message {i}") for i, m in enumerate(messages)]
-        users = [i for i, m in enumerate(out) if m.role == "user"]
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
         if not users:
             raise DataError(f"{where}: no user turn to answer")
-        return out[: users[-1] + 1], str(answer).strip(), out
-    messages = check_messages(obj, where, reply=False)
+        return messages[: users[-1] + 1], str(answer).strip(), messages
     replies = [j for j, m in enumerate(messages) if m.role == "assistant"]
     if not replies:
         raise DataError(f"{where}: no 'answer' key, and no assistant turn whose final 'Answer: ...' could be the "
@@ -139,4 +134,4 @@ def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
     if not files:
         raise DataError(f"chat corpus {spec!r} holds no .jsonl file; accepted: {CHAT_ACCEPTED}")
     for file in files:
-        yield from _numbered(file)
+        yield from jsonl_values(file, "chat data", error=DataError)

@@ -43,7 +43,7 @@ def assemble(segments: Sequence[tuple[str, Sequence[int]]], bos_id: int | None) 
     module docstring for targets and fed)."""
     ids: list[int] = [] if bos_id is None else [bos_id]
     response: list[bool] = [False] * len(ids)
-    last_of_response: list[bool] = [False] * len(ids)
+    fed: list[bool] = [False] * len(ids)  # a response's positions but its last (the end marker, read plainly)
     for kind, seg in segments:
         if kind not in SEGMENTS:
             raise DataError(f"segment kind {kind!r}; accepted: {', '.join(SEGMENTS)}")
@@ -52,9 +52,8 @@ def assemble(segments: Sequence[tuple[str, Sequence[int]]], bos_id: int | None) 
             raise DataError("an empty response segment (it must hold at least the turn's end marker)")
         ids += seg
         response += [kind == "response"] * len(seg)
-        last_of_response += [kind == "response" and i == len(seg) - 1 for i in range(len(seg))]
+        fed += [kind == "response" and i < len(seg) - 1 for i in range(len(seg))]
     targets = [ids[t + 1] if response[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
-    fed = [r and not last for r, last in zip(response, last_of_response)]
     return ChatSequence(ids, targets, fed)
 
 
@@ -202,7 +201,7 @@ def encode_chat(template, messages: Sequence[Message]) -> ChatSequence:
 def chat_prompt(tokenizer, messages, *, template=None) -> list[int]:
     """The ids a model reads before answering `messages` (a list of {"role", "content"} dicts ending with a user
     turn, or Message objects): BOS, the rendered conversation and the assistant's turn marker."""
-    return _prompt(template or chat_template(tokenizer), _messages(messages))
+    return _prompt_segments(template or chat_template(tokenizer), _messages(messages))[0]
 
 
 def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -222,7 +221,7 @@ def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], l
     at, reply = int(template.prompt_bos), iter(replies)
     for kind, seg in segments:
         if kind == "response":
-            before = _prompt(template, msgs[:next(reply)])
+            before = _prompt_segments(template, msgs[:next(reply)])[0]
             if at != len(before) or ids[:at] != before:
                 spans = []
             elif len(seg) > 1:
@@ -234,10 +233,6 @@ def fed_chat_prompt(tokenizer, messages, *, template=None) -> tuple[list[int], l
 def _messages(messages) -> list[Message]:
     return [m if isinstance(m, Message) else as_message(m, f"messages[{i}]", empty_reply=True)
             for i, m in enumerate(messages)]
-
-
-def _prompt(template, msgs: Sequence[Message]) -> list[int]:
-    return _prompt_segments(template, msgs)[0]
 
 
 def _prompt_segments(template, msgs: Sequence[Message]) -> tuple[list[int], Segments]:
