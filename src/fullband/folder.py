@@ -217,7 +217,13 @@ def check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
 
 def check_shapes(directory: str | Path, config: ModelConfig, expected: dict[str, tuple],
                  header: dict[str, tuple[str, tuple]]) -> None:
-    problems = _compare(expected, {k: shape for k, (_, shape) in header.items()})
+    found = {k: shape for k, (_, shape) in header.items()}
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = [f"{k}: {found[k]} in file, {expected[k]} expected"
+              for k in expected if k in found and found[k] != expected[k]]
+    kinds = (("missing tensors", missing), ("unexpected tensors", unexpected), ("shape mismatch", shapes))
+    problems = [f"{what} {describe_entries(items, 4)}" for what, items in kinds if items]
     if problems:
         raise CheckpointError(f"{Path(directory) / WEIGHTS_FILE} does not match {CONFIG_FILE} "
                               f"(d_model={config.d_model}, n_layers={config.n_layers}, fusion={config.fusion!r}): "
@@ -276,11 +282,3 @@ def load_transformers_folder(directory: str | Path, *, device: str | torch.devic
     header = {k.removeprefix(HF_PREFIX): v for name in files for k, v in read_header(directory, name=name).items()}
     check_layer_count(directory, config.n_layers, header)
     return load_native_model(directory, config, header, files=files, prefix=HF_PREFIX, device=device, dtype=dtype)
-
-
-def _compare(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    shapes = [f"{k}: {found[k]} in file, {expected[k]} expected" for k in expected if k in found and found[k] != expected[k]]
-    kinds = (("missing tensors", missing), ("unexpected tensors", unexpected), ("shape mismatch", shapes))
-    return [f"{what} {describe_entries(items, 4)}" for what, items in kinds if items]

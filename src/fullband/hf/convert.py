@@ -17,12 +17,17 @@ from pathlib import Path
 
 import torch
 
-from fullband.data.tokenizer import BYTE_TOKENIZER_FILE, SPECIAL_IDS_FILE
+from fullband.data.tokenizer import (BYTE_TOKENIZER_FILE, SPECIAL_IDS_FILE, SPECIAL_TOKENS, BPETokenizer,
+                                     PretrainedTokenizer, load_tokenizer)
 from fullband.errors import CheckpointError, ConfigError
 from fullband.files import Kind, atomic_folder, check_destination, read_json, read_json_file
 from fullband.folder import (HF_INDEX_FILE, HF_MODEL_TYPE, MODEL_KIND, is_transformers_folder, load_transformers_folder,
                              write_model_files)
+from fullband.gguf_file import gguf_args, gguf_path, is_gguf
+from fullband.hf.gguf import load_causal_lm, require_native
+from fullband.hf.llama import from_llama
 from fullband.model.config import require_one_slot
+from fullband.model.decoder import FullbandLM
 
 TARGETS = ("hf", "native")
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -39,8 +44,6 @@ HF_KIND = Kind("transformers fullband folder",
 
 def detect(src: str | Path) -> str:
     """The kind of checkpoint `src` is: 'native', 'hf' or 'llama' (folders), or 'gguf' (a .gguf file)."""
-    from fullband.gguf_file import is_gguf
-
     if is_gguf(src):
         return "gguf"
     path = Path(src) / "config.json"
@@ -61,8 +64,6 @@ def detect(src: str | Path) -> str:
 def pretrained_source(path: str | Path) -> bool:
     """Whether `path` names a standard pretrained model fullband converts (a GGUF file, or a transformers Llama
     folder) rather than a folder fullband wrote: train.init_from then takes its sizes and tokenizer."""
-    from fullband.gguf_file import is_gguf
-
     if not path:
         return False
     if is_gguf(path):
@@ -78,9 +79,6 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
     src, dst = Path(src), Path(dst)
     kind = detect(src)
     if kind == "gguf":  # refused by name before anything is written or loaded
-        from fullband.gguf_file import gguf_path
-        from fullband.hf.gguf import require_native
-
         require_native(src, use="fullband convert")
         src = gguf_path(src)
     target = to if to is not None else ("hf" if kind == "native" else "native")
@@ -114,8 +112,6 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
 def _ends_turns(tokenizer) -> bool:
     """Whether a tokenizer's stop ids belong in the converted config (eos_token_id), so that transformers' and
     vLLM's generate end where fullband's does: a pretrained model's own, or a chat vocabulary's."""
-    from fullband.data.tokenizer import PretrainedTokenizer
-
     return isinstance(tokenizer, PretrainedTokenizer) or bool(getattr(tokenizer, "chat_ids", None))
 
 
@@ -132,20 +128,12 @@ def source_stop_ids(src: Path) -> list[int]:
 def _read(src: Path, kind: str, fusion: str):
     """(native model, tokenizer or None) of a source: a Llama folder or GGUF file with its own tokenizer (its EOS
     ids the stop ids, as transformers' generate stops there), a folder of ours with the tokenizer it holds."""
-    from fullband.data.tokenizer import PretrainedTokenizer, load_tokenizer
-
     if kind == "native":
-        from fullband.model.decoder import FullbandLM
-
         native = FullbandLM.load(src)
     elif kind == "hf":
         native = load_transformers_folder(src)
     else:
-        from fullband.hf.llama import from_llama
-
         if kind == "gguf":
-            from fullband.hf.gguf import load_causal_lm
-
             hf = load_causal_lm(src)
             stops = hf_stop_ids(hf.generation_config) or hf_stop_ids(hf.config)
         else:
@@ -183,16 +171,17 @@ def save_hf_tokenizer(tokenizer, out: Path, src: Path | None = None) -> None:
     padding, silently). A pretrained model's tokenizer keeps its own special tokens, BOS policy and chat template
     (and special_ids.json, so fullband reads the folder back as it was); fullband's byte and BPE vocabularies get
     their <bos> / <eos> / <pad> and, for a chat vocabulary, the marker template."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from fullband.data.chat.templates import hf_chat_template
-    from fullband.data.tokenizer import SPECIAL_TOKENS, BPETokenizer, PretrainedTokenizer
 
     chat = {"chat_template": hf_chat_template(tokenizer)} if hf_chat_template(tokenizer) else {}
     if isinstance(tokenizer, PretrainedTokenizer):
-        # from a Llama folder or GGUF file: transformers' own tokenizer, with everything it keeps beside the vocabulary
-        hf = _hf_tokenizer_source(src) if src is not None else None
-        if hf is None:
+        if pretrained_source(src):
+            # a Llama folder or GGUF file: transformers' own tokenizer, with everything it keeps beside the vocabulary
+            name, extra = gguf_args(src)
+            hf = AutoTokenizer.from_pretrained(name, **extra)
+        else:
             backend = type(tokenizer.hf_tokenizer).from_str(tokenizer.hf_tokenizer.to_str())
             names = {k: tokenizer.token(i) for k, i in
                      (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))}
@@ -211,15 +200,3 @@ def save_hf_tokenizer(tokenizer, out: Path, src: Path | None = None) -> None:
                             **chat).save_pretrained(out)
     if not bpe:
         tokenizer.save(out, name=BYTE_TOKENIZER_FILE)
-
-
-def _hf_tokenizer_source(src: Path):
-    """transformers' own tokenizer of a Llama folder or GGUF file (None for folders of ours)."""
-    from transformers import AutoTokenizer
-
-    from fullband.gguf_file import gguf_args, is_gguf
-
-    if not is_gguf(src) and detect(src) != "llama":
-        return None
-    name, extra = gguf_args(src)
-    return AutoTokenizer.from_pretrained(name, **extra)

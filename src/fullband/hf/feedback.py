@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fullband.folder import HF_CONFIG_KEY
+from fullband.folder import CONFIG_FILE, HF_CONFIG_KEY, check_shapes, read_header, read_tensors, save_model
 from fullband.errors import CheckpointError, ConfigError
+from fullband.hf.gguf import pretrained_args, unquantized
+from fullband.hf.llama import _transformers, dtype_kwarg
 from fullband.model.config import ModelConfig, require_default_layers
 from fullband.decode.generate import generate as generate_ids
 from fullband.model.core import FeedbackModel
@@ -100,8 +102,6 @@ class LatentFeedback(FeedbackModel):
         if "inputs_embeds" not in inspect.signature(model.base_model.forward).parameters:
             raise ConfigError(f"{type(model.base_model).__name__}.forward takes no inputs_embeds; add_latent_feedback "
                               "feeds the fused inputs as inputs_embeds")
-        if fusion is not None and fusion not in FUSION_TYPES:
-            raise ConfigError(f"fusion={fusion!r} is unknown; accepted: {', '.join(FUSION_TYPES)}")
         changes = {k: v for k, v in (("fusion", fusion), ("bos_token_id", bos_token_id)) if v is not None}
         self.config = config_for(hf_cfg, config, **changes)
         require_default_layers(self.config, "add_latent_feedback (a wrapped Hugging Face model)")
@@ -181,8 +181,6 @@ class LatentFeedback(FeedbackModel):
         return {HF_CONFIG_KEY: self.hf.config.to_dict()}
 
     def save(self, directory: str | Path, **extra) -> Path:
-        from fullband.folder import save_model
-
         return save_model(self, directory, **extra)
 
 
@@ -197,9 +195,6 @@ def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torc
                     **kwargs: Any) -> LatentFeedback:
     """Load the causal LM at `path` (a local folder, a GGUF file, or a hub id when online) and wrap it with latent
     feedback."""
-    from fullband.hf.gguf import pretrained_args, unquantized
-    from fullband.hf.llama import _transformers, dtype_kwarg
-
     tf = _transformers()
     try:
         name, extra = pretrained_args(path, config="config" not in kwargs)
@@ -218,9 +213,6 @@ def load_feedback(directory: str | Path, config: ModelConfig, hf_config: dict, *
     fullband.checkpoint.load_model) and its model.safetensors. The HF config must describe the same sizes as
     the ModelConfig, and the model it builds (on the meta device first) the tensors of the weights file's
     header: nothing full-size is allocated for a folder whose files disagree."""
-    from fullband.folder import CONFIG_FILE, check_shapes, read_header, read_tensors
-    from fullband.hf.llama import _transformers
-
     tf = _transformers()
     directory = Path(directory)
     if not isinstance(hf_config, dict):

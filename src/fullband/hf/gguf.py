@@ -7,12 +7,16 @@ A `.gguf` path is accepted wherever a transformers folder is (`fullband convert`
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fullband.errors import ConfigError
 from fullband.gguf_file import gguf_args, gguf_path, inspect_gguf
+from fullband.hf.llama import _transformers, dtype_kwarg
 
 # general.architecture values fullband converts into its native model (the Llama family: Llama 1-3, SmolLM, ...);
 # other architectures transformers reads can still be wrapped with latent feedback (model.hf_path)
@@ -29,10 +33,6 @@ def pretrained_config(path: str | Path):
     """transformers' config of a folder or GGUF file. A GGUF file's is read once per file version (its reader parses
     every metadata field, the whole vocabulary included: seconds for each read); each caller gets its own copy.
     OSError / ValueError as transformers raises them."""
-    import copy
-
-    from fullband.hf.llama import _transformers
-
     name, extra = pretrained_args(path)
     if not extra:
         return _transformers().AutoConfig.from_pretrained(name)
@@ -42,9 +42,7 @@ def pretrained_config(path: str | Path):
 
 
 @functools.lru_cache(maxsize=8)
-def _gguf_config(path: Path, size: int, mtime: int):
-    from fullband.hf.llama import _transformers
-
+def _gguf_config(path: Path, size: int, mtime: int):  # size, mtime: the cache key of a file version
     return _transformers().AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
@@ -76,10 +74,6 @@ def unquantized(model):
 
 def load_causal_lm(path: str | Path, dtype=None):
     """The transformers causal LM of a folder or GGUF file (dequantized to float32 by default), unquantized."""
-    import torch
-
-    from fullband.hf.llama import _transformers, dtype_kwarg
-
     try:
         name, extra = pretrained_args(path, config=True)
         model = _transformers().AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype or torch.float32),

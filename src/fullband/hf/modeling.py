@@ -168,20 +168,17 @@ class FeedbackCache(DecodeState):
         """Tokens held by the longest row."""
         return self.longest
 
-    def _select(self, rows: Tensor) -> None:
-        rows = rows.to(self.state.device)
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search: row i continues the sequence of row beam_idx[i], with its keys, values and state."""
+        rows = beam_idx.to(self.state.device)
         self.kv.select(rows)
         self.positions = self.positions.index_select(0, rows)
         self.state = self.state.index_select(0, rows)
 
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        """Beam search: row i continues the sequence of row beam_idx[i], with its keys, values and state."""
-        self._select(beam_idx)
-
-    batch_select_indices = _select
+    batch_select_indices = reorder_cache
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(torch.arange(self.kv.batch, device=self.state.device).repeat_interleave(repeats))
+        self.batch_select_indices(torch.arange(self.kv.batch, device=self.state.device).repeat_interleave(repeats))
 
     def crop(self, max_length: int) -> None:
         raise InputError("FeedbackCache cannot be cropped: the fed-back state of a dropped position is gone "

@@ -16,10 +16,7 @@ def register() -> None:
 
     from fullband.hf.modeling import FullbandConfig
 
-    try:
-        AutoConfig.register(FullbandConfig.model_type, FullbandConfig)
-    except ValueError:  # already registered in this process
-        pass
+    AutoConfig.register(FullbandConfig.model_type, FullbandConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "fullband.vllm.model:FullbandForCausalLM")
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP

@@ -57,9 +57,8 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
             from fullband.vllm.states import WORKER_EXTENSION
 
             vllm_config.parallel_config.worker_extension_cls = WORKER_EXTENSION  # fed states handed over on request
-        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
-            # the per-request state follows vLLM's persistent batch (model runner V1); set before the workers start
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        # the per-request state follows vLLM's persistent batch (model runner V1); set before the workers start
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         _no_full_cuda_graphs(vllm_config)
         from fullband.vllm.tracker import SERVED, TRACKER
 

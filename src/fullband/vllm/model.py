@@ -272,7 +272,6 @@ class FullbandForCausalLM(nn.Module):
         self.caching = bool(cfg.has_feedback and vllm_config.cache_config.enable_prefix_caching)
         self.cache_config = vllm_config.cache_config
         object.__setattr__(self, "core", DensePrompt(self))  # the method's rules over this model's layers
-        self._metadata: dict = {}
 
     # ------------------------------------------------------------ vLLM interface
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -328,7 +327,6 @@ class FullbandForCausalLM(nn.Module):
         qsl = md.query_start_loc[:R + 1].tolist()
         starts = positions.index_select(0, md.query_start_loc[:R].to(positions.device, torch.long)).tolist()
         ids = None if input_ids is None else input_ids[:qsl[-1]].cpu().numpy()
-        self._metadata = metadata
         if not self.caching:
             return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device)
         if not (hasattr(md, "slot_mapping") and hasattr(md, "block_table")):

@@ -4,9 +4,8 @@ set by the engine hook, fullband.vllm.engine, when prefix caching is on).
 vLLM keys a cached KV block by a hash chained over the request's tokens block by block, with extra keys (LoRA,
 multimodal items, the request's cache_salt). Here a block's keys and values also depend on how its positions were
 read, so the scheduler gives each request a block hasher that adds fullband's keys (requests.block_keys) to
-vLLM's own: the prompt's read on the first block, and on blocks holding fed positions which ones they are. The
-state a block's last position feeds forward is not in its keys and values: the model keeps it by block id
-(fullband.vllm.model), for a request whose first computed position after cached blocks is fed."""
+vLLM's own: the prompt's read on the first block, and on blocks holding fed positions which ones they are (the
+state a block's last position feeds forward is the model's to keep: requests.block_keys)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,8 @@ from fullband.vllm.requests import block_keys, fed_runs, request_mode
 class FeedbackCaching:
     """What the two schedulers below add to vLLM's: each request's block hasher."""
 
-    def _init_feedback(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         hf_config = self.vllm_config.model_config.hf_config
         cfg = model_config_of(hf_config)
         self._fb_default, self._fb_feedback, self._fb_max = default_mode_of(hf_config), cfg.has_feedback, cfg.max_seq_len
@@ -57,15 +57,11 @@ class FeedbackCaching:
 
 
 class FeedbackScheduler(FeedbackCaching, Scheduler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_feedback()
+    """vLLM's Scheduler with fullband's block hashers."""
 
 
 class FeedbackAsyncScheduler(FeedbackCaching, AsyncScheduler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_feedback()
+    """vLLM's AsyncScheduler with fullband's block hashers."""
 
 
 def scheduler(*, vllm_config, **kwargs):

@@ -84,8 +84,7 @@ class RequestTracker(LogitsProcessor, Rows):
             extra = getattr(params, "extra_args", None)
             self.add(index, mode, prompt, fed_runs(mode, extra, len(prompt or ())), (extra or {}).get(STATES))
         for a, b, direction in batch_update.moved:
-            rows = [a, b] if direction == MoveDirectionality.SWAP else [a]
-            to = [b, a] if direction == MoveDirectionality.SWAP else [b]
+            rows, to = ([a, b], [b, a]) if direction == MoveDirectionality.SWAP else ([a], [b])
             self.move(rows, to)
             if SERVED.state is not None:
                 SERVED.state[to] = SERVED.state[rows]
