@@ -13,6 +13,7 @@ renamed into place when complete."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from fullband.folder import (HF_INDEX_FILE, HF_MODEL_TYPE, MODEL_KIND, is_transf
                              write_model_files)
 from fullband.gguf_file import gguf_args, gguf_path, is_gguf
 from fullband.hf.gguf import load_causal_lm, require_native
+from fullband.hf.gguf_out import read_sidecar, sidecar_tokenizer
 from fullband.hf.llama import from_llama
 from fullband.model.config import require_one_slot
 from fullband.model.decoder import FullbandLM
@@ -138,6 +140,11 @@ def _read(src: Path, kind: str, fusion: str):
             stops = hf_stop_ids(hf.generation_config) or hf_stop_ids(hf.config)
         else:
             hf, stops = str(src), source_stop_ids(src)
+        side, meta = read_sidecar(src) if kind == "gguf" else ({}, {})
+        if meta:  # a file fullband wrote: the config and feedback weights as they were, the trunk from the file
+            native = from_llama(hf, **json.loads(meta["config"]))
+            native.load_state_dict(side, strict=False)
+            return native, sidecar_tokenizer(meta)
         native = from_llama(hf, fusion=fusion)
         has_tokenizer = kind == "gguf" or any((src / name).is_file() for name in HF_TOKENIZER_FILES)
         return native, PretrainedTokenizer.from_pretrained(src, stop_ids=tuple(stops)) if has_tokenizer else None

@@ -2,7 +2,7 @@
 in a sidecar beside it) and LlamaCppModel (llama.cpp runs the stack, fullband's core feeds the state back).
 llama-cpp-python is imported only by LlamaCppModel (make llama-env builds it)."""
 
-from fullband.llamacpp.export import GGUF_TYPES, check_exportable, export_gguf, sidecar_path
+from fullband.hf.gguf_out import GGUF_TYPES, check_exportable, export_gguf, sidecar_path
 
 __all__ = ["GGUF_TYPES", "LlamaCppModel", "check_exportable", "export_gguf", "sidecar_path"]
 

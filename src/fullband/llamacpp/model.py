@@ -6,7 +6,7 @@ the batch's embeddings (`embd`) and hands back the final-norm state (its embeddi
 the logits. So `fullband.generate(LlamaCppModel(...), ...)` decodes STANDARD, SOFT, FUSED k (adaptive too) and
 EXACT with the core's plain rule, fusion and pass loop, and only the stack differs from the native model.
 
-A file with a sidecar (fullband.llamacpp.export) holds a full-bandwidth model; any other Llama-family GGUF file
+A file with a sidecar (fullband.hf.gguf_out) holds a full-bandwidth model; any other Llama-family GGUF file
 decodes STANDARD. Batch 1 (one llama.cpp sequence). `exact_kernels` (default) keeps llama.cpp's keys and values in
 float32 and its flash attention off, so an F32 file computes what the native model does to float rounding."""
 
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from fullband.errors import CheckpointError, InputError
 from fullband.gguf_file import gguf_path, inspect_gguf
-from fullband.llamacpp.export import read_sidecar
+from fullband.hf.gguf_out import read_sidecar, sidecar_tokenizer
 from fullband.model.config import ModelConfig
 from fullband.model.core import FeedbackModel
 from fullband.model.fusion import build_fusion
@@ -140,15 +140,9 @@ class LlamaCppModel(FeedbackModel):
     @property
     def tokenizer(self):
         """The model's tokenizer: the sidecar's (fullband's own files), else the GGUF file's (transformers reads it)."""
-        from fullband.data.tokenizer import PretrainedTokenizer, load_tokenizer
+        from fullband.data.tokenizer import PretrainedTokenizer
 
-        files = json.loads(self._meta.get("tokenizer", "{}"))
-        if not files:
-            return PretrainedTokenizer.from_pretrained(self.path)
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, text in files.items():
-                (Path(tmp) / Path(name).name).write_text(text, encoding="utf-8")
-            return load_tokenizer(tmp)
+        return sidecar_tokenizer(self._meta) or PretrainedTokenizer.from_pretrained(self.path)
 
     # ---------------------------------------------------------------- the stack, from llama.cpp
     def embed_tokens(self, input_ids: Tensor) -> Tensor:

@@ -5,7 +5,8 @@ warm-started SmolLM2 goes back out), F32, F16 or Q8_0 through the `gguf` package
 transformers' GGUF reader and any other GGUF runtime load it as the model's STANDARD decoder. llama.cpp's loader
 refuses a file holding tensors its graph does not use, so what the trunk has no place for (`norm_in` and the
 fusion matrices, float32, and the model config) goes in a sidecar beside it, OUT.feedback.safetensors, which the
-GGUF file names under `fullband.sidecar` (with `fullband.method`). `fullband.llamacpp.LlamaCppModel` reads both."""
+GGUF file names under `fullband.sidecar` (with `fullband.method`). `fullband.llamacpp.LlamaCppModel` reads both,
+and `fullband convert OUT.gguf DIR` reads them back (read_sidecar)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ def read_sidecar(path: str | Path, reader=None) -> tuple[dict[str, torch.Tensor]
     if meta.get("format") != SIDECAR_FORMAT or "config" not in meta:
         raise CheckpointError(f"{str(file)!r} is not a fullband GGUF sidecar (format={meta.get('format')!r})")
     return tensors, meta
+
+
+def sidecar_tokenizer(meta: dict[str, str]):
+    """The tokenizer a sidecar carries (the files tokenizer.save wrote), None when it carries none."""
+    from fullband.data.tokenizer import load_tokenizer
+
+    files = json.loads(meta.get("tokenizer", "{}"))
+    if not files:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            (Path(tmp) / Path(name).name).write_text(text, encoding="utf-8")
+        return load_tokenizer(tmp)
 
 
 def check_exportable(cfg) -> None:
