@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, config_line, held_out_chat, paired,
-                                       rl_run, train_tuned)
+from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, config_line, held_out_chat, kept,
+                                       paired, rl_run, train_tuned)
 
 SFT = "configs/sft-tiny.toml"
 RL = "configs/rl-tiny.toml"
@@ -94,20 +94,21 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
 def _evaluate(stage_runs: dict[str, list[str]], ckpts: dict[str, Path], data_file: Path, figs: Path, n: int,
               max_new_tokens: int, modes: list[str]) -> dict[str, dict]:
     """Every stage's final checkpoint on the held-out conversations (the full-bandwidth model's in every mode, the
-    standard one's in STANDARD), each evaluation kept beside the report and reused by a rerun."""
+    standard one's in STANDARD), each evaluation kept beside the report and reused by a rerun (the same checkpoint,
+    items and reply budget)."""
     from fullband.eval.commands import eval_chat
-    from fullband.files import read_json
+
+    def every_item(r: dict) -> bool:
+        return r.get("n", 0) + r.get("skipped", 0) == n and "lengths" in (r.get("rows") or [{}])[0]
 
     results: dict[str, dict] = {}
     for model, names in stage_runs.items():
         for name in names:
             out = figs / "eval" / name
-            cached = out / "chat.json"
-            if cached.is_file() and _same_eval(cached, ckpts[name], data_file, n, max_new_tokens):
-                results[name] = read_json(cached)
-                continue
-            results[name] = eval_chat(ckpts[name], data_file, modes=modes if model == "fbt" else ["standard"],
-                                      out=out, max_new_tokens=max_new_tokens, progress=False)
+            key = {"checkpoint": str(ckpts[name]), "data": str(data_file), "max_new_tokens": max_new_tokens}
+            results[name] = kept(out / "chat.json", key, ckpts[name], lambda: eval_chat(
+                ckpts[name], data_file, modes=modes if model == "fbt" else ["standard"], out=out,
+                max_new_tokens=max_new_tokens, progress=False), valid=every_item, save=False)
     return results
 
 
@@ -151,40 +152,24 @@ def _table_lines(table: dict) -> list[str]:
     return lines
 
 
-def _same_eval(cached: Path, ckpt: Path, data: Path, n: int, max_new_tokens: int) -> bool:
-    """A finished evaluation of this checkpoint on these items, reused by a rerun."""
-    from fullband.files import read_json
-
-    r = read_json(cached) or {}
-    return r.get("checkpoint") == str(ckpt) and r.get("data") == str(data) and r.get("max_new_tokens") == \
-        max_new_tokens and r.get("n", 0) + r.get("skipped", 0) == n and "lengths" in (r.get("rows") or [{}])[0]
-
-
 def _study(ckpt: Path, data_file: Path, prompts: int, tokens: int, out: Path) -> list[dict]:
     """The log-probability study on the tuned full-bandwidth model, its held-out prompts, SOFT and FUSED k=2."""
-    import json
-
     from fullband.data.chat.templates import chat_prompt, chat_template
-    from fullband.files import read_json
     from fullband.data.tokenizer import load_tokenizer
     from fullband.decode.sampling import Sampling
     from fullband.eval.chat import held_out_items
-    from fullband.files import replace_file
     from fullband.loader import load_model
     from fullband.rl.study import logprob_study
 
-    if (found := read_json(out) or {}).get("checkpoint") == str(ckpt) and \
-            found.get("prompts") == prompts and found.get("tokens") == tokens:
-        return found["rows"]
-    model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
-    template = chat_template(tokenizer)
-    items = held_out_items(data_file, limit=prompts)
-    ids = [chat_prompt(tokenizer, messages, template=template) for messages, _ in items]
-    rows = logprob_study(model, ids, tokens, modes=["soft", "fused:2"], paths=["exact", *STUDY_PATHS],
-                         sampling=Sampling(temperature=1.0, seed=0))
-    replace_file(out, json.dumps({"checkpoint": str(ckpt), "prompts": prompts, "tokens": tokens, "rows": rows},
-                                 indent=2) + "\n")
-    return rows
+    def compute() -> dict:
+        model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
+        template = chat_template(tokenizer)
+        items = held_out_items(data_file, limit=prompts)
+        ids = [chat_prompt(tokenizer, messages, template=template) for messages, _ in items]
+        return {"rows": logprob_study(model, ids, tokens, modes=["soft", "fused:2"], paths=["exact", *STUDY_PATHS],
+                                      sampling=Sampling(temperature=1.0, seed=0))}
+
+    return kept(out, {"checkpoint": str(ckpt), "prompts": prompts, "tokens": tokens}, ckpt, compute)["rows"]
 
 
 def _study_lines(rows: list[dict], prompts: int, tokens: int) -> list[str]:

@@ -131,6 +131,28 @@ def _reused(run: Run, run_dir: Path, steps: int, start: Callable[[Path | None], 
     return list_checkpoints(run_dir)[-1], json.loads(meta.read_text())["train_seconds"]
 
 
+def kept(path: Path, key: dict, checkpoint: Path | None, compute: Callable[[], dict], *,
+         valid: Callable[[dict], bool] | None = None, save: bool = True) -> dict:
+    """An evaluation kept beside the report at `path`: reused while it holds every field of `key` with its value
+    (and `valid`, a report's further conditions, holds) and is newer than the checkpoint's weights (or there is no
+    checkpoint, or its weights are gone: a run reused from its record); else compute()'s result, kept there as
+    {**key, **result} (save=False: compute() writes `path` itself, as fullband eval does)."""
+    from fullband.files import read_json
+
+    old = read_json(path)
+    weights = checkpoint / "model.safetensors" if checkpoint is not None else None
+    fresh = (weights is None or not weights.is_file()
+             or (path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime))
+    if old and fresh and all(old.get(k) == v for k, v in key.items()) and (valid is None or valid(old)):
+        return old
+    result = compute()
+    if save:
+        result = {**key, **result}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, json.dumps(result))
+    return result
+
+
 def run_threads(run_dir: Path) -> int | None:
     """The CPU threads a finished run under run_dir trained with (None: not recorded)."""
     meta = run_dir / "wall.json"

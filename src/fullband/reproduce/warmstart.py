@@ -7,14 +7,13 @@ ChatML arithmetic conversations by mode, greedy answers); the pass map's contrac
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.errors import InputError, closest
-from fullband.reproduce.runner import (Experiment, Run, Settings, config_line, paired, saved_figure, train_run,
-                                       val_batches)
+from fullband.reproduce.runner import (Experiment, Run, Settings, config_line, kept, paired, saved_figure,
+                                       train_run, val_batches)
 
 RECIPE = "configs/warmstart-smollm2.toml"
 FEEDBACK_ONLY = '["fusion.*", "norm_in.*"]'
@@ -108,8 +107,10 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     base = _base(root, model)
     # the held-out windows every model is read on (the runs' validation split; one tokenizer for all)
     held = val_batches(Path(trained[runs[0].name]["ckpt"]), sc.final_windows, sc.seq_len)
-    evaluated = {name: _evaluated(Path(info["ckpt"]), held, sc, figs, name) for name, info in trained.items()}
-    evaluated["pretrained"] = _evaluated(base, held, sc, figs, "pretrained")
+    ckpts = {**{name: Path(info["ckpt"]) for name, info in trained.items()}, "pretrained": base}
+    # each model's evaluation, kept in figs/eval/<name>.json under its checkpoint: a rerun reuses it
+    evaluated = {name: kept(figs / "eval" / f"{name}.json", {"checkpoint": str(c)}, c, lambda: _evaluated(c, held, sc))
+                 for name, c in ckpts.items()}
     return _write(runs, trained, evaluated, sc, scale, model, figs)
 
 
@@ -146,18 +147,11 @@ def _base(root: Path, model: str) -> Path:
     return out
 
 
-def _evaluated(ckpt: Path, held: list, sc: Scale, figs: Path, name: str) -> dict:
+def _evaluated(ckpt: Path, held: list, sc: Scale) -> dict:
     """Held-out loss by mode on the windows `held`, chat loss by mode and greedy answers, contraction and residuals
-    of one model; cached in figs/eval/<name>.json keyed by the checkpoint, so a rerun reuses it."""
-    cache = figs / "eval" / f"{name}.json"
-    key = str(ckpt)
-    if cache.is_file():
-        saved = json.loads(cache.read_text())
-        if saved.get("checkpoint") == key:
-            return saved
+    of one model."""
     import torch
 
-    from fullband.files import make_folder, replace_file
     from fullband.model.decoder import FullbandLM
     from fullband.data.tokenizer import load_tokenizer
     from fullband.eval.commands import bytes_per_token
@@ -175,12 +169,9 @@ def _evaluated(ckpt: Path, held: list, sc: Scale, figs: Path, name: str) -> dict
         text = loss_by_mode(model, batches, modes, bytes_per_token(tok, model.config.vocab_size), keep_windows=True)
         sweep = jacobi_sweep(model, batches[:1], (1, 2, 3, 4, 8), exact=False)
     con = contraction(model, batches[0][0][:1], horizons=(1, 2, 4), vectors=1, power_iters=8)
-    result = {"checkpoint": key, "text": text, "chat": _chat(model, tok, sc),
-              "residual": {"k": sweep.ks, "update_rms": sweep.update_rms, "loss": sweep.loss},
-              "contraction": {"horizons": con.horizons, "growth": con.growth, "lipschitz": con.lipschitz}}
-    make_folder(cache.parent, "the report's eval folder")
-    replace_file(cache, json.dumps(result, indent=1))
-    return result
+    return {"text": text, "chat": _chat(model, tok, sc),
+            "residual": {"k": sweep.ks, "update_rms": sweep.update_rms, "loss": sweep.loss},
+            "contraction": {"horizons": con.horizons, "growth": con.growth, "lipschitz": con.lipschitz}}
 
 
 def _chat(model, tok, sc: Scale) -> dict:
