@@ -5,13 +5,12 @@ scored on held-out conversations in every decoding mode; and the log-probability
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
 from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, config_line, held_out_chat, kept,
-                                       paired, rl_run, train_tuned)
+                                       paired, rl_run, train_tuned, verdict)
 
 SFT = "configs/sft-tiny.toml"
 RL = "configs/rl-tiny.toml"
@@ -46,6 +45,7 @@ def post_runs(model: str, start: Path, mode: str, rl_extra: tuple[str, ...]) -> 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_out: int = 300,
            max_new_tokens: int = 128, sft_extra: tuple[str, ...] = (), rl_extra: tuple[str, ...] = (),
            study_prompts: int = 8, study_tokens: int = 32) -> list[str]:
+    from fullband.rl.run import plot_rl
     from fullband.train.config import load_run_config
 
     base, sft, std_base, std_sft = runs
@@ -55,9 +55,9 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     ckpts = {name: t.checkpoint for name, t in tuned.items()}
     post = {"fbt": post_runs("fbt", ckpts[sft.name], "soft", rl_extra),
             "standard": post_runs("standard", ckpts[std_sft.name], "standard", rl_extra)}
-    for group in post.values():
-        for run in group:
-            ckpts[run.name], walls[run.name] = rl_run(root, run)
+    posted = [*post["fbt"], *post["standard"]]
+    for run in posted:
+        ckpts[run.name], walls[run.name] = rl_run(root, run)
 
     # held-out conversations: the SFT runs' own validation split of the corpus, never trained on
     cfg = load_run_config(SFT, [f'data.corpus="{CORPUS}"', *settings.extra, *sft_extra])
@@ -74,20 +74,20 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     lines += ["", "Training time: " + ", ".join(f"{name} {w / 60:.1f} min" for name, w in walls.items())
               + f". Pretraining + SFT compute (tokens x passes): standard / full-bandwidth = "
               f"{std_compute / fbt_compute:.2f}.", ""]
-    lines += _post_lines(root, post)
+    lines += _post_lines(root, posted)
     lines += _outcome(table, stage_runs)
     lines += _study_lines(study, study_prompts, study_tokens)
     _figure(table, figs / "rl.png")
     lines += [f"![exact match and reply length per stage and decoding]({figs.name}/rl.png)", "",
-              *(f"![{r.name}: reward and reply length per step]({figs.name}/runs/{r.name}.png)"
-                for g in post.values() for r in g), "", COMMANDS, "",
-              *(f"- {config_line(r)}" for r in runs),
-              *(f"- `fullband rl {r.config} " + " ".join(f"--set {o}" for o in r.overrides) + "`"
-                for g in post.values() for r in g),
+              *(f"![{r.name}: reward and reply length per step]({figs.name}/runs/{r.name}.png)" for r in posted),
+              "", COMMANDS, "", *(f"- {config_line(r)}" for r in runs),
+              *(f"- `fullband rl {r.config} " + " ".join(f"--set {o}" for o in r.overrides) + "`" for r in posted),
               f"- `fullband eval chat --checkpoint CHECKPOINT --data {data_file} --modes {' '.join(modes)}` for each "
               "stage's final checkpoint", "- the log-probability study: `fullband.rl.study.logprob_study` on "
               f"{ckpts[sft.name]} (raw: `{figs.name}/logprob-study.json`)"]
-    _copy_curves(root, post, figs / "runs")
+    (figs / "runs").mkdir(parents=True, exist_ok=True)
+    for run in posted:  # each post-training run's reward / length curve beside the report
+        plot_rl(root / run.name / "metrics.jsonl", figs / "runs" / f"{run.name}.png")
     return lines
 
 
@@ -202,36 +202,29 @@ def _study_lines(rows: list[dict], prompts: int, tokens: int) -> list[str]:
     return lines + [""]
 
 
-def _post_lines(root: Path, post: dict) -> list[str]:
+def _post_lines(root: Path, posted: list[Run]) -> list[str]:
     """Each post-training run's first and last sampled reward and reply length (its metrics.jsonl)."""
     from fullband.rl.run import metric_rows
 
     lines = ["| post-training run | sampling | steps | reward (first 5 steps → last 5) | reply tokens (first 5 → "
              "last 5) | kept / step (on-policy SFT) | s / step |", "|---|---|---|---|---|---|---|"]
-    for group in post.values():
-        for run in group:
-            rows = [r for r in metric_rows(root / run.name / "metrics.jsonl") if "reward" in r]
-            head, tail = rows[:5], rows[-5:]
+    def mean(rs, key):
+        return sum(r[key] for r in rs) / len(rs)
 
-            def mean(rs, key):
-                return sum(r[key] for r in rs) / len(rs)
-
-            kept = f"{mean(rows, 'kept'):.1f}" if "kept" in rows[0] else ""
-            mode = next(o.split("=", 1)[1].strip('"') for o in run.overrides if o.startswith("rl.mode="))
-            lines.append(f"| {run.name} | {mode} | {len(rows)} | {mean(head, 'reward'):.3f} → {mean(tail, 'reward'):.3f} "
-                         f"| {mean(head, 'length'):.1f} → {mean(tail, 'length'):.1f} | {kept} | "
-                         f"{mean(rows, 'seconds'):.1f} |")
+    for run in posted:
+        rows = [r for r in metric_rows(root / run.name / "metrics.jsonl") if "reward" in r]
+        head, tail = rows[:5], rows[-5:]
+        kept_mean = f"{mean(rows, 'kept'):.1f}" if "kept" in rows[0] else ""
+        mode = next(o.split("=", 1)[1].strip('"') for o in run.overrides if o.startswith("rl.mode="))
+        lines.append(f"| {run.name} | {mode} | {len(rows)} | {mean(head, 'reward'):.3f} → {mean(tail, 'reward'):.3f} "
+                     f"| {mean(head, 'length'):.1f} → {mean(tail, 'length'):.1f} | {kept_mean} | "
+                     f"{mean(rows, 'seconds'):.1f} |")
     return lines + [""]
 
 
 def _outcome(table: dict, stage_runs: dict) -> list[str]:
     """The findings, computed from the table: for each model and post-training stage, its change from SFT in the
     model's own sampling mode (accuracy and length), and SOFT vs STANDARD on the full-bandwidth model per stage."""
-    def said(d: float, se: float, up: str, down: str) -> str:
-        if not math.isfinite(se) or d == 0 or abs(d) < 2 * se:
-            return "within 2 standard errors, no difference shown"
-        return f"{up if d > 0 else down}, {abs(d) / se:.1f} standard errors" if se > 0 else (up if d > 0 else down)
-
     lines = ["**Outcome.**", ""]
     for model, own in (("fbt", "soft"), ("standard", "standard")):
         ref = table[model, "sft", own]
@@ -240,16 +233,16 @@ def _outcome(table: dict, stage_runs: dict) -> list[str]:
             d, se = paired(row["correct"], ref["correct"])
             dl, sel = paired(row["lengths"], ref["lengths"])
             lines.append(f"- {model}, {stage} vs SFT in {own}: exact match {ref['accuracy']:.3f} → "
-                         f"{row['accuracy']:.3f} ({d:+.3f} ± {se:.3f}: {said(d, se, 'higher', 'lower')}); reply "
+                         f"{row['accuracy']:.3f} ({d:+.3f} ± {se:.3f}: {verdict(d, se)}); reply "
                          f"length {ref['tokens']:.1f} → {row['tokens']:.1f} tokens ({dl:+.1f} ± {sel:.1f}: "
-                         f"{said(dl, sel, 'longer', 'shorter')}).")
+                         f"{verdict(dl, sel, 'longer', 'shorter')}).")
     for stage in STAGES:
         soft, std = table["fbt", stage, "soft"], table["fbt", stage, "standard"]
         d, se = paired(soft["lengths"], std["lengths"])
         da, sea = paired(soft["correct"], std["correct"])
         lines.append(f"- fbt {stage}: SOFT vs STANDARD decoding, exact match {da:+.3f} ± {sea:.3f} "
-                     f"({said(da, sea, 'higher', 'lower')}), reply length {d:+.2f} ± {se:.2f} tokens "
-                     f"({said(d, se, 'longer', 'shorter')}).")
+                     f"({verdict(da, sea)}), reply length {d:+.2f} ± {se:.2f} tokens "
+                     f"({verdict(d, se, 'longer', 'shorter')}).")
     best = {m: max((r["accuracy"], s, mode) for (mm, s, mode), r in table.items() if mm == m) for m in stage_runs}
     lines.append(f"- best of each model: full-bandwidth {best['fbt'][0]:.3f} ({best['fbt'][1]}, {best['fbt'][2]}), "
                  f"standard {best['standard'][0]:.3f} ({best['standard'][1]}).")
@@ -274,16 +267,6 @@ def _figure(table: dict, out: Path) -> None:
         ax.set_xticks(x, labels, fontsize=7, rotation=60, ha="right")
         ax.grid(alpha=0.3, axis="y")
     save_figure(fig, out)
-
-
-def _copy_curves(root: Path, post: dict, out: Path) -> None:
-    """Each post-training run's reward / length curve beside the report."""
-    from fullband.rl.run import plot_rl
-
-    out.mkdir(parents=True, exist_ok=True)
-    for group in post.values():
-        for run in group:
-            plot_rl(root / run.name / "metrics.jsonl", out / f"{run.name}.png")
 
 
 EXPERIMENT = Experiment("rl", runs, report)

@@ -4,6 +4,7 @@ finished ones reused, interrupted ones resumed), its registry entry, the setting
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,16 +164,11 @@ COMMANDS = ("Commands (each run also gets `--set log.run_dir=runs/repro/<experim
             "`--set log.eval_every=0`):")
 
 
-def figure_and_commands(exp: str, png: str, alt: str) -> list[str]:
-    """The report's figure line and the header of its command list."""
-    return [f"![{alt}]({exp}/{png})", "", COMMANDS, ""]
-
-
 def saved_figure(fig, figs: Path, png: str, alt: str) -> list[str]:
-    """Write the report's figure to figs/png (figs: the experiment's folder beside its report); returns
-    figure_and_commands' lines for it."""
+    """Write the report's figure to figs/png (figs: the experiment's folder beside its report); returns the report's
+    figure line and the header of its command list."""
     save_figure(fig, figs / png)
-    return figure_and_commands(figs.name, png, alt)
+    return [f"![{alt}]({figs.name}/{png})", "", COMMANDS, ""]
 
 
 def paired(a, b) -> tuple[float, float]:
@@ -182,6 +178,18 @@ def paired(a, b) -> tuple[float, float]:
     from fullband.eval.chat import _mean_se
 
     return _mean_se(np.subtract(a, b, dtype=np.float64))
+
+
+def shown(diff: float, se: float) -> bool:
+    """Whether a paired difference is 2 standard errors or more from zero (never with a nan or infinite s.e.)."""
+    return not (diff == 0 or abs(diff) < 2 * se or not math.isfinite(se))
+
+
+def verdict(diff: float, se: float, up: str = "higher", down: str = "lower") -> str:
+    """A paired difference in words: its direction and size in standard errors, or none shown."""
+    if not shown(diff, se):
+        return "within 2 standard errors, no difference shown"
+    return (up if diff > 0 else down) + (f", {abs(diff) / se:.1f} standard errors" if se > 0 else "")
 
 
 def config_line(run: Run, *extra: str) -> str:
