@@ -113,27 +113,26 @@ def _evaluate(stage_runs: dict[str, list[str]], ckpts: dict[str, Path], data_fil
 
 
 def _intro(n: int) -> list[str]:
-    lines = ["The paper's open problem: its SFT data came from standard decoding (off-policy), and the SOFT model's",
-             "shorter reasoning vanished after SFT; on-policy post-training under latent-feedback decoding is its first",
-             "future direction.", "",
-             f"Here: the demo's full-bandwidth model (`{BASE}`, three passes every step) and a standard model of the",
-             f"same size (`passes = \"none\"`, {PASSES}x the steps: the same training compute, tokens x passes), each "
-             f"instruction-tuned with `{SFT}` on `{CORPUS}` (the built-in arithmetic problems; each reply worked "
-             "fully, by its last step only, or as the answer alone, so a reply's length is the model's choice), then "
-             f"post-trained from that SFT model with `{RL}` on its own samples (the full-bandwidth model sampling in "
-             "SOFT, the standard one in STANDARD; the same prompts, group, steps and seeds):",
-             "- **on-policy SFT** (`rl.algorithm = \"rejection-sft\"`): each step samples G replies per prompt, keeps "
-             "the correct ones and trains on them with the chat objective;",
-             "- **RL** (`rl.algorithm = \"grpo\"`): group-standardised advantages, clipped ratio, token-level "
-             "normalisation; log-probabilities by the exact recurrence.", "",
-             f"Scored on {n} held-out conversations (the SFT runs' validation split): greedy "
-             "answer to the last user turn, exact match of its final `Answer:` line, reply length in tokens (end "
-             "marker included). Differences are paired over the same items. The pretrained base models are code LMs "
-             "without the chat markers: a chat prompt is outside their vocabulary, so the pipeline's first scored "
-             "stage is SFT.", "",
-             "| model | stage | decoding | exact match | vs SFT (same decoding) | reply tokens (mean) | median | "
-             "vs SFT |", "|---|---|---|---|---|---|---|---|"]
-    return lines
+    return ["The paper's open problem: its SFT data came from standard decoding (off-policy), and the SOFT model's",
+            "shorter reasoning vanished after SFT; on-policy post-training under latent-feedback decoding is its first",
+            "future direction.", "",
+            f"Here: the demo's full-bandwidth model (`{BASE}`, three passes every step) and a standard model of the",
+            f"same size (`passes = \"none\"`, {PASSES}x the steps: the same training compute, tokens x passes), each "
+            f"instruction-tuned with `{SFT}` on `{CORPUS}` (the built-in arithmetic problems; each reply worked "
+            "fully, by its last step only, or as the answer alone, so a reply's length is the model's choice), then "
+            f"post-trained from that SFT model with `{RL}` on its own samples (the full-bandwidth model sampling in "
+            "SOFT, the standard one in STANDARD; the same prompts, group, steps and seeds):",
+            "- **on-policy SFT** (`rl.algorithm = \"rejection-sft\"`): each step samples G replies per prompt, keeps "
+            "the correct ones and trains on them with the chat objective;",
+            "- **RL** (`rl.algorithm = \"grpo\"`): group-standardised advantages, clipped ratio, token-level "
+            "normalisation; log-probabilities by the exact recurrence.", "",
+            f"Scored on {n} held-out conversations (the SFT runs' validation split): greedy "
+            "answer to the last user turn, exact match of its final `Answer:` line, reply length in tokens (end "
+            "marker included). Differences are paired over the same items. The pretrained base models are code LMs "
+            "without the chat markers: a chat prompt is outside their vocabulary, so the pipeline's first scored "
+            "stage is SFT.", "",
+            "| model | stage | decoding | exact match | vs SFT (same decoding) | reply tokens (mean) | median | "
+            "vs SFT |", "|---|---|---|---|---|---|---|---|"]
 
 
 def _table_lines(table: dict) -> list[str]:

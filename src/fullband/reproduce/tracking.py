@@ -116,10 +116,9 @@ def _scored(figs: Path, run: Run, task: str, ckpt: Path, n: int, counts: dict) -
 
 def _task_lines(task: str, results: list[tuple[Run, dict, float]], figs: Path) -> tuple[list[str], str]:
     """A task's table and its finding; -> (its lines, the finding for the outcome)."""
-    lines = [f"## {task}", ""]
     lengths = results[0][1]["lengths"]
-    lines += ["| model | train time | mode | " + " | ".join(f"length {k}" for k in lengths) + " |",
-              "|---|---|---|" + "---|" * len(lengths)]
+    lines = [f"## {task}", "", "| model | train time | mode | " + " | ".join(f"length {k}" for k in lengths) + " |",
+             "|---|---|---|" + "---|" * len(lengths)]
     for run, res, wall in results:
         for row in res["rows"]:
             cells = " | ".join(f"{a:.3f} ± {e:.3f}" for a, e in zip(row["accuracy"], row["stderr"]))

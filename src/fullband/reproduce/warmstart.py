@@ -99,7 +99,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     model = model or SHIPPED
     trained: dict[str, dict] = {}
     for run in runs:
-        steps = sc.steps * (2 if run.name == "continued-2x" else 1)
+        steps = sc.steps * {name: times for name, _, times in CONTROLS}.get(run.name, 1)
         extra = _common(sc, model, steps)
         ckpt, wall = train_run(root, run, settings, extra, eval_every=sc.eval_every)
         trained[run.name] = {"ckpt": ckpt, "wall": wall, "extra": extra, "curve": _curve(root / run.name),
@@ -293,21 +293,18 @@ def _against_controls(evaluated: dict, runs: list[Run]) -> list[str]:
              "feedback run is better).", "",
              "| run | read | " + " | ".join(f"vs {c} STANDARD" for c in controls) + " |",
              "|---|---|" + "---|" * len(controls)]
-    for run in runs:
-        if run.name.startswith("continued"):
-            continue
+    for name in (r.name for r in runs if not r.name.startswith("continued")):
         for mode in modes:
-            mine = _read(evaluated, run.name, mode)["per_window"]
+            mine = _read(evaluated, name, mode)["per_window"]
             cells = [_paired(mine, _read(evaluated, c, "STANDARD")["per_window"]) for c in controls]
-            lines.append(f"| {run.name} | {mode} | " + " | ".join(cells) + " |")
+            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
 def _curves(trained: dict, runs: list[Run], figs: Path) -> list[str]:
-    from fullband.files import plt as _plt
+    from fullband.files import plt
 
-    plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=False)
+    fig, axes = plt().subplots(1, 3, figsize=(13, 3.8), sharey=False)
     for ax, passes, title in zip(axes, ("1", "2", "3"), ("STANDARD (1 pass)", "FUSED k=1 (2 passes)",
                                                          "FUSED k=2 (3 passes)")):
         for run in runs:
@@ -355,9 +352,7 @@ def _chat_lines(evaluated: dict, runs: list[Run]) -> list[str]:
     lines += ["", "Greedy answers (first held-out questions), the pretrained model and each feedback run:", ""]
     for i, question in enumerate(chat["questions"]):
         lines += [f"**{question}**", "", "| model | mode | answer |", "|---|---|---|"]
-        for name in names:
-            if name.startswith("continued"):
-                continue
+        for name in (n for n in names if not n.startswith("continued")):
             for mode in modes:
                 answer = evaluated[name]["chat"]["answers"][mode][i].replace("\n", " ").replace("|", "\\|")
                 lines.append(f"| {name} | {mode} | {answer[:160]} |")

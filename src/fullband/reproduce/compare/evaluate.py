@@ -61,8 +61,7 @@ def lm_reads(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
     from fullband.model.decoder import FullbandLM
     from fullband.reproduce.runner import val_batches
 
-    method = METHODS[p.method]
-    todo = reads(method.family, getattr(p.model_cfg, "loops", 3))
+    todo = reads(METHODS[p.method].family, getattr(p.model_cfg, "loops", 3))
 
     def compute() -> dict:
         model = FullbandLM.load(ckpt)
@@ -103,8 +102,7 @@ def tracking_eval(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
     from fullband.eval.tracking import accuracy_table, tracking_figure
     from fullband.eval.commands import load_any
 
-    method = METHODS[p.method]
-    todo = tracking_modes(method.family, getattr(p.model_cfg, "loops", 3))
+    todo = tracking_modes(METHODS[p.method].family, getattr(p.model_cfg, "loops", 3))
     where = figs / "eval" / p.name
 
     def compute() -> dict:
