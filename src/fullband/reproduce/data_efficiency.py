@@ -16,7 +16,7 @@ def runs() -> list[Run]:
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
-    from fullband.files import plt as _plt
+    from fullband.files import plt
     from fullband.eval.loss import validation_loss
     from fullband.model.decoder import FullbandLM
 
@@ -50,8 +50,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
               f"(FBT at N ~ standard at 2N). Note the full-bandwidth run spent "
               f"{compute['fbt-N'] / compute['standard-N']:.3g}x the token-equivalent compute of standard-N (three "
               f"passes per step) and {compute['fbt-N'] / compute['standard-2N']:.3g}x that of standard-2N."]
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = plt().subplots(figsize=(6.5, 3.8))
     std = [(1, table["standard-N"][0]), (2, table["standard-2N"][0])]
     ax.errorbar([t for t, _ in std], [r.nats for _, r in std], yerr=[r.stderr for _, r in std], marker="s",
                 capsize=3, label="standard, STANDARD decoding")

@@ -16,7 +16,7 @@ def runs() -> list[Run]:
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
     from fullband.eval.loss import validation_loss
-    from fullband.files import plt as _plt
+    from fullband.files import plt
     from fullband.eval.stability import state_contribution
     from fullband.model.decoder import FullbandLM
 
@@ -33,13 +33,10 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
     results = {}
     for run in runs[1:]:
         ckpt, wall = train_run(root, run, settings, [f'train.init_from="{base_ckpt}"'])
-        model = FullbandLM.load(ckpt)
-        r = state_contribution(model, val_batches(ckpt))
-        results[run.name] = r
+        r = results[run.name] = state_contribution(FullbandLM.load(ckpt), val_batches(ckpt))
         lines.append(f"| {run.name.removeprefix('warm-')} | {wall / 60:.1f} min | {r['standard']:.4f} | "
                      f"{r['fused']:.4f} | {r['swapped']:.4f} | {r['zero']:.4f} | {r['swap_penalty']:+.4f} |")
-    base = FullbandLM.load(base_ckpt)
-    base_loss = validation_loss(base, val_batches(base_ckpt), 1).nats
+    base_loss = validation_loss(FullbandLM.load(base_ckpt), val_batches(base_ckpt), 1).nats
     lines += ["", f"The standard base model itself: {base_loss:.4f} nats/token.", ""]
     ranked = sorted(results, key=lambda n: results[n]["swap_penalty"])
     lines += ["**Outcome.** Swap penalty (what one window's own state is worth over another window's): "
@@ -47,8 +44,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
               + f". The least state-dependent fusion is {ranked[0].removeprefix('warm-')}; the paper predicts the "
               "additive form learns to ignore the state (small penalty, and zero state ~ standard loss) while the "
               "gate cannot (zero state destroys its input).", ""]
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = plt().subplots(figsize=(6.5, 3.8))
     names = list(results)
     for i, key in enumerate(("fused", "swapped", "zero")):
         ax.bar([j + 0.27 * (i - 1) for j in range(len(names))], [results[n][key] for n in names], width=0.27,

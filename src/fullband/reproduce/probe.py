@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fullband.reproduce.runner import Experiment, Run, Settings, config_line, figure_and_commands, train_run
+from fullband.reproduce.runner import COMMANDS, Experiment, Run, Settings, config_line, train_run
 
 
 def runs() -> list[Run]:
@@ -57,11 +57,10 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
     for task, t in res["tasks"].items():
         one, std = t["modes"]["one-step"][0], t["modes"]["standard"][0]
         met = one >= 0.95 and std <= 0.65
-        lines.append("")
-        lines.append(f"**{task}**: layer-0 accuracy {one:.3f} with one-step recurrent prefill vs {std:.3f} with "
-                     f"standard prefill (target >= 0.95 vs <= 0.65: {'met' if met else 'not met'}; the paper: "
-                     f"{'0.996' if task == 'completion' else '1.000'} vs near chance).")
-    lines += ["", *figure_and_commands("probe", "probe.png", "probe"),
+        lines += ["", f"**{task}**: layer-0 accuracy {one:.3f} with one-step recurrent prefill vs {std:.3f} with "
+                  f"standard prefill (target >= 0.95 vs <= 0.65: {'met' if met else 'not met'}; the paper: "
+                  f"{'0.996' if task == 'completion' else '1.000'} vs near chance)."]
+    lines += ["", f"![probe]({figs.name}/probe.png)", "", COMMANDS, "",
               f"- {config_line(runs[0], corpus)}",
               f"- {config_line(run, corpus, warm)}",
               f"- `fullband eval probe --checkpoint {ckpt} --scratch 0 8 32`"]

@@ -5,13 +5,12 @@ scored on held-out conversations in every decoding mode; and the log-probability
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
-from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, config_line, held_out_chat, paired,
-                                       rl_run, train_tuned)
+from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, config_line, held_out_chat, kept,
+                                       paired, rl_run, train_tuned, verdict)
 
 SFT = "configs/sft-tiny.toml"
 RL = "configs/rl-tiny.toml"
@@ -46,6 +45,7 @@ def post_runs(model: str, start: Path, mode: str, rl_extra: tuple[str, ...]) -> 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_out: int = 300,
            max_new_tokens: int = 128, sft_extra: tuple[str, ...] = (), rl_extra: tuple[str, ...] = (),
            study_prompts: int = 8, study_tokens: int = 32) -> list[str]:
+    from fullband.rl.run import plot_rl
     from fullband.train.config import load_run_config
 
     base, sft, std_base, std_sft = runs
@@ -55,9 +55,9 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     ckpts = {name: t.checkpoint for name, t in tuned.items()}
     post = {"fbt": post_runs("fbt", ckpts[sft.name], "soft", rl_extra),
             "standard": post_runs("standard", ckpts[std_sft.name], "standard", rl_extra)}
-    for group in post.values():
-        for run in group:
-            ckpts[run.name], walls[run.name] = rl_run(root, run)
+    posted = [*post["fbt"], *post["standard"]]
+    for run in posted:
+        ckpts[run.name], walls[run.name] = rl_run(root, run)
 
     # held-out conversations: the SFT runs' own validation split of the corpus, never trained on
     cfg = load_run_config(SFT, [f'data.corpus="{CORPUS}"', *settings.extra, *sft_extra])
@@ -74,65 +74,65 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     lines += ["", "Training time: " + ", ".join(f"{name} {w / 60:.1f} min" for name, w in walls.items())
               + f". Pretraining + SFT compute (tokens x passes): standard / full-bandwidth = "
               f"{std_compute / fbt_compute:.2f}.", ""]
-    lines += _post_lines(root, post)
+    lines += _post_lines(root, posted)
     lines += _outcome(table, stage_runs)
     lines += _study_lines(study, study_prompts, study_tokens)
     _figure(table, figs / "rl.png")
     lines += [f"![exact match and reply length per stage and decoding]({figs.name}/rl.png)", "",
-              *(f"![{r.name}: reward and reply length per step]({figs.name}/runs/{r.name}.png)"
-                for g in post.values() for r in g), "", COMMANDS, "",
-              *(f"- {config_line(r)}" for r in runs),
-              *(f"- `fullband rl {r.config} " + " ".join(f"--set {o}" for o in r.overrides) + "`"
-                for g in post.values() for r in g),
+              *(f"![{r.name}: reward and reply length per step]({figs.name}/runs/{r.name}.png)" for r in posted),
+              "", COMMANDS, "", *(f"- {config_line(r)}" for r in runs),
+              *(f"- `fullband rl {r.config} " + " ".join(f"--set {o}" for o in r.overrides) + "`" for r in posted),
               f"- `fullband eval chat --checkpoint CHECKPOINT --data {data_file} --modes {' '.join(modes)}` for each "
               "stage's final checkpoint", "- the log-probability study: `fullband.rl.study.logprob_study` on "
               f"{ckpts[sft.name]} (raw: `{figs.name}/logprob-study.json`)"]
-    _copy_curves(root, post, figs / "runs")
+    (figs / "runs").mkdir(parents=True, exist_ok=True)
+    for run in posted:  # each post-training run's reward / length curve beside the report
+        plot_rl(root / run.name / "metrics.jsonl", figs / "runs" / f"{run.name}.png")
     return lines
 
 
 def _evaluate(stage_runs: dict[str, list[str]], ckpts: dict[str, Path], data_file: Path, figs: Path, n: int,
               max_new_tokens: int, modes: list[str]) -> dict[str, dict]:
     """Every stage's final checkpoint on the held-out conversations (the full-bandwidth model's in every mode, the
-    standard one's in STANDARD), each evaluation kept beside the report and reused by a rerun."""
+    standard one's in STANDARD), each evaluation kept beside the report and reused by a rerun (the same checkpoint,
+    items and reply budget)."""
     from fullband.eval.commands import eval_chat
-    from fullband.files import read_json
+
+    def every_item(r: dict) -> bool:
+        return r.get("n", 0) + r.get("skipped", 0) == n and "lengths" in (r.get("rows") or [{}])[0]
 
     results: dict[str, dict] = {}
     for model, names in stage_runs.items():
         for name in names:
             out = figs / "eval" / name
-            cached = out / "chat.json"
-            if cached.is_file() and _same_eval(cached, ckpts[name], data_file, n, max_new_tokens):
-                results[name] = read_json(cached)
-                continue
-            results[name] = eval_chat(ckpts[name], data_file, modes=modes if model == "fbt" else ["standard"],
-                                      out=out, max_new_tokens=max_new_tokens, progress=False)
+            key = {"checkpoint": str(ckpts[name]), "data": str(data_file), "max_new_tokens": max_new_tokens}
+            results[name] = kept(out / "chat.json", key, ckpts[name], lambda: eval_chat(
+                ckpts[name], data_file, modes=modes if model == "fbt" else ["standard"], out=out,
+                max_new_tokens=max_new_tokens, progress=False), valid=every_item, save=False)
     return results
 
 
 def _intro(n: int) -> list[str]:
-    lines = ["The paper's open problem: its SFT data came from standard decoding (off-policy), and the SOFT model's",
-             "shorter reasoning vanished after SFT; on-policy post-training under latent-feedback decoding is its first",
-             "future direction.", "",
-             f"Here: the demo's full-bandwidth model (`{BASE}`, three passes every step) and a standard model of the",
-             f"same size (`passes = \"none\"`, {PASSES}x the steps: the same training compute, tokens x passes), each "
-             f"instruction-tuned with `{SFT}` on `{CORPUS}` (the built-in arithmetic problems; each reply worked "
-             "fully, by its last step only, or as the answer alone, so a reply's length is the model's choice), then "
-             f"post-trained from that SFT model with `{RL}` on its own samples (the full-bandwidth model sampling in "
-             "SOFT, the standard one in STANDARD; the same prompts, group, steps and seeds):",
-             "- **on-policy SFT** (`rl.algorithm = \"rejection-sft\"`): each step samples G replies per prompt, keeps "
-             "the correct ones and trains on them with the chat objective;",
-             "- **RL** (`rl.algorithm = \"grpo\"`): group-standardised advantages, clipped ratio, token-level "
-             "normalisation; log-probabilities by the exact recurrence.", "",
-             f"Scored on {n} held-out conversations (the SFT runs' validation split): greedy "
-             "answer to the last user turn, exact match of its final `Answer:` line, reply length in tokens (end "
-             "marker included). Differences are paired over the same items. The pretrained base models are code LMs "
-             "without the chat markers: a chat prompt is outside their vocabulary, so the pipeline's first scored "
-             "stage is SFT.", "",
-             "| model | stage | decoding | exact match | vs SFT (same decoding) | reply tokens (mean) | median | "
-             "vs SFT |", "|---|---|---|---|---|---|---|---|"]
-    return lines
+    return ["The paper's open problem: its SFT data came from standard decoding (off-policy), and the SOFT model's",
+            "shorter reasoning vanished after SFT; on-policy post-training under latent-feedback decoding is its first",
+            "future direction.", "",
+            f"Here: the demo's full-bandwidth model (`{BASE}`, three passes every step) and a standard model of the",
+            f"same size (`passes = \"none\"`, {PASSES}x the steps: the same training compute, tokens x passes), each "
+            f"instruction-tuned with `{SFT}` on `{CORPUS}` (the built-in arithmetic problems; each reply worked "
+            "fully, by its last step only, or as the answer alone, so a reply's length is the model's choice), then "
+            f"post-trained from that SFT model with `{RL}` on its own samples (the full-bandwidth model sampling in "
+            "SOFT, the standard one in STANDARD; the same prompts, group, steps and seeds):",
+            "- **on-policy SFT** (`rl.algorithm = \"rejection-sft\"`): each step samples G replies per prompt, keeps "
+            "the correct ones and trains on them with the chat objective;",
+            "- **RL** (`rl.algorithm = \"grpo\"`): group-standardised advantages, clipped ratio, token-level "
+            "normalisation; log-probabilities by the exact recurrence.", "",
+            f"Scored on {n} held-out conversations (the SFT runs' validation split): greedy "
+            "answer to the last user turn, exact match of its final `Answer:` line, reply length in tokens (end "
+            "marker included). Differences are paired over the same items. The pretrained base models are code LMs "
+            "without the chat markers: a chat prompt is outside their vocabulary, so the pipeline's first scored "
+            "stage is SFT.", "",
+            "| model | stage | decoding | exact match | vs SFT (same decoding) | reply tokens (mean) | median | "
+            "vs SFT |", "|---|---|---|---|---|---|---|---|"]
 
 
 def _table_lines(table: dict) -> list[str]:
@@ -151,40 +151,24 @@ def _table_lines(table: dict) -> list[str]:
     return lines
 
 
-def _same_eval(cached: Path, ckpt: Path, data: Path, n: int, max_new_tokens: int) -> bool:
-    """A finished evaluation of this checkpoint on these items, reused by a rerun."""
-    from fullband.files import read_json
-
-    r = read_json(cached) or {}
-    return r.get("checkpoint") == str(ckpt) and r.get("data") == str(data) and r.get("max_new_tokens") == \
-        max_new_tokens and r.get("n", 0) + r.get("skipped", 0) == n and "lengths" in (r.get("rows") or [{}])[0]
-
-
 def _study(ckpt: Path, data_file: Path, prompts: int, tokens: int, out: Path) -> list[dict]:
     """The log-probability study on the tuned full-bandwidth model, its held-out prompts, SOFT and FUSED k=2."""
-    import json
-
     from fullband.data.chat.templates import chat_prompt, chat_template
-    from fullband.files import read_json
     from fullband.data.tokenizer import load_tokenizer
     from fullband.decode.sampling import Sampling
     from fullband.eval.chat import held_out_items
-    from fullband.files import replace_file
     from fullband.loader import load_model
     from fullband.rl.study import logprob_study
 
-    if (found := read_json(out) or {}).get("checkpoint") == str(ckpt) and \
-            found.get("prompts") == prompts and found.get("tokens") == tokens:
-        return found["rows"]
-    model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
-    template = chat_template(tokenizer)
-    items = held_out_items(data_file, limit=prompts)
-    ids = [chat_prompt(tokenizer, messages, template=template) for messages, _ in items]
-    rows = logprob_study(model, ids, tokens, modes=["soft", "fused:2"], paths=["exact", *STUDY_PATHS],
-                         sampling=Sampling(temperature=1.0, seed=0))
-    replace_file(out, json.dumps({"checkpoint": str(ckpt), "prompts": prompts, "tokens": tokens, "rows": rows},
-                                 indent=2) + "\n")
-    return rows
+    def compute() -> dict:
+        model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
+        template = chat_template(tokenizer)
+        items = held_out_items(data_file, limit=prompts)
+        ids = [chat_prompt(tokenizer, messages, template=template) for messages, _ in items]
+        return {"rows": logprob_study(model, ids, tokens, modes=["soft", "fused:2"], paths=["exact", *STUDY_PATHS],
+                                      sampling=Sampling(temperature=1.0, seed=0))}
+
+    return kept(out, {"checkpoint": str(ckpt), "prompts": prompts, "tokens": tokens}, ckpt, compute)["rows"]
 
 
 def _study_lines(rows: list[dict], prompts: int, tokens: int) -> list[str]:
@@ -217,36 +201,29 @@ def _study_lines(rows: list[dict], prompts: int, tokens: int) -> list[str]:
     return lines + [""]
 
 
-def _post_lines(root: Path, post: dict) -> list[str]:
+def _post_lines(root: Path, posted: list[Run]) -> list[str]:
     """Each post-training run's first and last sampled reward and reply length (its metrics.jsonl)."""
     from fullband.rl.run import metric_rows
 
     lines = ["| post-training run | sampling | steps | reward (first 5 steps → last 5) | reply tokens (first 5 → "
              "last 5) | kept / step (on-policy SFT) | s / step |", "|---|---|---|---|---|---|---|"]
-    for group in post.values():
-        for run in group:
-            rows = [r for r in metric_rows(root / run.name / "metrics.jsonl") if "reward" in r]
-            head, tail = rows[:5], rows[-5:]
+    def mean(rs, key):
+        return sum(r[key] for r in rs) / len(rs)
 
-            def mean(rs, key):
-                return sum(r[key] for r in rs) / len(rs)
-
-            kept = f"{mean(rows, 'kept'):.1f}" if "kept" in rows[0] else ""
-            mode = next(o.split("=", 1)[1].strip('"') for o in run.overrides if o.startswith("rl.mode="))
-            lines.append(f"| {run.name} | {mode} | {len(rows)} | {mean(head, 'reward'):.3f} → {mean(tail, 'reward'):.3f} "
-                         f"| {mean(head, 'length'):.1f} → {mean(tail, 'length'):.1f} | {kept} | "
-                         f"{mean(rows, 'seconds'):.1f} |")
+    for run in posted:
+        rows = [r for r in metric_rows(root / run.name / "metrics.jsonl") if "reward" in r]
+        head, tail = rows[:5], rows[-5:]
+        kept_mean = f"{mean(rows, 'kept'):.1f}" if "kept" in rows[0] else ""
+        mode = next(o.split("=", 1)[1].strip('"') for o in run.overrides if o.startswith("rl.mode="))
+        lines.append(f"| {run.name} | {mode} | {len(rows)} | {mean(head, 'reward'):.3f} → {mean(tail, 'reward'):.3f} "
+                     f"| {mean(head, 'length'):.1f} → {mean(tail, 'length'):.1f} | {kept_mean} | "
+                     f"{mean(rows, 'seconds'):.1f} |")
     return lines + [""]
 
 
 def _outcome(table: dict, stage_runs: dict) -> list[str]:
     """The findings, computed from the table: for each model and post-training stage, its change from SFT in the
     model's own sampling mode (accuracy and length), and SOFT vs STANDARD on the full-bandwidth model per stage."""
-    def said(d: float, se: float, up: str, down: str) -> str:
-        if not math.isfinite(se) or d == 0 or abs(d) < 2 * se:
-            return "within 2 standard errors, no difference shown"
-        return f"{up if d > 0 else down}, {abs(d) / se:.1f} standard errors" if se > 0 else (up if d > 0 else down)
-
     lines = ["**Outcome.**", ""]
     for model, own in (("fbt", "soft"), ("standard", "standard")):
         ref = table[model, "sft", own]
@@ -255,16 +232,16 @@ def _outcome(table: dict, stage_runs: dict) -> list[str]:
             d, se = paired(row["correct"], ref["correct"])
             dl, sel = paired(row["lengths"], ref["lengths"])
             lines.append(f"- {model}, {stage} vs SFT in {own}: exact match {ref['accuracy']:.3f} → "
-                         f"{row['accuracy']:.3f} ({d:+.3f} ± {se:.3f}: {said(d, se, 'higher', 'lower')}); reply "
+                         f"{row['accuracy']:.3f} ({d:+.3f} ± {se:.3f}: {verdict(d, se)}); reply "
                          f"length {ref['tokens']:.1f} → {row['tokens']:.1f} tokens ({dl:+.1f} ± {sel:.1f}: "
-                         f"{said(dl, sel, 'longer', 'shorter')}).")
+                         f"{verdict(dl, sel, 'longer', 'shorter')}).")
     for stage in STAGES:
         soft, std = table["fbt", stage, "soft"], table["fbt", stage, "standard"]
         d, se = paired(soft["lengths"], std["lengths"])
         da, sea = paired(soft["correct"], std["correct"])
         lines.append(f"- fbt {stage}: SOFT vs STANDARD decoding, exact match {da:+.3f} ± {sea:.3f} "
-                     f"({said(da, sea, 'higher', 'lower')}), reply length {d:+.2f} ± {se:.2f} tokens "
-                     f"({said(d, se, 'longer', 'shorter')}).")
+                     f"({verdict(da, sea)}), reply length {d:+.2f} ± {se:.2f} tokens "
+                     f"({verdict(d, se, 'longer', 'shorter')}).")
     best = {m: max((r["accuracy"], s, mode) for (mm, s, mode), r in table.items() if mm == m) for m in stage_runs}
     lines.append(f"- best of each model: full-bandwidth {best['fbt'][0]:.3f} ({best['fbt'][1]}, {best['fbt'][2]}), "
                  f"standard {best['standard'][0]:.3f} ({best['standard'][1]}).")
@@ -289,16 +266,6 @@ def _figure(table: dict, out: Path) -> None:
         ax.set_xticks(x, labels, fontsize=7, rotation=60, ha="right")
         ax.grid(alpha=0.3, axis="y")
     save_figure(fig, out)
-
-
-def _copy_curves(root: Path, post: dict, out: Path) -> None:
-    """Each post-training run's reward / length curve beside the report."""
-    from fullband.rl.run import plot_rl
-
-    out.mkdir(parents=True, exist_ok=True)
-    for group in post.values():
-        for run in group:
-            plot_rl(root / run.name / "metrics.jsonl", out / f"{run.name}.png")
 
 
 EXPERIMENT = Experiment("rl", runs, report)

@@ -4,6 +4,7 @@ finished ones reused, interrupted ones resumed), its registry entry, the setting
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +132,28 @@ def _reused(run: Run, run_dir: Path, steps: int, start: Callable[[Path | None], 
     return list_checkpoints(run_dir)[-1], json.loads(meta.read_text())["train_seconds"]
 
 
+def kept(path: Path, key: dict, checkpoint: Path | None, compute: Callable[[], dict], *,
+         valid: Callable[[dict], bool] | None = None, save: bool = True) -> dict:
+    """An evaluation kept beside the report at `path`: reused while it holds every field of `key` with its value
+    (and `valid`, a report's further conditions, holds) and is newer than the checkpoint's weights (or there is no
+    checkpoint, or its weights are gone: a run reused from its record); else compute()'s result, kept there as
+    {**key, **result} (save=False: compute() writes `path` itself, as fullband eval does)."""
+    from fullband.files import read_json
+
+    old = read_json(path)
+    weights = checkpoint / "model.safetensors" if checkpoint is not None else None
+    fresh = (weights is None or not weights.is_file()
+             or (path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime))
+    if old and fresh and all(old.get(k) == v for k, v in key.items()) and (valid is None or valid(old)):
+        return old
+    result = compute()
+    if save:
+        result = {**key, **result}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, json.dumps(result))
+    return result
+
+
 def run_threads(run_dir: Path) -> int | None:
     """The CPU threads a finished run under run_dir trained with (None: not recorded)."""
     meta = run_dir / "wall.json"
@@ -141,16 +164,11 @@ COMMANDS = ("Commands (each run also gets `--set log.run_dir=runs/repro/<experim
             "`--set log.eval_every=0`):")
 
 
-def figure_and_commands(exp: str, png: str, alt: str) -> list[str]:
-    """The report's figure line and the header of its command list."""
-    return [f"![{alt}]({exp}/{png})", "", COMMANDS, ""]
-
-
 def saved_figure(fig, figs: Path, png: str, alt: str) -> list[str]:
-    """Write the report's figure to figs/png (figs: the experiment's folder beside its report); returns
-    figure_and_commands' lines for it."""
+    """Write the report's figure to figs/png (figs: the experiment's folder beside its report); returns the report's
+    figure line and the header of its command list."""
     save_figure(fig, figs / png)
-    return figure_and_commands(figs.name, png, alt)
+    return [f"![{alt}]({figs.name}/{png})", "", COMMANDS, ""]
 
 
 def paired(a, b) -> tuple[float, float]:
@@ -160,6 +178,18 @@ def paired(a, b) -> tuple[float, float]:
     from fullband.eval.chat import _mean_se
 
     return _mean_se(np.subtract(a, b, dtype=np.float64))
+
+
+def shown(diff: float, se: float) -> bool:
+    """Whether a paired difference is 2 standard errors or more from zero (never with a nan or infinite s.e.)."""
+    return not (diff == 0 or abs(diff) < 2 * se or not math.isfinite(se))
+
+
+def verdict(diff: float, se: float, up: str = "higher", down: str = "lower") -> str:
+    """A paired difference in words: its direction and size in standard errors, or none shown."""
+    if not shown(diff, se):
+        return "within 2 standard errors, no difference shown"
+    return (up if diff > 0 else down) + (f", {abs(diff) / se:.1f} standard errors" if se > 0 else "")
 
 
 def config_line(run: Run, *extra: str) -> str:

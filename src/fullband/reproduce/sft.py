@@ -3,11 +3,10 @@ instruction-tuned on the synthetic chat set, scored on held-out conversations in
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from fullband.reproduce.runner import (BASE, COMMANDS, Experiment, Run, Settings, Tuned, config_line, held_out_chat,
-                                       paired, train_tuned)
+                                       paired, shown, train_tuned, verdict)
 
 SFT = "configs/sft-tiny.toml"
 
@@ -22,17 +21,27 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     """Table 1 / Fig. 6 at this scale: a full-bandwidth model and a standard one (same size, same budget),
     each instruction-tuned on the synthetic chat set, scored on held-out conversations in every mode."""
     from fullband.eval.commands import eval_chat
+    from fullband.eval.loss import validation_loss
+    from fullband.model.decoder import FullbandLM
     from fullband.train.config import load_run_config
+    from fullband.train.data import prepare_data
+    from fullband.train.parallel import Dist
 
     base, sft, std_base, std_sft = runs
     trained = train_tuned(root, ((sft, base), (std_sft, std_base)), settings, sft_extra)
     data_file = held_out_chat(root, load_run_config(SFT, [*settings.extra, *sft_extra]), held_out)
     modes = ["standard", "soft", "fused:1", "fused:2"]
-    results = {sft.name: eval_chat(trained[sft.name].checkpoint, data_file, modes=modes, out=figs / "fbt",
-                                   max_new_tokens=max_new_tokens, progress=False),
-               std_sft.name: eval_chat(trained[std_sft.name].checkpoint, data_file, modes=["standard"],
-                                       out=figs / "standard", max_new_tokens=max_new_tokens, progress=False)}
-    model, val_losses = _val_losses(root, sft, trained[sft.name].checkpoint, settings, sft_extra)
+    results, commands = {}, []
+    for run, out, run_modes in ((sft, "fbt", modes), (std_sft, "standard", ["standard"])):
+        ckpt = trained[run.name].checkpoint
+        results[run.name] = eval_chat(ckpt, data_file, modes=run_modes, out=figs / out, max_new_tokens=max_new_tokens,
+                                      progress=False)
+        commands.append(f"- `fullband eval chat --checkpoint {ckpt} --data {data_file} --modes {' '.join(run_modes)}`")
+    # the tuned model's validation loss on assistant tokens per pass count (training's own measure)
+    val = prepare_data(load_run_config(SFT, [*settings.extra, *sft_extra, f'log.run_dir="{root / sft.name}"']),
+                       Dist(), run_dir=root / sft.name).val_batches
+    model = FullbandLM.load(trained[sft.name].checkpoint)
+    val_losses = {k: validation_loss(model, val, k) for k in (1, 2, 3)}
     rows = [(name, r) for name in (sft.name, std_sft.name) for r in results[name]["rows"]]
     lines = _table(results[sft.name]["n"], rows)
     lines += ["", "Training time: " + ", ".join(f"{name} {t.wall / 60:.1f} min (its base {t.start_wall / 60:.1f} min)"
@@ -43,27 +52,8 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     params = sum(p.numel() for p in model.parameters())
     lines += _outcome(results[sft.name], results[std_sft.name], trained[sft.name], trained[std_sft.name], params)
     lines += ["![chat accuracy and reply length per mode](sft/fbt/chat.png)", "", COMMANDS, "",
-              f"- {config_line(base)}", f"- {config_line(sft)}", f"- {config_line(std_base)}",
-              f"- {config_line(std_sft)}",
-              f"- `fullband eval chat --checkpoint {trained[sft.name].checkpoint} --data {data_file} --modes "
-              f"{' '.join(modes)}`",
-              f"- `fullband eval chat --checkpoint {trained[std_sft.name].checkpoint} --data {data_file} --modes "
-              "standard`"]
+              *(f"- {config_line(r)}" for r in runs), *commands]
     return lines
-
-
-def _val_losses(root: Path, sft: Run, ckpt: Path, settings: Settings, sft_extra: tuple[str, ...]):
-    """The tuned model and its validation loss on assistant tokens per pass count (training's own measure)."""
-    from fullband.eval.loss import validation_loss
-    from fullband.model.decoder import FullbandLM
-    from fullband.train.config import load_run_config
-    from fullband.train.data import prepare_data
-    from fullband.train.parallel import Dist
-
-    val = prepare_data(load_run_config(SFT, [*settings.extra, *sft_extra, f'log.run_dir="{root / sft.name}"']),
-                       Dist(), run_dir=root / sft.name).val_batches
-    model = FullbandLM.load(ckpt)
-    return model, {k: validation_loss(model, val, k) for k in (1, 2, 3)}
 
 
 def _table(n: int, rows: list[tuple[str, dict]]) -> list[str]:
@@ -85,16 +75,6 @@ def _table(n: int, rows: list[tuple[str, dict]]) -> list[str]:
         lines.append(f"| {name} | {r['mode']} | {r['accuracy']:.3f} ± {r['accuracy_se']:.3f} | {acc_diff} | "
                      f"{r['tokens']:.1f} ± {r['tokens_se']:.1f} | {tok_diff} | {r['ended']:.0%} |")
     return lines
-
-
-def _shown(diff: float, se: float) -> bool:
-    return not (diff == 0 or abs(diff) < 2 * se or not math.isfinite(se))
-
-
-def _verdict(diff: float, se: float, up: str = "higher", down: str = "lower") -> str:
-    if not _shown(diff, se):
-        return "within 2 standard errors: no difference shown"
-    return f"{up if diff > 0 else down}" + (f", {abs(diff) / se:.1f} standard errors" if se > 0 else "")
 
 
 def _outcome(fbt: dict, standard: dict, fbt_run: Tuned, std_run: Tuned, params: int) -> list[str]:
@@ -119,27 +99,27 @@ def _outcome(fbt: dict, standard: dict, fbt_run: Tuned, std_run: Tuned, params: 
     else:
         closed = (f"{min(ended):.0%}" + (f" to {max(ended):.0%}" if max(ended) > min(ended) else "")
                   + " closed by the end marker per mode and model")
-    if not any(_shown(r["tokens_diff"], r["tokens_diff_se"]) for r in fbt_rows[1:]):
+    if not any(shown(r["tokens_diff"], r["tokens_diff_se"]) for r in fbt_rows[1:]):
         length = ("The replies have the same length in every mode (no mode's differs from STANDARD's by 2 standard "
                   f"errors or more; {tokens} tokens on average; {closed}), so the length comparison cannot show "
                   "shorter reasoning here")
     else:
         length = (f"The reply length differs between modes ({tokens} tokens on average; {closed}): SOFT's is "
                   + ("shorter than STANDARD's, the paper's shorter reasoning"
-                     if _shown(soft["tokens_diff"], soft["tokens_diff_se"]) and soft["tokens_diff"] < 0
+                     if shown(soft["tokens_diff"], soft["tokens_diff_se"]) and soft["tokens_diff"] < 0
                      else "not shorter than STANDARD's"))
     best_acc = max(r["accuracy"] for r in (*fbt_rows, *standard["rows"]))
     skill = (f"mostly get the arithmetic wrong (exact match at most {best_acc:.3f} in any mode)" if best_acc < 0.5
              else f"get most of the arithmetic right (exact match up to {best_acc:.3f})")
     return [f"**Outcome.** On the full-bandwidth model, {best['mode']} vs STANDARD decoding: accuracy "
             f"{best['accuracy_diff']:+.3f} ± {best['accuracy_diff_se']:.3f} "
-            f"({_verdict(best['accuracy_diff'], best['accuracy_diff_se'])}); SOFT vs STANDARD "
+            f"({verdict(best['accuracy_diff'], best['accuracy_diff_se'])}); SOFT vs STANDARD "
             f"{soft['accuracy_diff']:+.3f} ± {soft['accuracy_diff_se']:.3f} "
-            f"({_verdict(soft['accuracy_diff'], soft['accuracy_diff_se'])}), reply length "
+            f"({verdict(soft['accuracy_diff'], soft['accuracy_diff_se'])}), reply length "
             f"{soft['tokens_diff']:+.1f} ± {soft['tokens_diff_se']:.1f} tokens "
-            f"({_verdict(soft['tokens_diff'], soft['tokens_diff_se'], 'longer', 'shorter')}). Against the standard "
+            f"({verdict(soft['tokens_diff'], soft['tokens_diff_se'], 'longer', 'shorter')}). Against the standard "
             f"model ({budget}): {best['mode']} {best['accuracy']:.3f} vs {std['accuracy']:.3f}, paired "
-            f"{d_std:+.3f} ± {se_std:.3f} ({_verdict(d_std, se_std)}). {length}; at {params / 1e6:.2g}M parameters "
+            f"{d_std:+.3f} ± {se_std:.3f} ({verdict(d_std, se_std)}). {length}; at {params / 1e6:.2g}M parameters "
             f"the models {skill}.", ""]
 
 

@@ -14,7 +14,7 @@ def runs() -> list[Run]:
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
-    from fullband.files import plt as _plt
+    from fullband.files import plt
     from fullband.eval.stability import contraction, jacobi_sweep
     from fullband.model.decoder import FullbandLM
 
@@ -40,10 +40,10 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
         loss = dict(zip(sweep.ks, sweep.loss))
         depth = 2 if name == "one-two" else 3
         trend = "rises" if loss[30] > loss[depth] + 0.01 else ("falls" if loss[30] < loss[depth] - 0.01 else "stays flat")
-        lines.append("")
-        lines.append(f"**{name}** (trained up to {depth} passes): loss {loss[depth]:.3f} at k = {depth}, {loss[30]:.3f} at "
-                     f"k = 30 ({trend}), {loss[1000]:.3f} at k = 1000 (the exact recurrence); perturbation growth per "
-                     f"pass over 32 passes {con.growth[-1]:.3f} ({'contracting' if con.growth[-1] < 1 else 'expanding'}).")
+        lines += ["", f"**{name}** (trained up to {depth} passes): loss {loss[depth]:.3f} at k = {depth}, "
+                  f"{loss[30]:.3f} at k = 30 ({trend}), {loss[1000]:.3f} at k = 1000 (the exact recurrence); "
+                  f"perturbation growth per pass over 32 passes {con.growth[-1]:.3f} "
+                  f"({'contracting' if con.growth[-1] < 1 else 'expanding'})."]
     lines += ["", "Held-out loss (nats/token) after k passes. Update size and contraction:", "",
               "| run | update RMS k=2 | k=10 | k=30 | k=100 | growth/pass at horizon 1, 8, 32 | one-pass gain |",
               "|---|---|---|---|---|---|---|"]
@@ -52,8 +52,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
         g = dict(zip(con.horizons, con.growth))
         lines.append(f"| {name} | {u[2]:.2e} | {u[10]:.2e} | {u[30]:.2e} | {u[100]:.2e} | "
                      f"{g[1]:.3f}, {g[8]:.3f}, {g[32]:.3f} | {con.lipschitz:.3f} |")
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt().subplots(1, 2, figsize=(10, 3.8))
     for name, (sweep, _) in results.items():
         axes[0].plot(sweep.ks, sweep.loss, marker="o", label=name)
         curve = [v for v in sweep.update_curve[1:]]

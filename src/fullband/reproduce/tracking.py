@@ -7,7 +7,7 @@ import time
 from itertools import takewhile
 from pathlib import Path
 
-from fullband.reproduce.runner import COMMANDS, Experiment, Run, Settings, config_line, train_run
+from fullband.reproduce.runner import COMMANDS, Experiment, Run, Settings, config_line, kept, train_run
 
 TRACKING = "configs/tracking-tiny.toml"
 TRACKING_TASKS = {"parity": 16, "counter": 16, "s5": 16, "registers": 8}  # task: L, the longest training input
@@ -32,24 +32,6 @@ def runs() -> list[Run]:
 SOLVED = 0.9  # accuracy the tracking report counts as solving a length
 
 
-def _finished_eval(saved: Path, checkpoint: Path, n: int) -> dict | None:
-    """A tracking evaluation already written for this checkpoint (same examples per length, every default mode,
-    newer than the weights), so a rerun of the report does not score finished models again."""
-    from fullband.model.mode import DecodeMode
-    from fullband.eval.tracking import DEFAULT_MODES
-    from fullband.files import read_json
-
-    res = read_json(saved)
-    if not res or res.get("checkpoint") != str(checkpoint) or res.get("n") != n:
-        return None
-    if [row.get("mode") for row in res.get("rows", [])] != [DecodeMode.parse(m).label for m in DEFAULT_MODES]:
-        return None
-    weights = checkpoint / "model.safetensors"
-    if not (weights.is_file() and saved.with_suffix(".png").is_file()):  # the report links the figure
-        return None
-    return None if saved.stat().st_mtime < weights.stat().st_mtime else res
-
-
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n: int = 200,
               tasks: tuple[str, ...] | None = None) -> list[str]:
     """For each task: a standard model, full-bandwidth models of the same size and budget, and a standard model
@@ -58,7 +40,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n: in
     from fullband.data.tracking import parse_spec
 
     lines = _intro(n, tasks)
-    summary, counts = [], {"scored": 0, "reused": 0, "seconds": 0.0}
+    summary, counts = [], {"scored": 0, "seconds": 0.0}
     by_task: dict[str, list[tuple[Run, Path, float]]] = {}
     for run in runs:
         task, _ = parse_spec(run.overrides[0].split("=", 1)[1].strip('"'))
@@ -79,7 +61,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n: in
               f"Training all {sum(len(t) for t in by_task.values())} runs took "
               f"{sum(w for t in by_task.values() for _, _, w in t) / 60:.1f} min (the tables' train times, summed). "
               f"Scoring in this invocation: {counts['scored']} models in {counts['seconds'] / 60:.1f} min; "
-              f"{counts['reused']} evaluations reused "
+              f"{sum(len(t) for t in by_task.values()) - counts['scored']} evaluations reused "
               "(written by an earlier invocation for the same checkpoint, newer than its weights).", "", COMMANDS, ""]
     lines += [f"- {config_line(run)}" for run in runs]
     lines += ["- `fullband eval tracking --checkpoint runs/repro/tracking/<run>/step_N` (the run's last checkpoint; "
@@ -109,26 +91,34 @@ def _intro(n: int, tasks: tuple[str, ...] | None) -> list[str]:
 
 
 def _scored(figs: Path, run: Run, task: str, ckpt: Path, n: int, counts: dict) -> dict:
-    """The run's tracking evaluation: the one kept for this checkpoint, else scored now (`counts` tallies both)."""
+    """The run's tracking evaluation: the one kept for this checkpoint (the same examples per length, every default
+    mode, its figure beside it), so a rerun scores no finished model again; else scored now (`counts` tallies the
+    models scored and the time it took)."""
     from fullband.eval.commands import eval_tracking
+    from fullband.eval.tracking import DEFAULT_MODES
+    from fullband.model.mode import DecodeMode
 
-    res = _finished_eval(figs / run.name / f"tracking_{task}.json", ckpt, n)
-    if res is not None:
-        counts["reused"] += 1
+    saved = figs / run.name / f"tracking_{task}.json"
+
+    def complete(res: dict) -> bool:
+        modes = [row.get("mode") for row in res.get("rows", [])]
+        return modes == [DecodeMode.parse(m).label for m in DEFAULT_MODES] and saved.with_suffix(".png").is_file()
+
+    def score() -> dict:
+        t0 = time.perf_counter()
+        res = eval_tracking(ckpt, n=n, out=figs / run.name, progress=False)
+        counts["scored"] += 1
+        counts["seconds"] += time.perf_counter() - t0
         return res
-    t0 = time.perf_counter()
-    res = eval_tracking(ckpt, n=n, out=figs / run.name, progress=False)
-    counts["scored"] += 1
-    counts["seconds"] += time.perf_counter() - t0
-    return res
+
+    return kept(saved, {"checkpoint": str(ckpt), "n": n}, ckpt, score, valid=complete, save=False)
 
 
 def _task_lines(task: str, results: list[tuple[Run, dict, float]], figs: Path) -> tuple[list[str], str]:
     """A task's table and its finding; -> (its lines, the finding for the outcome)."""
-    lines = [f"## {task}", ""]
     lengths = results[0][1]["lengths"]
-    lines += ["| model | train time | mode | " + " | ".join(f"length {k}" for k in lengths) + " |",
-              "|---|---|---|" + "---|" * len(lengths)]
+    lines = [f"## {task}", "", "| model | train time | mode | " + " | ".join(f"length {k}" for k in lengths) + " |",
+             "|---|---|---|" + "---|" * len(lengths)]
     for run, res, wall in results:
         for row in res["rows"]:
             cells = " | ".join(f"{a:.3f} ± {e:.3f}" for a, e in zip(row["accuracy"], row["stderr"]))

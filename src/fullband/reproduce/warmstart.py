@@ -7,14 +7,13 @@ ChatML arithmetic conversations by mode, greedy answers); the pass map's contrac
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.errors import InputError, closest
-from fullband.reproduce.runner import (Experiment, Run, Settings, config_line, paired, saved_figure, train_run,
-                                       val_batches)
+from fullband.reproduce.runner import (Experiment, Run, Settings, config_line, kept, paired, saved_figure,
+                                       train_run, val_batches)
 
 RECIPE = "configs/warmstart-smollm2.toml"
 FEEDBACK_ONLY = '["fusion.*", "norm_in.*"]'
@@ -100,7 +99,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     model = model or SHIPPED
     trained: dict[str, dict] = {}
     for run in runs:
-        steps = sc.steps * (2 if run.name == "continued-2x" else 1)
+        steps = sc.steps * {name: times for name, _, times in CONTROLS}.get(run.name, 1)
         extra = _common(sc, model, steps)
         ckpt, wall = train_run(root, run, settings, extra, eval_every=sc.eval_every)
         trained[run.name] = {"ckpt": ckpt, "wall": wall, "extra": extra, "curve": _curve(root / run.name),
@@ -108,8 +107,10 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     base = _base(root, model)
     # the held-out windows every model is read on (the runs' validation split; one tokenizer for all)
     held = val_batches(Path(trained[runs[0].name]["ckpt"]), sc.final_windows, sc.seq_len)
-    evaluated = {name: _evaluated(Path(info["ckpt"]), held, sc, figs, name) for name, info in trained.items()}
-    evaluated["pretrained"] = _evaluated(base, held, sc, figs, "pretrained")
+    ckpts = {**{name: Path(info["ckpt"]) for name, info in trained.items()}, "pretrained": base}
+    # each model's evaluation, kept in figs/eval/<name>.json under its checkpoint: a rerun reuses it
+    evaluated = {name: kept(figs / "eval" / f"{name}.json", {"checkpoint": str(c)}, c, lambda: _evaluated(c, held, sc))
+                 for name, c in ckpts.items()}
     return _write(runs, trained, evaluated, sc, scale, model, figs)
 
 
@@ -146,18 +147,11 @@ def _base(root: Path, model: str) -> Path:
     return out
 
 
-def _evaluated(ckpt: Path, held: list, sc: Scale, figs: Path, name: str) -> dict:
+def _evaluated(ckpt: Path, held: list, sc: Scale) -> dict:
     """Held-out loss by mode on the windows `held`, chat loss by mode and greedy answers, contraction and residuals
-    of one model; cached in figs/eval/<name>.json keyed by the checkpoint, so a rerun reuses it."""
-    cache = figs / "eval" / f"{name}.json"
-    key = str(ckpt)
-    if cache.is_file():
-        saved = json.loads(cache.read_text())
-        if saved.get("checkpoint") == key:
-            return saved
+    of one model."""
     import torch
 
-    from fullband.files import make_folder, replace_file
     from fullband.model.decoder import FullbandLM
     from fullband.data.tokenizer import load_tokenizer
     from fullband.eval.commands import bytes_per_token
@@ -175,12 +169,9 @@ def _evaluated(ckpt: Path, held: list, sc: Scale, figs: Path, name: str) -> dict
         text = loss_by_mode(model, batches, modes, bytes_per_token(tok, model.config.vocab_size), keep_windows=True)
         sweep = jacobi_sweep(model, batches[:1], (1, 2, 3, 4, 8), exact=False)
     con = contraction(model, batches[0][0][:1], horizons=(1, 2, 4), vectors=1, power_iters=8)
-    result = {"checkpoint": key, "text": text, "chat": _chat(model, tok, sc),
-              "residual": {"k": sweep.ks, "update_rms": sweep.update_rms, "loss": sweep.loss},
-              "contraction": {"horizons": con.horizons, "growth": con.growth, "lipschitz": con.lipschitz}}
-    make_folder(cache.parent, "the report's eval folder")
-    replace_file(cache, json.dumps(result, indent=1))
-    return result
+    return {"text": text, "chat": _chat(model, tok, sc),
+            "residual": {"k": sweep.ks, "update_rms": sweep.update_rms, "loss": sweep.loss},
+            "contraction": {"horizons": con.horizons, "growth": con.growth, "lipschitz": con.lipschitz}}
 
 
 def _chat(model, tok, sc: Scale) -> dict:
@@ -302,21 +293,18 @@ def _against_controls(evaluated: dict, runs: list[Run]) -> list[str]:
              "feedback run is better).", "",
              "| run | read | " + " | ".join(f"vs {c} STANDARD" for c in controls) + " |",
              "|---|---|" + "---|" * len(controls)]
-    for run in runs:
-        if run.name.startswith("continued"):
-            continue
+    for name in (r.name for r in runs if not r.name.startswith("continued")):
         for mode in modes:
-            mine = _read(evaluated, run.name, mode)["per_window"]
+            mine = _read(evaluated, name, mode)["per_window"]
             cells = [_paired(mine, _read(evaluated, c, "STANDARD")["per_window"]) for c in controls]
-            lines.append(f"| {run.name} | {mode} | " + " | ".join(cells) + " |")
+            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
 def _curves(trained: dict, runs: list[Run], figs: Path) -> list[str]:
-    from fullband.files import plt as _plt
+    from fullband.files import plt
 
-    plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=False)
+    fig, axes = plt().subplots(1, 3, figsize=(13, 3.8), sharey=False)
     for ax, passes, title in zip(axes, ("1", "2", "3"), ("STANDARD (1 pass)", "FUSED k=1 (2 passes)",
                                                          "FUSED k=2 (3 passes)")):
         for run in runs:
@@ -364,9 +352,7 @@ def _chat_lines(evaluated: dict, runs: list[Run]) -> list[str]:
     lines += ["", "Greedy answers (first held-out questions), the pretrained model and each feedback run:", ""]
     for i, question in enumerate(chat["questions"]):
         lines += [f"**{question}**", "", "| model | mode | answer |", "|---|---|---|"]
-        for name in names:
-            if name.startswith("continued"):
-                continue
+        for name in (n for n in names if not n.startswith("continued")):
             for mode in modes:
                 answer = evaluated[name]["chat"]["answers"][mode][i].replace("\n", " ").replace("|", "\\|")
                 lines.append(f"| {name} | {mode} | {answer[:160]} |")

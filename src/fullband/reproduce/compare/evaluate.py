@@ -4,28 +4,10 @@ read, the held-out curve with the FLOPs spent, state tracking, the cost bench, a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 from fullband.reproduce.compare.plan import METHODS, REGIMES, Planned, Scale, _schedule, reads, tracking_modes
-from fullband.reproduce.runner import Settings
-
-
-def _cached(path: Path, key: dict, checkpoint: Path | None, compute: Callable[[], dict]) -> dict:
-    """compute()'s result, kept at `path` with `key`; reused while the key matches and it is newer than the
-    checkpoint's weights (or the checkpoint is gone: a run reused from its record)."""
-    from fullband.files import read_json, replace_file
-
-    old = read_json(path)
-    weights = checkpoint / "model.safetensors" if checkpoint is not None else None
-    fresh = (weights is None or not weights.is_file()
-             or (path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime))
-    if old and old.get("key") == key and fresh:
-        return old["result"]
-    result = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_file(path, json.dumps({"key": key, "result": result}))
-    return result
+from fullband.reproduce.runner import Settings, kept
 
 
 def _evaluations(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> tuple[Path, dict]:
@@ -62,8 +44,8 @@ def _kept_record(p: Planned, figs: Path, settings: Settings, sc: Scale) -> dict 
     if not record or record.get("key") != _record_key(p, settings):
         return None
     path, key = _evaluations(p, Path(record["checkpoint"]), figs, sc)
-    kept = read_json(path)
-    return record if kept and kept.get("key") == key else None
+    saved = read_json(path)
+    return record if saved and saved.get("key") == key else None
 
 
 def _looping(model, loops: int | None):
@@ -79,8 +61,7 @@ def lm_reads(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
     from fullband.model.decoder import FullbandLM
     from fullband.reproduce.runner import val_batches
 
-    method = METHODS[p.method]
-    todo = reads(method.family, getattr(p.model_cfg, "loops", 3))
+    todo = reads(METHODS[p.method].family, getattr(p.model_cfg, "loops", 3))
 
     def compute() -> dict:
         model = FullbandLM.load(ckpt)
@@ -92,9 +73,10 @@ def lm_reads(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
                 res = validation_loss(model, batches, read.passes)
             out[read.label] = {"nats": res.nats, "stderr": res.stderr, "per_window": res.per_window.tolist(),
                                "flops": forward_flops(model.config, read.passes, seq_len=seq, loops=read.loops)}
-        return out
+        return {"result": out}
 
-    return _cached(*_evaluations(p, ckpt, figs, sc), ckpt, compute)
+    path, key = _evaluations(p, ckpt, figs, sc)
+    return kept(path, {"key": key}, ckpt, compute)["result"]
 
 
 def curve(p: Planned, run_dir: Path, cfg) -> list[dict]:
@@ -120,8 +102,7 @@ def tracking_eval(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
     from fullband.eval.tracking import accuracy_table, tracking_figure
     from fullband.eval.commands import load_any
 
-    method = METHODS[p.method]
-    todo = tracking_modes(method.family, getattr(p.model_cfg, "loops", 3))
+    todo = tracking_modes(METHODS[p.method].family, getattr(p.model_cfg, "loops", 3))
     where = figs / "eval" / p.name
 
     def compute() -> dict:
@@ -137,9 +118,10 @@ def tracking_eval(p: Planned, ckpt: Path, figs: Path, sc: Scale) -> dict:
             result = {**table, "rows": [*result.get("rows", []), row]}
         where.mkdir(parents=True, exist_ok=True)
         save_figure(tracking_figure(result), where / "tracking.png")
-        return result
+        return {"result": result}
 
-    return _cached(*_evaluations(p, ckpt, figs, sc), ckpt, compute)
+    path, key = _evaluations(p, ckpt, figs, sc)
+    return kept(path, {"key": key}, ckpt, compute)["result"]
 
 
 def cost_table(methods: dict[str, object], scale: Scale, figs: Path) -> dict[str, dict]:
@@ -154,6 +136,7 @@ def cost_table(methods: dict[str, object], scale: Scale, figs: Path) -> dict[str
         probs = {k: p for k, p in schedule.stages[-1].probs.items() if p > 0}
         kw = {**scale.cost, "passes": tuple(sorted(probs)), "progress": False}
         key_of = {"config": cfg.to_dict(), **{k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}}
-        out[key] = _cached(figs / "cost" / f"{key}.json", key_of, None, lambda: run_cost_bench(cfg, **kw))
+        out[key] = kept(figs / "cost" / f"{key}.json", {"key": key_of}, None,
+                        lambda: {"result": run_cost_bench(cfg, **kw)})["result"]
         out[key]["probs"] = {str(k): p for k, p in probs.items()}
     return out
