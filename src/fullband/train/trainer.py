@@ -5,9 +5,8 @@ Everything random is a pure function of (seed, step, micro-batch): the pass coun
 data, the jitter and the prefix mixin. So a resumed run, or the same global batch split over more processes,
 replays the same computation.
 
-Compute is logged two ways: compute_tokens (tokens x passes, the paper's token-equivalent compute) and flops, the
-training FLOPs counted by fullband.model.flops.train_flops for each step's k and r (for a wrapped Hugging Face
-model: the count of the native model of its sizes)."""
+Compute is logged as compute_tokens (tokens x passes, the paper's token-equivalent compute) and flops
+(fullband.model.flops.train_flops of each step's k and r; for a wrapped Hugging Face model: the native count)."""
 
 from __future__ import annotations
 
@@ -70,7 +69,6 @@ class Trainer:
 
     def _setup(self, cfg: RunConfig, resume: str | Path | None) -> None:
         # everything that can fail on user input happens before the run directory is written to
-        # the model config, resolved once (what run.json records), and the run's corpus and tokenizer
         self.cfg, source = resolve(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
         cfg = self.cfg
         if self.d.main:
