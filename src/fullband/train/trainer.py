@@ -158,19 +158,13 @@ class Trainer:
             raise TrainingDiverged(f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); "
                                    f"stopped before applying it. {self.rundir.last_good()}. Try a lower learning rate "
                                    "(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
-        grad_norm = self._clip()
+        clip = cfg.optim.grad_clip or float("inf")  # 0: no clipping, the norm still measured
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1],
                          loops=r, blend=blend)
-
-    def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
 
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> dict[str, float]:
