@@ -35,8 +35,7 @@ MAY_CHANGE = ("eval_every", "eval_prompts", "ckpt_every", "keep_last", "device",
 
 @dataclass
 class RLConfig(RLSettings):
-    """A recipe's [rl] table: the step's settings (RLSettings: mode, group, max_new_tokens, temperature, logprob,
-    clip_low, clip_high, kl_coef) and the run's."""
+    """A recipe's [rl] table: the step's settings (RLSettings) and the run's."""
 
     init_from: str = ""  # the starting model: a model folder or checkpoint holding a chat tokenizer
     data: str = "arithmetic"  # a chat corpus (as data.corpus for chat training); train / val split by hash
@@ -147,8 +146,7 @@ def step_seed(seed: int, step: int) -> int:
 
 @dataclass
 class _Run:
-    """What a run holds while it trains: the policy, its optimizer and the frozen reference (kl_coef > 0), the
-    tokenizer, the reward, the prompts, the decoding mode and the progress bar."""
+    """What a run holds while it trains (`reference`: the frozen starting model, when kl_coef > 0)."""
 
     recipe: RLRecipe
     d: Dist

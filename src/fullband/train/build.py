@@ -155,13 +155,12 @@ def build_model(cfg: RunConfig, *, warm: bool = True) -> tuple[torch.nn.Module, 
 def hf_model_config(cfg: RunConfig) -> ModelConfig:
     """cfg.model with the sizes of the pretrained model at model.hf_path (its feedback and multi-pass fields kept)."""
     from fullband.hf.feedback import config_for
+    from fullband.hf.gguf import pretrained_config
 
     model = cfg.model
     if cfg.train.init_from:
         raise ConfigError(f"model.hf_path={model.hf_path!r} and train.init_from={cfg.train.init_from!r} both name a "
                           "warm start; accepted: one of them")
-    from fullband.hf.gguf import pretrained_config
-
     try:
         hf_config = pretrained_config(model.hf_path)
     except (OSError, ValueError) as err:

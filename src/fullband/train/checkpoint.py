@@ -113,9 +113,7 @@ def read_trainer_state(path: Path) -> dict:
         raise CheckpointError(f"{file} is damaged: it lacks {', '.join(lacking)}; resume from an earlier checkpoint "
                               f"of the run (--resume {path.parent}/step_NNNNNN)")
     for key in ("step", "tokens", "compute_tokens", "elapsed", "flops"):
-        if key not in state:  # flops: a checkpoint written before it was counted (the trainer counts it again)
-            continue
-        value = state[key]
+        value = state.get(key, 0)  # flops: none in a checkpoint written before it was counted (the trainer counts it)
         whole = key not in ("elapsed", "flops")
         if isinstance(value, bool) or not isinstance(value, int if whole else int | float) or value < 0:
             raise CheckpointError(f"{file}: {key}={value!r} is invalid; accepted: "

@@ -32,13 +32,10 @@ def run_tokenizer(cfg, d: Dist, *, run_dir: Path | None = None):
     chat markers (or a pretrained model's own chat template)."""
     data = cfg.data
     pretrained = pretrained_model(cfg)
-    if data.format == "chat":
-        return data.corpus, _chat_tokenizer(data, run_dir, pretrained)
-    if data.format == "tracking":
-        return data.corpus, load_tokenizer(run_dir) if run_dir is not None else _tokenizer(
-            data, None, cache_root(data.cache_dir), d, None, pretrained)
+    if data.format != "text":
+        return data.corpus, _tokenizer(data, None, d, run_dir, pretrained)
     corpus = resolve_corpus(data.corpus, text_field=data.text_field, val_percent=data.val_percent)
-    return corpus, _tokenizer(data, corpus, cache_root(data.cache_dir), d, run_dir, pretrained)
+    return corpus, _tokenizer(data, corpus, d, run_dir, pretrained)
 
 
 def pretrained_model(cfg) -> str:
@@ -55,7 +52,6 @@ def _pretrained_tokenizer(path: str) -> PretrainedTokenizer:
     """A pretrained model's tokenizer, its EOS id(s) (generation_config.json, else config.json) the stop ids."""
     from fullband.gguf_file import gguf_args, is_gguf
 
-    stops: tuple[int, ...] = ()
     try:
         from transformers import GenerationConfig
 
@@ -100,26 +96,6 @@ def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None, source=None) -> R
     return RunData(tokenizer, streams["train"], streams["val"], sampler, val, model_cfg)
 
 
-def _chat_tokenizer(data, run_dir: Path | None, hf_path: str):
-    if run_dir is not None:
-        return load_tokenizer(run_dir)
-    if data.tokenizer == "byte" and hf_path:
-        base = _pretrained_tokenizer(hf_path)
-        if not base.chat_template:
-            raise ConfigError(f"{hf_path!r} has no chat_template; accepted for data.format='chat': a model whose "
-                              "tokenizer carries one (an instruction-tuned model's folder or GGUF file)")
-        return base
-    if data.tokenizer == "byte":
-        base = ByteTokenizer()
-    else:
-        path = Path(data.tokenizer).expanduser()
-        if not (path / "tokenizer.json").is_file():
-            raise ConfigError(f"data.tokenizer={data.tokenizer!r} is neither 'byte' nor a folder holding a "
-                              "tokenizer.json (for chat data: the base model's folder)")
-        base = load_tokenizer(path)
-    return base if base.chat_template else base.with_chat_tokens()
-
-
 def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData:
     """Both splits of a chat corpus rendered, checked and packed into windows (in memory, on every rank: a pure
     function of the data and the tokenizer); a tracking corpus's examples the same way."""
@@ -147,26 +123,33 @@ def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData
     return RunData(tokenizer, packed["train"], packed["val"], sampler, val, model_cfg)
 
 
-def _tokenizer(data, corpus, cache: Path, d: Dist, run_dir: Path | None, hf_path: str = ""):
+def _tokenizer(data, corpus, d: Dist, run_dir: Path | None, hf_path: str):
     if run_dir is not None:  # resuming: the run's own tokenizer, whatever the recipe says
         return load_tokenizer(run_dir)
+    chat = data.format == "chat"
     if data.tokenizer == "byte" and hf_path:  # a pretrained model reads its own vocabulary
-        return _pretrained_tokenizer(hf_path)
-    if data.tokenizer == "byte":
-        return ByteTokenizer()
-    if data.tokenizer == "bpe":
-        where = cache / "tokenizers" / f"bpe-{data.bpe_vocab_size}-{corpus.fingerprint[:16]}"
+        tokenizer = _pretrained_tokenizer(hf_path)
+        if chat and not tokenizer.chat_template:
+            raise ConfigError(f"{hf_path!r} has no chat_template; accepted for data.format='chat': a model whose "
+                              "tokenizer carries one (an instruction-tuned model's folder or GGUF file)")
+    elif data.tokenizer == "byte":
+        tokenizer = ByteTokenizer()
+    elif data.tokenizer == "bpe":
+        where = cache_root(data.cache_dir) / "tokenizers" / f"bpe-{data.bpe_vocab_size}-{corpus.fingerprint[:16]}"
         if d.main and not (where / "tokenizer.json").is_file():
             tok = train_bpe(corpus.documents("train"), data.bpe_vocab_size, show_progress=True)
             with atomic_folder(where, TOKENIZER_KIND, overwrite=True, action="cache the trained BPE tokenizer") as tmp:
                 tok.save(tmp)
         barrier(d)
-        return load_tokenizer(where)
-    path = Path(data.tokenizer).expanduser()
-    if not (path / "tokenizer.json").is_file():
-        raise ConfigError(f"data.tokenizer={data.tokenizer!r} is neither 'byte', 'bpe' nor a folder holding a "
-                          "tokenizer.json")
-    return load_tokenizer(path)
+        tokenizer = load_tokenizer(where)
+    else:
+        path = Path(data.tokenizer).expanduser()
+        if not (path / "tokenizer.json").is_file():
+            accepted = ("'byte' nor a folder holding a tokenizer.json (for chat data: the base model's folder)" if chat
+                        else "'byte', 'bpe' nor a folder holding a tokenizer.json")
+            raise ConfigError(f"data.tokenizer={data.tokenizer!r} is neither {accepted}")
+        tokenizer = load_tokenizer(path)
+    return tokenizer.with_chat_tokens() if chat and not tokenizer.chat_template else tokenizer
 
 
 def fit_model_config(model: ModelConfig, tokenizer) -> ModelConfig:

@@ -47,13 +47,13 @@ def step_memory(cfg, *, passes: int, tokens: int, optimizer: str = "normuon", ch
     `trained`: the weights that train (train.trainable; None: all): only they have gradients and optimizer state
     (the backward still keeps every pass's activations, since the fed state reaches the bottom of the stack)."""
     n = param_count(cfg)
-    matrices = cfg.n_layers * _block_matrix_entries(cfg)
+    D, Dh, F, V, L = cfg.d_model, cfg.head_dim, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    matrices = L * (D * (cfg.n_heads + 2 * cfg.n_kv_heads) * Dh + cfg.n_heads * Dh * D + 3 * D * F)
     # AdamW: two moments per weight; NorMuon: a momentum per matrix entry (the per-neuron second moment is small)
     # and Adam's two moments for the rest
     state = 2 * n if optimizer == "adamw" else matrices + 2 * (n - matrices)
     if trained is not None:  # a part trained: its share of the state (conservatively, Adam's two moments each)
         state = min(state, 2 * trained)
-    D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
     block = 10 * D + 4 * F
     # block runs per token: a looped group's every repetition (r = loops, the most a step runs), and under ponder
     # each token's two slots
@@ -61,11 +61,6 @@ def step_memory(cfg, *, passes: int, tokens: int, optimizer: str = "normuon", ch
     per_token = (runs * D + block if checkpointing else runs * block) + 3 * V
     return StepMemory(weights=4 * n, gradients=4 * (n if trained is None else trained), optimizer=4 * state,
                       passes=passes, tokens=tokens, activations=passes * tokens * per_token * dtype_bytes)
-
-
-def _block_matrix_entries(cfg) -> int:
-    D, Dh = cfg.d_model, cfg.head_dim
-    return D * (cfg.n_heads + 2 * cfg.n_kv_heads) * Dh + cfg.n_heads * Dh * D + 3 * D * cfg.d_ff
 
 
 def available_memory(device) -> float | None:

@@ -101,10 +101,8 @@ class Route:
 
 
 def _native_route(w: Weight) -> Route:
-    """A weight-table row's route: hidden and fusion matrices on NorMuon (fused matrices split by rows into the
-    logical matrices orthogonalised separately), embedding and head on Adam, gains and offsets (biases, scales) on
-    Adam and never decayed (decay pulls gains toward 0, not toward their init of 1). The embedding decays with
-    adam_weight_decay (0 by default)."""
+    """A weight-table row's route: matrices on NorMuon, split as the row says; the rest on Adam, gains and offsets
+    never decayed (decay pulls gains toward 0, not toward their init of 1)."""
     if w.kind in ("matrix", "fusion"):
         return Route(w.pattern, "normuon", splits=w.splits)
     return Route(w.pattern, "adam", wd_mult=0.0 if w.kind in ("gain", "offset") else 1.0)
@@ -165,18 +163,12 @@ def assign_routes(named_params: Iterable[tuple[str, Tensor]], routes: Iterable[R
     return out
 
 
-def _model_config(model: nn.Module) -> ModelConfig | None:
-    for m in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
-        if isinstance(getattr(m, "config", None), ModelConfig):
-            return m.config
-    return None
-
-
 def param_groups(model: nn.Module, cfg: OptimConfig, routes: Iterable[Route] | None = None) -> dict[str, list[dict]]:
     """{"normuon": groups, "adam": groups}: one group per route that matched something, in table order."""
     routes = list(ROUTES[cfg.name] if routes is None else routes)
     assigned = assign_routes(model.named_parameters(), routes)
-    model_cfg = _model_config(model)
+    model_cfg = next((m.config for m in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None))
+                      if isinstance(getattr(m, "config", None), ModelConfig)), None)  # under DDP / compile wrappers
     groups: dict[str, list[dict]] = {"normuon": [], "adam": []}
     for index, route in enumerate(routes):
         members = [(name, p) for name, p, i in assigned if i == index]

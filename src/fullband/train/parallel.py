@@ -88,7 +88,10 @@ def parallelize(model: nn.Module, *, d: Dist, mode: str, activation_checkpointin
     if not d.enabled:
         return model
     if mode == "fsdp":
-        fully_shard = _fully_shard()
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -111,14 +114,6 @@ def is_fsdp(model: nn.Module) -> bool:
     except ImportError:  # torch < 2.5
         return False
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _fully_shard():
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
 
 
 def no_sync(model: nn.Module, skip: bool):

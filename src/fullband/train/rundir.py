@@ -26,14 +26,13 @@ MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tok
 
 
 class RunDir:
-    """One run's folder from claim to release (the module's docstring says what that holds); torch's threads are the
-    run's own until release() gives the caller its count back. `owner`: the main rank; `resume`: the run directory or
-    one of its step folders; `key`: the recipe's setting that names the folder (log.run_dir, rl.run_dir)."""
+    """One run's folder from claim to release; torch's threads are the run's own until release(). `owner`: the main
+    rank; `resume`: the run directory or one of its step folders; `key`: its setting (log.run_dir, rl.run_dir)."""
 
     def __init__(self, folder: str | Path, *, resume: str | Path | None, key: str = "log.run_dir",
                  owner: bool = True) -> None:
         self.resume, self.path = (Path(resume) if resume is not None else None), Path(folder)
-        if self.resume is not None:  # a run directory or one of its step_NNNNNN folders: the run directory
+        if self.resume is not None:
             if not self.resume.exists():
                 raise ConfigError(f"--resume {str(self.resume)!r} does not exist")
             if not self.resume.is_dir():
@@ -42,13 +41,11 @@ class RunDir:
             self.path = self.resume.parent if ckpt.STEP_DIR.match(self.resume.name) else self.resume
         self.owner, self.threads = owner, torch.get_num_threads()  # the caller's, given back by release()
         self.checkpoint: Path | None = None  # the one a resume starts from (None: from step 0)
-        # the run directory is owned before anything in it is read or written: a second process stops here
-        self.lock, self.created = self._claim(key) if owner else (None, False)
+        self.lock, self.created = self._claim(key) if owner else (None, False)  # a second process stops here
 
     def _claim(self, key: str) -> tuple[FolderLock, bool]:
-        """Create (for a new run) and lock the folder; remove what a killed run left half-written (.step_N.tmp
-        folders). Returns the lock and whether the folder was created here. A fresh run is refused in a folder that
-        already holds anything."""
+        """Create (for a new run) and lock the folder, sweep a killed run's .step_N.tmp folders and refuse a fresh run
+        in a folder holding anything. -> (the lock, whether the folder was created here)."""
         run_dir, created = self.path, not self.path.exists()
         make_folder(run_dir, key)
         lock = lock_folder(run_dir, "run directory", hint=f", or choose another {key} (--set {key}=...)")
@@ -71,11 +68,9 @@ class RunDir:
         return lock, created
 
     def check(self, now: dict, keys: tuple[str, ...], threads_key: str, threads: int) -> int:
-        """On a resume: find its checkpoint (the named step folder, else the run's latest; None: the run stopped
-        before its first checkpoint, and starts again from step 0 with its saved settings) and refuse settings
-        (`now`, the resolved config as a dict) that differ from run.json's in `keys`. Then set torch's threads
-        (`threads`, the recipe's `threads_key`; a resume keeps the count the run started with) and return the count
-        run.json records."""
+        """On a resume: find its checkpoint (the named step folder, else the latest; None: start again from step 0)
+        and refuse settings (`now`, the resolved config as a dict) that differ from run.json's in `keys`. Then set
+        torch's threads (`threads`, the recipe's `threads_key`; a resume keeps the run's) -> the count to record."""
         recorded = None
         if self.resume is not None:
             if ckpt.STEP_DIR.match(self.resume.name):
@@ -186,8 +181,7 @@ def resume_differences(saved: dict, now: dict, keys: tuple[str, ...] = MUST_MATC
 
 
 def _differences(a, b, key: str, path: str = "") -> list[str]:
-    """'key: run has path=A, config has path=B' for every leaf setting under `key` that differs between a and b
-    (for a leaf key itself: 'key: run has A, config has B')."""
+    """resume_differences for one key, leaf by leaf ('key: run has path=A, config has path=B')."""
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for k in sorted(set(a) | set(b))
                 for d in _differences(a.get(k, _UNSET), b.get(k, _UNSET), key, f"{path}.{k}" if path else k)]

@@ -109,9 +109,8 @@ class PassSchedule:
     stages: tuple[Stage, ...]
     name: str | None = None  # the preset it came from, for logs
 
-    def __init__(self, stages: Sequence[Any], name: str | None = None) -> None:
-        object.__setattr__(self, "stages", _validate_stages(stages))
-        object.__setattr__(self, "name", name)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", _validate_stages(self.stages))
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -179,25 +178,16 @@ class PassSchedule:
         stages are weighted by their whole step counts; without it, by their fractions of the run."""
         if total_steps is None:
             bounds = [0.0, *(s.until for s in self.stages)]
-            weights = [until - prev for prev, until in zip(bounds, bounds[1:])]
-        else:
-            weights = [self._steps_in_stage(i, total_steps) for i in range(len(self.stages))]
+        else:  # a stage's first step: the smallest with step >= until * total_steps (the last until is 1)
+            integer("total_steps", total_steps, 1)
+            bounds = [0, *(min(total_steps, math.ceil(s.until * total_steps)) for s in self.stages)]
+        weights = [until - prev for prev, until in zip(bounds, bounds[1:])]
         return sum(w * sum(k * p for k, p in s.probs.items()) for w, s in zip(weights, self.stages)) / sum(weights)
 
     @property
     def max_passes(self) -> int:
         """The largest k any step can draw (for sizing memory)."""
         return max(k for s in self.stages for k, p in s.probs.items() if p > 0)
-
-    def _steps_in_stage(self, index: int, total_steps: int) -> int:
-        integer("total_steps", total_steps, 1)
-
-        def first_step(until: float) -> int:  # smallest step with step >= until * total_steps
-            return min(total_steps, math.ceil(until * total_steps))
-
-        start = 0 if index == 0 else first_step(self.stages[index - 1].until)
-        end = total_steps if index == len(self.stages) - 1 else first_step(self.stages[index].until)
-        return max(0, end - start)
 
     def __str__(self) -> str:
         body = "; ".join(f"until {s.until:g}: " + ", ".join(f"{k}x {p:g}" for k, p in s.probs.items())

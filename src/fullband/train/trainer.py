@@ -5,9 +5,8 @@ Everything random is a pure function of (seed, step, micro-batch): the pass coun
 data, the jitter and the prefix mixin. So a resumed run, or the same global batch split over more processes,
 replays the same computation.
 
-Compute is logged two ways: compute_tokens (tokens x passes, the paper's token-equivalent compute) and flops, the
-training FLOPs counted by fullband.model.flops.train_flops for each step's k and r (for a wrapped Hugging Face
-model: the count of the native model of its sizes)."""
+Compute is logged as compute_tokens (tokens x passes, the paper's token-equivalent compute) and flops
+(fullband.model.flops.train_flops of each step's k and r; for a wrapped Hugging Face model: the native count)."""
 
 from __future__ import annotations
 
@@ -70,7 +69,6 @@ class Trainer:
 
     def _setup(self, cfg: RunConfig, resume: str | Path | None) -> None:
         # everything that can fail on user input happens before the run directory is written to
-        # the model config, resolved once (what run.json records), and the run's corpus and tokenizer
         self.cfg, source = resolve(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
         cfg = self.cfg
         if self.d.main:
@@ -160,19 +158,13 @@ class Trainer:
             raise TrainingDiverged(f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); "
                                    f"stopped before applying it. {self.rundir.last_good()}. Try a lower learning rate "
                                    "(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
-        grad_norm = self._clip()
+        clip = cfg.optim.grad_clip or float("inf")  # 0: no clipping, the norm still measured
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1],
                          loops=r, blend=blend)
-
-    def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
 
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> dict[str, float]:
