@@ -168,8 +168,8 @@ def _tokenizer_files(tokenizer) -> dict[str, str]:
 
 
 def export_gguf(model, out: str | Path, *, tokenizer=None, dtype: str = "F32", overwrite: bool = False) -> Path:
-    """Write `model` (a FullbandLM) as OUT.gguf (the trunk, `dtype` F32 / F16 / Q8_0) and, when it has feedback
-    weights, OUT.feedback.safetensors beside it. Refuses what llama.cpp cannot run (check_exportable) and an
+    """Write `model` (a FullbandLM) as OUT.gguf (the trunk, `dtype` F32 / F16 / Q8_0) and OUT.feedback.safetensors
+    beside it (its feedback weights, config and tokenizer). Refuses what llama.cpp cannot run (check_exportable) and an
     existing file unless overwrite; both files are written to temporaries and renamed into place. -> OUT."""
     import gguf
     from safetensors.torch import save_file
@@ -204,8 +204,7 @@ def export_gguf(model, out: str | Path, *, tokenizer=None, dtype: str = "F32", o
         writer.add_layer_norm_rms_eps(cfg.norm_eps)
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_string(METHOD_KEY, METHOD if cfg.has_feedback else "none (a standard model)")
-        if cfg.has_feedback:
-            writer.add_string(SIDECAR_KEY, side.name)
+        writer.add_string(SIDECAR_KEY, side.name)
         if tokenizer is not None:
             _tokenizer_keys(writer, tokenizer, cfg.vocab_size)
         for name, array in trunk:
@@ -215,11 +214,10 @@ def export_gguf(model, out: str | Path, *, tokenizer=None, dtype: str = "F32", o
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        if cfg.has_feedback:
-            save_file(rest, str(tmp_side), metadata={"format": SIDECAR_FORMAT, "config": json.dumps(cfg.to_dict()),
-                                                     "gguf": out.name, "method": METHOD,
-                                                     "tokenizer": json.dumps(_tokenizer_files(tokenizer))})
-            os.replace(tmp_side, side)
+        save_file(rest, str(tmp_side), metadata={"format": SIDECAR_FORMAT, "config": json.dumps(cfg.to_dict()),
+                                                 "gguf": out.name, "method": METHOD,
+                                                 "tokenizer": json.dumps(_tokenizer_files(tokenizer))})
+        os.replace(tmp_side, side)
         os.replace(tmp_gguf, out)
     finally:
         for tmp in (tmp_gguf, tmp_side):

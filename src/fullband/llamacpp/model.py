@@ -16,7 +16,6 @@ import collections
 import ctypes
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
