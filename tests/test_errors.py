@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -99,3 +101,21 @@ def test_forward_rejects_bad_ids_and_passes(model):
         model(random_ids(1, 4), passes=0)
     with pytest.raises(InputError, match="must be a torch.Tensor"):
         model([[1, 2]])
+
+
+def test_an_untested_runtime_version_is_refused_with_the_range(monkeypatch):
+    """vLLM, TRL and llama-cpp-python are reached into where they change between minor releases: another version
+    is refused where fullband starts using it, with the range and both ways on."""
+    from fullband.errors import FullbandError
+    from fullband.version import ALLOW_UNTESTED, TESTED, check_tested, release
+
+    monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
+    assert release("0.32.1.dev3+cpu") == (0, 32, 1)
+    assert check_tested("vllm", "0.32.1.dev3+cpu", "x") == "0.32.1.dev3+cpu"
+    for package, (low, high) in TESTED.items():
+        said = (f"is tested with {package} >={low},<{high}; {high} is installed. Install the tested range "
+                f"(pip install '{package}>={low},<{high}'), or set {ALLOW_UNTESTED}=1")
+        with pytest.raises(FullbandError, match=re.escape(said)):
+            check_tested(package, high, "fullband's plugin")
+    monkeypatch.setenv(ALLOW_UNTESTED, "1")
+    assert check_tested("vllm", "0.40.0", "x") == "0.40.0"

@@ -127,6 +127,11 @@ def test_bad_settings_are_named():
         RLSettings(group=1)
     with pytest.raises(InputError, match="logprob path 'jacobi' is unknown"):
         RLSettings(logprob="jacobi")
+    # a second update on the same samples scores a moved policy: the recorded states are stale
+    with pytest.raises(InputError, match=r"rl.logprob='replay' with rl.updates=2: .* stale .* accepted with updates "
+                                         r"> 1: logprob = 'exact' or 'jacobi:K'"):
+        RLSettings(logprob="replay", updates=2)
+    assert RLSettings(logprob="jacobi:4", updates=2).updates == 2
 
 
 @pytest.mark.parametrize("changes", [dict(logprob="exact"), dict(logprob="replay"),

@@ -56,6 +56,11 @@ class RLSettings:
         if self.keep not in KEEP:
             raise InputError(f"rl.keep={self.keep!r} is unknown; accepted: {', '.join(KEEP)}")
         integer("rl.updates", self.updates, 1, error=InputError)
+        if self.updates > 1 and parse_path(self.logprob)[0] == "replay":
+            raise InputError(f"rl.logprob='replay' with rl.updates={self.updates}: the states were recorded by the "
+                             "policy that sampled, so from the second update on they are stale (the policy moved) and "
+                             "replay would score the new policy with the old one's states; accepted with updates > 1: "
+                             "logprob = 'exact' or 'jacobi:K'")
         integer("rl.sft_passes", self.sft_passes, 1, error=InputError)
         number("rl.accept", self.accept, error=InputError)
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 2:

@@ -16,6 +16,7 @@ from fullband.errors import FullbandError, InputError
 # importing fullband.hf registers FullbandForCausalLM: TRL loads folders by path
 from fullband.hf.modeling import FullbandForCausalLM, check_pretrained
 from fullband.rl.logprob import Rollout, parse_path, rl_mode, scores
+from fullband.version import check_tested
 
 try:
     from trl import GRPOTrainer
@@ -31,9 +32,13 @@ class FeedbackGRPOTrainer(GRPOTrainer):
     which TRL's generation does not keep."""
 
     def __init__(self, *args: Any, logprob: str = "exact", **kwargs: Any) -> None:
+        import trl
+
+        check_tested("trl", trl.__version__, "FeedbackGRPOTrainer")
         if parse_path(logprob)[0] == "replay":
             raise InputError("logprob='replay' needs the fed states recorded while sampling, which TRL's generation "
-                             "does not keep; accepted: exact, jacobi:K")
+                             "does not keep (and which rollouts from older weights, as TRL's AsyncGRPOTrainer or "
+                             "num_iterations > 1 train on, would hold stale); accepted: exact, jacobi:K")
         self.logprob = logprob
         check_pretrained(args[0] if args else kwargs.get("model"), "FeedbackGRPOTrainer(model=...)")
         super().__init__(*args, **kwargs)

@@ -13,6 +13,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from fullband.model.mode import DecodeMode
 from fullband.errors import ConfigError
 from fullband.model.config import ModelConfig, require_default_layers
+from fullband.version import check_tested
 from fullband.vllm.requests import served_default
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
 
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
+        import vllm
+
+        check_tested("vllm", vllm.__version__, "fullband's vLLM plugin")
         hf_config = vllm_config.model_config.hf_config
         cfg = model_config_of(hf_config)
         default = default_mode_of(hf_config)  # a bad default in config.json is an error at start, not per request
@@ -57,8 +61,7 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
             from fullband.vllm.states import WORKER_EXTENSION
 
             vllm_config.parallel_config.worker_extension_cls = WORKER_EXTENSION  # fed states handed over on request
-        # the per-request state follows vLLM's persistent batch (model runner V1); set before the workers start
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        _model_runner_v1()
         _no_full_cuda_graphs(vllm_config)
         from fullband.vllm.tracker import SERVED, TRACKER
 
@@ -66,6 +69,16 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
         procs = list(vllm_config.model_config.logits_processors or [])
         if TRACKER not in procs:
             vllm_config.model_config.logits_processors = [*procs, TRACKER]
+
+
+def _model_runner_v1() -> None:
+    """The per-request fed state follows the V1 model runner's persistent batch (fullband.vllm.tracker): V1 is
+    chosen before the workers start, said once. Model Runner V2 keeps requests in its own state, with no hook yet
+    for a per-request tensor carried between steps (docs/vllm-v2.md)."""
+    asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    logger.info("fullband: model runner V1%s (the fed-back state lives in its persistent batch; Model Runner V2 is "
+                "not supported yet: docs/vllm-v2.md)", " instead of the V2 runner asked for" if asked == "1" else "")
 
 
 def _feedback_caching(vllm_config: VllmConfig) -> None:
