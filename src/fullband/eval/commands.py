@@ -145,7 +145,7 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
     for tol in auto_tols:
         if isinstance(tol, bool) or not isinstance(tol, int | float) or not (math.isfinite(tol) and tol > 0):
             raise ConfigError(f"auto tolerance {tol!r} is invalid; accepted: a finite number > 0")
-    report.check_out(Path(out) if out else checkpoint / "eval", "loss")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "loss")
     model, tok = load(checkpoint)
     stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=val_percent)
     seq_len = min(seq_len, model.config.max_seq_len)
@@ -161,7 +161,7 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
                    desc="eval loss", unit="batch", disable=not progress)
     rows = loss_by_mode(model, batches, modes, per_byte)
     result = {"checkpoint": str(checkpoint), "seq_len": seq_len, "windows": n, "rows": rows}
-    report.show("loss", result, Path(out) if out else checkpoint / "eval")
+    report.show("loss", result, where)
     return result
 
 
@@ -175,7 +175,7 @@ def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windo
                   contraction_windows=(contraction_windows, 1))
     if ks is not None:
         _check_counts(**{f"ks[{i}]": (k, 1) for i, k in enumerate(ks)})
-    report.check_out(Path(out) if out else checkpoint / "eval", "stability")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "stability")
     model, tok = load(checkpoint)
     stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=val_percent)
     seq_len = min(seq_len, model.config.max_seq_len)
@@ -186,7 +186,7 @@ def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windo
     con = contraction(model, probe_inputs)
     result = {"checkpoint": str(checkpoint), "seq_len": seq_len, "windows": sum(len(b[0]) for b in batches),
               "sweep": asdict(sweep), "contraction": asdict(con)}
-    report.show("stability", result, Path(out) if out else checkpoint / "eval")
+    report.show("stability", result, where)
     return result
 
 
@@ -198,12 +198,12 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
     require_sklearn()
     checkpoint = Path(checkpoint)
     _check_counts(suffix=(suffix, 1))
-    report.check_out(Path(out) if out else checkpoint / "eval", "probe")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "probe")
     model, tok = load(checkpoint)
     scratch = tuple(scratch or SCRATCH)
     result: dict = {"checkpoint": str(checkpoint), "suffix": suffix, "scratch": list(scratch),
                     "tasks": probe_tasks(model, tok, tasks, modes, suffix=suffix, scratch=scratch, progress=progress)}
-    report.show("probe", result, Path(out) if out else checkpoint / "eval")
+    report.show("probe", result, where)
     return result
 
 
@@ -214,12 +214,12 @@ def eval_generate_length(checkpoint: str | Path, prompts: str | Path, *,
 
     checkpoint = Path(checkpoint)
     _check_counts(max_new_tokens=(max_new_tokens, 1))
-    report.check_out(Path(out) if out else checkpoint / "eval", "generate_length")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "generate_length")
     model, tok = load(checkpoint)
     rows = read_prompts(prompts)
     res = generation_lengths(model, tok, rows, list(modes), max_new_tokens=max_new_tokens, stop_text=stop_text)
     result = {"checkpoint": str(checkpoint), "prompts": str(prompts), "n": len(rows), "modes": [asdict(r) for r in res]}
-    report.show("generate_length", result, Path(out) if out else checkpoint / "eval")
+    report.show("generate_length", result, where)
     return result
 
 
@@ -235,7 +235,7 @@ def eval_chat(checkpoint: str | Path, data: str | Path, *, modes=CHAT_MODES, max
     checkpoint = Path(checkpoint)
     _check_counts(max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1), **({} if limit is None else
                                                                                       {"limit": (limit, 1)}))
-    modes = [m if isinstance(m, DecodeMode) else DecodeMode.parse(m) for m in modes]
+    modes = [DecodeMode.parse(m) for m in modes]
     where = report.check_out(Path(out) if out else checkpoint / "eval", "chat")
     from fullband.files import read_json
 
