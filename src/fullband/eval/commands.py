@@ -115,14 +115,6 @@ def bytes_per_token(tokenizer, vocab_size: int) -> torch.Tensor:
     return table
 
 
-def require_sklearn() -> None:
-    """The probes fit logistic regressions with scikit-learn: refuse before any model work when it is missing."""
-    try:
-        import sklearn  # noqa: F401
-    except ImportError:
-        raise ConfigError("the probes need scikit-learn, which is not installed: pip install 'fullband[eval]'") from None
-
-
 def _check_counts(**values: tuple[int, int]) -> None:
     """ConfigError for the first name=(value, minimum) whose value is not an integer >= minimum."""
     for name, (value, minimum) in values.items():
@@ -195,7 +187,11 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
     from fullband.data.synthetic import SCRATCH
     from fullband.eval.probe import probe_tasks
 
-    require_sklearn()
+    try:  # the probes fit logistic regressions with scikit-learn: refuse before any model work when it is missing
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise ConfigError("the probes need scikit-learn, which is not installed: pip install "
+                          "'fullband[eval]'") from None
     checkpoint = Path(checkpoint)
     _check_counts(suffix=(suffix, 1))
     where = report.check_out(Path(out) if out else checkpoint / "eval", "probe")
