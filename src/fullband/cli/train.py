@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from fullband.cli.args import SEED, SET_MODEL, Command, Registry, check_json_out, dtype, opt
+from fullband.cli.args import SEED, SET_MODEL, SET_RECIPE, Command, Registry, check_json_out, dtype, opt
 from fullband.errors import InputError
 from fullband.reproduce import REGISTRY
 from fullband.validate import DTYPES
@@ -79,8 +79,7 @@ INIT = Command("init", "write a randomly initialised checkpoint", cmd_init, (
 ))
 RESUME = opt("--resume", metavar="DIR", help="a run directory (its latest checkpoint) or a step_NNNNNN folder")
 TRAIN = Command("train", "train a model from a recipe (configs/*.toml); torchrun for several GPUs", cmd_train, (
-    opt("config", help="recipe TOML, e.g. configs/tiny.toml"),
-    opt("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting (repeatable)"), RESUME,
+    opt("config", help="recipe TOML, e.g. configs/tiny.toml"), SET_RECIPE, RESUME,
 ))
 RL = Command("rl", "on-policy RL with verifiable rewards from a chat model (a recipe's [rl] table)", cmd_rl, (
     opt("config", help="recipe TOML, e.g. configs/rl-tiny.toml"),
