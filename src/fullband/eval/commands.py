@@ -5,6 +5,7 @@ under CHECKPOINT/eval or --out)."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,9 +15,10 @@ from tqdm.auto import tqdm
 from fullband.data.sampler import count_windows, window_batches
 from fullband.data.tokenizer import load_tokenizer
 from fullband.model.mode import DecodeMode
-from fullband.errors import ConfigError
+from fullband.errors import ConfigError, FullbandWarning
 from fullband.eval import report
 from fullband.eval.loss import loss_by_mode
+from fullband.files import cache_root, read_json, read_json_file
 from fullband.model.core import FeedbackModel
 from fullband.validate import integer
 
@@ -54,7 +56,6 @@ def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_perc
                           "corpus, by file; 100 scores the whole corpus)")
     from fullband.data.corpus import resolve_corpus
     from fullband.data.shards import tokenize_corpus
-    from fullband.files import cache_root
 
     data = run_data(checkpoint)
     spec = corpus or data.get("corpus")
@@ -67,10 +68,6 @@ def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_perc
 
 def warn_few_windows(stream, seq_len: int, windows: int, corpus: str | None) -> None:
     """Say so (FullbandWarning) when the held-out text holds fewer windows than were asked for (none: an error)."""
-    import warnings
-
-    from fullband.errors import FullbandWarning
-
     have = count_windows(stream, seq_len)
     where = f"the held-out split of {corpus!r}" if corpus else "the run's held-out split"
     if have == 0:
@@ -86,8 +83,6 @@ def warn_few_windows(stream, seq_len: int, windows: int, corpus: str | None) -> 
 def run_data(checkpoint: Path) -> dict:
     """The [data] section of the run.json beside a checkpoint ({} for a folder without one); a damaged one is a
     ConfigError that says so."""
-    from fullband.files import read_json_file
-
     path = checkpoint.parent / "run.json"
     if not (path.exists() or path.is_symlink()):
         return {}
@@ -233,8 +228,6 @@ def eval_chat(checkpoint: str | Path, data: str | Path, *, modes=CHAT_MODES, max
                                                                                       {"limit": (limit, 1)}))
     modes = [DecodeMode.parse(m) for m in modes]
     where = report.check_out(Path(out) if out else checkpoint / "eval", "chat")
-    from fullband.files import read_json
-
     split = (read_json(checkpoint.parent / "run.json") or {}).get("data")  # a corpus is split as its run split it
     val_percent = split.get("val_percent", 2.0) if isinstance(split, dict) else 2.0
     items = held_out_items(data, limit=limit, val_percent=val_percent)
