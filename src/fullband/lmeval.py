@@ -51,10 +51,8 @@ class FullbandHarnessLM(LM):
         from fullband.data.tokenizer import load_tokenizer
         from fullband.model.mode import DecodeMode
 
-        if str(batch_size).startswith("auto"):
-            batch_size = 8
-        batch_size = _int_arg("batch_size", batch_size, 1)
-        max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
+        self.batch_size = 8 if str(batch_size).startswith("auto") else _int_arg("batch_size", batch_size, 1)
+        self.max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
         decode_mode = DecodeMode.parse(mode, prefill_passes, error=ConfigError)
         torch_dtype = validate.dtype("dtype", dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():  # the harness CLI's default device
@@ -63,7 +61,6 @@ class FullbandHarnessLM(LM):
         self.model = load_model(checkpoint, device=device, dtype=torch_dtype).eval()
         self.tokenizer = load_tokenizer(checkpoint)
         self.mode = decode_mode.check(self.model.config, ConfigError)
-        self.batch_size, self.max_gen_toks = int(batch_size), int(max_gen_toks)
         self.max_length = self.model.config.max_seq_len
         self._prefix = self.tokenizer.encode("")  # what the tokenizer prepends (BOS), possibly nothing
         self._bos = self._prefix[-1] if self._prefix else self.model.config.bos_token_id
@@ -243,12 +240,12 @@ class FullbandHarnessLM(LM):
         return out
 
 
-def _int_arg(name: str, value: Any, minimum: int, accepted: str | None = None) -> int:
+def _int_arg(name: str, value: Any, minimum: int) -> int:
     """An integer model arg or generation setting (the harness passes ints, or strings from --model_args)."""
     if isinstance(value, str) and (parsed := ascii_int(value.strip())) is not None:
         value = parsed
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} is invalid; accepted: {accepted or f'an integer >= {minimum}'}")
+        raise ConfigError(f"{name}={value!r} is invalid; accepted: an integer >= {minimum}")
     return value
 
 

@@ -7,6 +7,7 @@ median of each; the table gives ratios to standard, never absolute times (the JS
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,16 +35,11 @@ def standard_of(cfg: ModelConfig) -> ModelConfig:
 def modes_of(cfg: ModelConfig, fused_passes: int) -> list[DecodeMode]:
     """The decoding modes timed for `cfg`: STANDARD, SOFT, FUSED k=fused_passes and EXACT, less those it cannot run
     (DecodeMode.check: without fusion weights STANDARD alone; a ponder model FUSED and EXACT, its own)."""
-    modes = [DecodeMode("standard"), DecodeMode("soft"), DecodeMode("fused", fused_passes), DecodeMode("exact")]
-    return [m for m in modes if _runs(m, cfg)]
-
-
-def _runs(mode: DecodeMode, cfg: ModelConfig) -> bool:
-    try:
-        mode.check(cfg)
-    except InputError:
-        return False
-    return True
+    runs = []
+    for mode in (DecodeMode("standard"), DecodeMode("soft"), DecodeMode("fused", fused_passes), DecodeMode("exact")):
+        with contextlib.suppress(InputError):
+            runs.append(mode.check(cfg))
+    return runs
 
 
 def _train_timer(model: FullbandLM, ids: torch.Tensor, passes: int) -> Callable[[], float]:

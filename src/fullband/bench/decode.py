@@ -8,6 +8,7 @@ CUDA every timing waits for the kernels it queued before the clock stops."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -62,19 +63,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Callable[[], float]:
-    """The decode step's weight matrix-vector products alone, one token's worth, with the model's own kernel
-    choice (`layers.linear`): every hidden matrix of every block (fullband.model.weights: wqkv, wo, w_in, w_down,
-    and the output gates when there are any), then the LM head. `split` times the Llama-style sequence instead
-    (fused matrices cut into their row blocks: q, k, v, o, gate, up, down as seven matrices of the same total size).
-    The callable returns seconds per token (median of 5)."""
-    head = "embed.weight" if model.lm_head is None else "lm_head.weight"
+def decode_weights(model, *, split: bool = False) -> list[torch.Tensor]:
+    """The weight matrices one STANDARD decode step reads: every hidden matrix of every block
+    (fullband.model.weights: wqkv, wo, w_in, w_down, and the output gates when there are any), then the head (the
+    tied embedding). `split`: the Llama-style sequence instead (fused matrices cut into their row blocks: q, k, v,
+    o, gate, up, down as seven matrices of the same total size)."""
     weights: list[torch.Tensor] = []
     for name, p in model.named_parameters():
         w, _ = lookup(name)
         if w.kind == "matrix":
             weights += [m.contiguous() for m in split_rows(w, p, model.config)] if split else [p]
-    weights.append(dict(model.named_parameters())[head])
+    return weights + [model.embed.weight if model.lm_head is None else model.lm_head.weight]
+
+
+def matmul_chain(model: FullbandLM, batch: int, *, split: bool = False) -> Callable[[], float]:
+    """The decode step's weight matrix-vector products alone (decode_weights, `split` or not), one token's worth,
+    with the model's own kernel choice (`layers.linear`). The callable returns seconds per token (median of 5)."""
+    weights = decode_weights(model, split=split)
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
 
     def once() -> None:
@@ -147,17 +152,6 @@ def hf_timer(hf, prompts: torch.Tensor, new_tokens: int) -> Callable[[], float]:
         _sync(prompts.device)
 
     return timed(run)
-
-
-def hf_llama_generate(model: FullbandLM, prompt_len: int, new_tokens: int) -> Callable[[], float] | None:
-    """hf_timer of a same-shape Llama (random weights, on the model's device), batch 1; None without transformers."""
-    try:
-        hf = same_shape_llama(model.config, tie=True)
-    except ImportError:
-        return None
-    device = next(model.parameters()).device
-    hf.to(device)
-    return hf_timer(hf, torch.randint(0, model.config.vocab_size, (1, prompt_len)).to(device), new_tokens)
 
 
 def timed(fn: Callable[[], object]) -> Callable[[], float]:
@@ -237,7 +231,11 @@ def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: l
                 decoders["soft compiled"] = decode_timer(model, prompts, new_tokens, "soft", 0, True)
             chain, chain7 = matmul_chain(model, batch), matmul_chain(model, batch, split=True)
             e2e = timed(lambda: generate(model, prompts, new_tokens, mode="standard")) if batch == 1 else None
-            hf_run = hf_llama_generate(model, prompt_len, new_tokens) if hf and batch == 1 and dtype_name == "float32" else None
+            hf_run = None
+            if hf and batch == 1 and dtype_name == "float32":  # a same-shape Llama, random weights; needs transformers
+                with contextlib.suppress(ImportError):
+                    hf_run = hf_timer(same_shape_llama(cfg, tie=True).to(device),
+                                      torch.randint(0, cfg.vocab_size, (1, prompt_len)).to(device), new_tokens)
             log(f"[bench] {dtype_name} batch {batch}: warm-up" + (" (compiling)" if compile else ""))
             times = timed_rounds({**decoders, "chain": chain, "chain7": chain7, "e2e": e2e, "hf": hf_run}, repeats, log,
                                  f"{dtype_name} batch {batch}")
@@ -247,16 +245,14 @@ def run_decode_bench(cfg: ModelConfig, *, batches: list[int] = (1, 8), dtypes: l
                 pre = statistics.median(p for p, _ in times[name])
                 dec = statistics.median(d for _, d in times[name])
                 rows.append(Row(dtype_name, batch, name, batch * steps / dec, 1000 * dec / steps, 1000 * pre))
-            for name, note in (("chain", "weights only: wqkv, wo, w_in, w_down, head"),
-                               ("chain7", "weights only: q, k, v, o, gate, up, down, head")):
-                t = statistics.median(times[name])
-                rows.append(Row(dtype_name, batch, "matmul bound" if name == "chain" else "matmul bound (7/layer)",
-                                batch / t, 1000 * t, note=note))
-            for name, variant, note in (("e2e", "standard end-to-end", "generate(): prefill + decode"),
-                                        ("hf", "HF Llama generate", "same shape, greedy, end-to-end")):
+            for name, variant, tokens, note in (  # tokens per row of one timed run; e2e and hf run at batch 1
+                    ("chain", "matmul bound", 1, "weights only: wqkv, wo, w_in, w_down, head"),
+                    ("chain7", "matmul bound (7/layer)", 1, "weights only: q, k, v, o, gate, up, down, head"),
+                    ("e2e", "standard end-to-end", new_tokens, "generate(): prefill + decode"),
+                    ("hf", "HF Llama generate", new_tokens, "same shape, greedy, end-to-end")):
                 if times[name]:
                     t = statistics.median(times[name])
-                    rows.append(Row(dtype_name, batch, variant, new_tokens / t, 1000 * t / new_tokens, note=note))
+                    rows.append(Row(dtype_name, batch, variant, batch * tokens / t, 1000 * t / tokens, note=note))
     return {"rows": [asdict(r) for r in rows], "params": base.num_params(),
             "params_fusion": base.num_params() - base.num_params(fusion=False), "device": str(torch.device(device)),
             "threads": torch.get_num_threads(),

@@ -3,6 +3,7 @@ precision fullband's float32 decode runs at, for a like-for-like llama.cpp bench
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -13,15 +14,6 @@ from fullband.files import umask
 
 DTYPES = {"F32": np.float32, "F16": np.float16}
 FILE_TYPE_KEY = "general.file_type"
-
-
-def _gguf():
-    try:
-        import gguf
-        import gguf.quants  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"retype_gguf needs the gguf package ({e}); pip install 'fullband[gguf]'") from e
-    return gguf
 
 
 def _field_value(gguf, field):
@@ -48,7 +40,11 @@ def retype_gguf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "F3
     beside `dst` and renamed into place; an existing `dst` is replaced only with overwrite=True."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
-    gguf = _gguf()
+    try:
+        import gguf
+        import gguf.quants  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"retype_gguf needs the gguf package ({e}); pip install 'fullband[gguf]'") from e
     src, dst = Path(src), Path(dst)
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True to replace it")
@@ -100,10 +96,8 @@ def retype_gguf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "F3
     except BaseException:
         if writer is not None:
             writer.close()
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     return dst
 

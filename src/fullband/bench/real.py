@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from fullband.bench.decode import (decode_timer, hf_timer, matmul_chain, paired_soft_overhead, same_shape_llama,
-                                   theory_overhead, timed, timed_rounds)
+from fullband.bench.decode import (decode_timer, decode_weights, hf_timer, matmul_chain, paired_soft_overhead,
+                                   same_shape_llama, theory_overhead, timed, timed_rounds)
 from fullband.machine import hardware
 
 MB = 2**20
@@ -36,14 +36,6 @@ def load_pair(spec: str | Path):
         hf = load_causal_lm(spec).eval()
         return from_llama(hf).eval(), hf, f"{spec} ({'GGUF file' if is_gguf(spec) else 'Llama folder'})"
     return load_model(spec).eval(), None, f"{spec} ({kind} folder)"
-
-
-def decode_weights(model) -> list[torch.Tensor]:
-    """The weight matrices one STANDARD decode step reads: every block's, and the head (the tied embedding)."""
-    from fullband.model.weights import lookup
-
-    out = [p for name, p in model.named_parameters() if lookup(name)[0].kind == "matrix"]
-    return out + [model.embed.weight if model.lm_head is None else model.lm_head.weight]
 
 
 def stream_read(weights: list[torch.Tensor]) -> Callable[[], float]:

@@ -10,9 +10,8 @@ import warnings
 
 from fullband.cli.bench import BENCH
 from fullband.cli.eval import EVAL
-from fullband.cli.folders import CONVERT, DOCTOR, SERVE
 from fullband.cli.generate import CHAT, GENERATE
-from fullband.cli.train import DEMO, INIT, REPRODUCE, RL, TOKENIZER, TRAIN
+from fullband.cli.train import CONVERT, DEMO, DOCTOR, INIT, REPRODUCE, RL, SERVE, TOKENIZER, TRAIN
 from fullband.errors import FullbandError, FullbandWarning
 
 # The commands, in the order `fullband --help` lists them; each module keeps a command's options beside its function.

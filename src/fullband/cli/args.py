@@ -58,6 +58,7 @@ class Registry(Sequence):
 
 JSON = opt("--json", help="also write the results to this JSON file")
 SET_MODEL = opt("--set", action="append", metavar="KEY=VALUE", help="override a model field (repeatable)")
+SET_RECIPE = opt("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting (repeatable)")
 
 
 def dtype(name: str):

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from fullband.cli.args import JSON, SET_MODEL, Command, check_json_out, count, device, opt
+from fullband.cli.args import JSON, SET_MODEL, SET_RECIPE, Command, check_json_out, count, device, opt
 from fullband.validate import DTYPES
 
 
@@ -78,7 +78,7 @@ def cmd_bench_cost(args: argparse.Namespace) -> int:
 
 
 DECODE = Command("decode", "STANDARD vs SOFT vs FUSED decode tokens/s, matmul bound, HF generate", cmd_bench_decode, (
-    opt("--config", default="bench-91m"), opt("--set", action="append", metavar="KEY=VALUE"),
+    opt("--config", default="bench-91m"), SET_MODEL,
     opt("--model", help="a real model instead of --config: a .gguf file (shipped:smollm2), a transformers Llama folder "
         "or a fullband folder; float32, against transformers and the machine's bounds"),
     opt("--threads", type=count(1), nargs="+", default=[1, 2], help="with --model: torch threads"),
@@ -93,7 +93,7 @@ DECODE = Command("decode", "STANDARD vs SOFT vs FUSED decode tokens/s, matmul bo
     opt("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N"), JSON,
 ))
 TRAIN = Command("train", "training step tokens/s and peak memory for k = 1, 2, 3 and 75/22/3", cmd_bench_train, (
-    opt("--config", default="configs/tiny.toml"), opt("--set", action="append", metavar="SECTION.KEY=VALUE"),
+    opt("--config", default="configs/tiny.toml"), SET_RECIPE,
     opt("--steps", type=int, default=6, help="timed steps per variant and round"),
     opt("--warmup", type=int, default=2), opt("--rounds", type=int, default=3),
     opt("--model", help="instead of a recipe: forward + backward of k = 1, 2, 3 passes on this model (a .gguf file, a "

@@ -5,6 +5,7 @@ under CHECKPOINT/eval or --out)."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,9 +15,10 @@ from tqdm.auto import tqdm
 from fullband.data.sampler import count_windows, window_batches
 from fullband.data.tokenizer import load_tokenizer
 from fullband.model.mode import DecodeMode
-from fullband.errors import ConfigError
+from fullband.errors import ConfigError, FullbandWarning
 from fullband.eval import report
 from fullband.eval.loss import loss_by_mode
+from fullband.files import cache_root, read_json, read_json_file
 from fullband.model.core import FeedbackModel
 from fullband.validate import integer
 
@@ -54,7 +56,6 @@ def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_perc
                           "corpus, by file; 100 scores the whole corpus)")
     from fullband.data.corpus import resolve_corpus
     from fullband.data.shards import tokenize_corpus
-    from fullband.files import cache_root
 
     data = run_data(checkpoint)
     spec = corpus or data.get("corpus")
@@ -67,10 +68,6 @@ def held_out_stream(checkpoint: Path, tokenizer, *, corpus: str | None, val_perc
 
 def warn_few_windows(stream, seq_len: int, windows: int, corpus: str | None) -> None:
     """Say so (FullbandWarning) when the held-out text holds fewer windows than were asked for (none: an error)."""
-    import warnings
-
-    from fullband.errors import FullbandWarning
-
     have = count_windows(stream, seq_len)
     where = f"the held-out split of {corpus!r}" if corpus else "the run's held-out split"
     if have == 0:
@@ -86,8 +83,6 @@ def warn_few_windows(stream, seq_len: int, windows: int, corpus: str | None) -> 
 def run_data(checkpoint: Path) -> dict:
     """The [data] section of the run.json beside a checkpoint ({} for a folder without one); a damaged one is a
     ConfigError that says so."""
-    from fullband.files import read_json_file
-
     path = checkpoint.parent / "run.json"
     if not (path.exists() or path.is_symlink()):
         return {}
@@ -115,14 +110,6 @@ def bytes_per_token(tokenizer, vocab_size: int) -> torch.Tensor:
     return table
 
 
-def require_sklearn() -> None:
-    """The probes fit logistic regressions with scikit-learn: refuse before any model work when it is missing."""
-    try:
-        import sklearn  # noqa: F401
-    except ImportError:
-        raise ConfigError("the probes need scikit-learn, which is not installed: pip install 'fullband[eval]'") from None
-
-
 def _check_counts(**values: tuple[int, int]) -> None:
     """ConfigError for the first name=(value, minimum) whose value is not an integer >= minimum."""
     for name, (value, minimum) in values.items():
@@ -145,7 +132,7 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
     for tol in auto_tols:
         if isinstance(tol, bool) or not isinstance(tol, int | float) or not (math.isfinite(tol) and tol > 0):
             raise ConfigError(f"auto tolerance {tol!r} is invalid; accepted: a finite number > 0")
-    report.check_out(Path(out) if out else checkpoint / "eval", "loss")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "loss")
     model, tok = load(checkpoint)
     stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=val_percent)
     seq_len = min(seq_len, model.config.max_seq_len)
@@ -161,7 +148,7 @@ def eval_loss(checkpoint: str | Path, *, max_prefill: int = 3, exact: bool = Tru
                    desc="eval loss", unit="batch", disable=not progress)
     rows = loss_by_mode(model, batches, modes, per_byte)
     result = {"checkpoint": str(checkpoint), "seq_len": seq_len, "windows": n, "rows": rows}
-    report.show("loss", result, Path(out) if out else checkpoint / "eval")
+    report.show("loss", result, where)
     return result
 
 
@@ -175,7 +162,7 @@ def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windo
                   contraction_windows=(contraction_windows, 1))
     if ks is not None:
         _check_counts(**{f"ks[{i}]": (k, 1) for i, k in enumerate(ks)})
-    report.check_out(Path(out) if out else checkpoint / "eval", "stability")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "stability")
     model, tok = load(checkpoint)
     stream = held_out_stream(checkpoint, tok, corpus=corpus, val_percent=val_percent)
     seq_len = min(seq_len, model.config.max_seq_len)
@@ -186,7 +173,7 @@ def eval_stability(checkpoint: str | Path, *, ks=None, seq_len: int = 256, windo
     con = contraction(model, probe_inputs)
     result = {"checkpoint": str(checkpoint), "seq_len": seq_len, "windows": sum(len(b[0]) for b in batches),
               "sweep": asdict(sweep), "contraction": asdict(con)}
-    report.show("stability", result, Path(out) if out else checkpoint / "eval")
+    report.show("stability", result, where)
     return result
 
 
@@ -195,15 +182,19 @@ def eval_probe(checkpoint: str | Path, *, tasks=("completion", "memory"), modes=
     from fullband.data.synthetic import SCRATCH
     from fullband.eval.probe import probe_tasks
 
-    require_sklearn()
+    try:  # the probes fit logistic regressions with scikit-learn: refuse before any model work when it is missing
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise ConfigError("the probes need scikit-learn, which is not installed: pip install "
+                          "'fullband[eval]'") from None
     checkpoint = Path(checkpoint)
     _check_counts(suffix=(suffix, 1))
-    report.check_out(Path(out) if out else checkpoint / "eval", "probe")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "probe")
     model, tok = load(checkpoint)
     scratch = tuple(scratch or SCRATCH)
     result: dict = {"checkpoint": str(checkpoint), "suffix": suffix, "scratch": list(scratch),
                     "tasks": probe_tasks(model, tok, tasks, modes, suffix=suffix, scratch=scratch, progress=progress)}
-    report.show("probe", result, Path(out) if out else checkpoint / "eval")
+    report.show("probe", result, where)
     return result
 
 
@@ -214,12 +205,12 @@ def eval_generate_length(checkpoint: str | Path, prompts: str | Path, *,
 
     checkpoint = Path(checkpoint)
     _check_counts(max_new_tokens=(max_new_tokens, 1))
-    report.check_out(Path(out) if out else checkpoint / "eval", "generate_length")
+    where = report.check_out(Path(out) if out else checkpoint / "eval", "generate_length")
     model, tok = load(checkpoint)
     rows = read_prompts(prompts)
     res = generation_lengths(model, tok, rows, list(modes), max_new_tokens=max_new_tokens, stop_text=stop_text)
     result = {"checkpoint": str(checkpoint), "prompts": str(prompts), "n": len(rows), "modes": [asdict(r) for r in res]}
-    report.show("generate_length", result, Path(out) if out else checkpoint / "eval")
+    report.show("generate_length", result, where)
     return result
 
 
@@ -235,10 +226,8 @@ def eval_chat(checkpoint: str | Path, data: str | Path, *, modes=CHAT_MODES, max
     checkpoint = Path(checkpoint)
     _check_counts(max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1), **({} if limit is None else
                                                                                       {"limit": (limit, 1)}))
-    modes = [m if isinstance(m, DecodeMode) else DecodeMode.parse(m) for m in modes]
+    modes = [DecodeMode.parse(m) for m in modes]
     where = report.check_out(Path(out) if out else checkpoint / "eval", "chat")
-    from fullband.files import read_json
-
     split = (read_json(checkpoint.parent / "run.json") or {}).get("data")  # a corpus is split as its run split it
     val_percent = split.get("val_percent", 2.0) if isinstance(split, dict) else 2.0
     items = held_out_items(data, limit=limit, val_percent=val_percent)

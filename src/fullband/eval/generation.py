@@ -4,7 +4,6 @@ generate greedily in each mode and report the median generated length and, where
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 from fullband.decode.generate import generate
 from fullband.model.mode import DecodeMode
 from fullband.errors import DataError
+from fullband.files import jsonl_values
 
 
 @dataclass
@@ -25,24 +25,11 @@ class ModeResult:
 
 
 def read_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"prompt file {str(path)!r} does not exist")
+    """The rows of a JSONL prompt file (read by fullband.files.jsonl_values: UTF-8, a byte-order mark read past)."""
     rows = []
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is read past
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); accepted: a UTF-8 JSONL file "
-                        "with one {\"prompt\": ...} object per line") from None
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+    for where, row in jsonl_values(path, "prompt file", error=DataError):
         if not isinstance(row, dict) or not isinstance(row.get(prompt_field), str):
-            raise DataError(f"{path}:{lineno}: needs a string field {prompt_field!r}")
+            raise DataError(f"{where}: needs a string field {prompt_field!r}")
         answer = row.get(answer_field)
         rows.append({"prompt": row[prompt_field], "answer": None if answer is None else str(answer)})
     if not rows:

@@ -28,10 +28,6 @@ class LossResult:
         d = (self.per_window - other.per_window).double()
         return float(d.mean()), _se(d)
 
-    @property
-    def bits(self) -> float:
-        return self.nats / math.log(2)
-
 
 @torch.no_grad()
 def validation_loss(model, batches, passes: int, *, autocast=None) -> LossResult:

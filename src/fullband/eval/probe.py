@@ -93,12 +93,6 @@ def probe_accuracy(features: np.ndarray, labels: np.ndarray, groups, *, folds: i
     return float(np.mean(accs))
 
 
-def probe_by_depth(streams: np.ndarray, examples: list[Example], **kw) -> list[float]:
-    labels = np.array([ex.target for ex in examples])
-    groups = [ex.group for ex in examples]
-    return [probe_accuracy(streams[:, d], labels, groups, **kw) for d in range(streams.shape[1])]
-
-
 @torch.no_grad()
 def answer_accuracy(model, tokenizer, examples: list[Example], passes: int = 1) -> dict:
     """How often the model itself answers: at the final ':' (which the training documents follow directly with the
@@ -150,11 +144,12 @@ def probe_tasks(model, tokenizer, tasks, modes, *, suffix: int, scratch: tuple[i
         if longest > model.config.max_seq_len:
             raise ConfigError(f"task {task!r} has examples of {longest} tokens > max_seq_len="
                               f"{model.config.max_seq_len}; pass fewer scratch updates (--scratch 0 8 32)")
-        out[task] = {"examples": len(examples), "groups": len({e.group for e in examples}), "modes": {}, "answer": {}}
+        labels, groups = np.array([ex.target for ex in examples]), [ex.group for ex in examples]
+        out[task] = {"examples": len(examples), "groups": len(set(groups)), "modes": {}, "answer": {}}
         # what the model itself answers after the ':' (the probe cannot be asked to find what the model never computed)
         for mode in (DecodeMode("standard"), DecodeMode("fused", 1)):
             out[task]["answer"][mode.label] = answer_accuracy(model, tokenizer, examples, passes=mode.passes)
         for mode in modes:
             streams = final_streams(model, tokenizer, examples, mode, suffix=suffix, progress=progress)
-            out[task]["modes"][mode] = probe_by_depth(streams, examples)
+            out[task]["modes"][mode] = [probe_accuracy(streams[:, d], labels, groups) for d in range(streams.shape[1])]
     return out

@@ -11,9 +11,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
+
+from fullband.model.objective import ntp
 
 KS = (1, 2, 3, 5, 10, 30, 100, 300, 1000)
 _EXACTLY_ZERO = 2.0**-149  # the smallest float32 above zero: only an update of exactly zero is below it
@@ -109,8 +110,7 @@ def jacobi_sweep(model, batches, ks=KS, *, exact: bool = True, progress: bool = 
 
 
 def _window_nll(logits: Tensor, targets: Tensor) -> Tensor:
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
-    return nll.view(targets.shape).mean(dim=1).cpu()
+    return ntp(logits, targets, reduction="none").view(targets.shape).mean(dim=1).cpu()
 
 
 @dataclass

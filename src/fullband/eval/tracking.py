@@ -52,7 +52,7 @@ def predictions(model, tokenizer, examples: list[Example], mode: DecodeMode, tas
 def accuracy_table(model, tokenizer, task: str, train_length: int, *, n: int = 200, modes=DEFAULT_MODES,
                    batch_size: int = 32, progress: bool = True) -> dict:
     """Accuracy ± standard error by test length (L, 2L, 4L, 8L) and mode."""
-    modes = [m if isinstance(m, DecodeMode) else DecodeMode.parse(m) for m in modes]
+    modes = [DecodeMode.parse(m) for m in modes]
     for mode in modes:
         mode.check(model.config)
     sets = length_sets(task, train_length, n)
