@@ -16,16 +16,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of --prompt to stdout, token by token."""
     import torch
 
-    from fullband.data.tokenizer import TextStream, load_tokenizer
+    from fullband.data.tokenizer import TextStream
     from fullband.decode.generate import stream
     from fullband.decode.sampling import Sampling
-    from fullband.loader import load_model
 
     prompt_text = utf8(args.prompt, "--prompt")
     asked = _mode_arg(args.mode, args.prefill_passes, args.prefill_tol)  # checked before the model is loaded
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    model = load_model(args.checkpoint, device=device(args.device), dtype=dtype(args.dtype))
-    tokenizer = load_tokenizer(args.checkpoint)
+    model, tokenizer = _load(args)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise FullbandError(f"the checkpoint's tokenizer has {tokenizer.vocab_size} ids but the model only "
                             f"{model.config.vocab_size}")
@@ -51,6 +49,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     why = f"; stopped at EOS id {ids[-1]} (--ignore-eos to go on)" if ids and ids[-1] in stops else ""
     print(f"[{len(ids)} tokens, {mode.label}, {len(ids) / dt:.1f} tok/s{why}]", file=sys.stderr)
     return 0
+
+
+def _load(args: argparse.Namespace):
+    """(model, tokenizer) of --checkpoint on --engine: torch (a model folder, on --device in --dtype) or llamacpp (a
+    GGUF file fullband convert wrote, or any Llama-family GGUF file for STANDARD, on llama.cpp's CPU engine)."""
+    if args.engine == "llamacpp":
+        if args.device != "cpu" or args.dtype != "float32":
+            raise InputError("--device and --dtype are torch's; the llama.cpp engine runs the GGUF file's own tensor "
+                             "types on the CPU (convert with --gguf-type F16 / Q8_0 for another precision)")
+        from fullband.llamacpp import LlamaCppModel
+
+        model = LlamaCppModel(args.checkpoint, threads=args.threads, n_ctx=args.n_ctx)
+        return model, model.tokenizer
+    from fullband.data.tokenizer import load_tokenizer
+    from fullband.loader import load_model
+
+    return load_model(args.checkpoint, device=device(args.device), dtype=dtype(args.dtype)), load_tokenizer(
+        args.checkpoint)
 
 
 def _prefill_passes(text: str) -> int | str:
@@ -102,12 +118,9 @@ CHAT_HELP = """commands: /mode MODE (standard | soft | fused | fused:K | exact),
 def cmd_chat(args: argparse.Namespace) -> int:
     """An interactive chat in the terminal: the answer streams, the conversation keeps its cache and state."""
     from fullband.chat import ChatSession, check_chat_model
-    from fullband.data.tokenizer import load_tokenizer
-    from fullband.loader import load_model
 
     asked = _mode_arg(args.mode, args.prefill_passes)
-    model = load_model(args.checkpoint, device=device(args.device), dtype=dtype(args.dtype))
-    tokenizer = load_tokenizer(args.checkpoint)
+    model, tokenizer = _load(args)
     check_chat_model(model, tokenizer)
     mode = _model_mode(asked, model.config)
     session = ChatSession(model, tokenizer, mode=mode, system=args.system and utf8(args.system, "--system"),
@@ -176,6 +189,12 @@ SAMPLING = (  # what generate and chat share
     opt("--top-k", type=int, default=None), opt("--top-p", type=float, default=None),
     opt("--seed", type=SEED, default=None),
     opt("--dtype", choices=DTYPES, default="float32"), opt("--device", default="cpu"),
+    opt("--engine", choices=("torch", "llamacpp"), default="torch",
+        help="torch (default), or llamacpp: --checkpoint FILE.gguf (fullband convert CKPT FILE.gguf) decoded by "
+             "llama.cpp, batch 1, on the CPU (needs llama-cpp-python: make llama-env)"),
+    opt("--threads", type=count(1), default=None, help="llama.cpp's threads (--engine llamacpp; default: torch's)"),
+    opt("--n-ctx", type=count(1), default=None, help="llama.cpp's context, the longest sequence (--engine llamacpp; "
+        "default: the model's max_seq_len, at most 4096)"),
 )
 MODE = opt("--mode", default=None, help="standard | soft | fused | fused:K | fused:auto | exact (default: soft; "
            "standard for a model whose feedback weights are untrained, e.g. a converted Llama)")

@@ -163,9 +163,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     _transformers()
     kind, target = convert(args.src, args.dst, to=args.to, dtype=None if args.dtype is None else dtype(args.dtype),
-                           fusion=args.fusion, overwrite=args.overwrite)
+                           fusion=args.fusion, overwrite=args.overwrite, gguf_type=args.gguf_type)
     how = {"hf": "load with AutoModelForCausalLM.from_pretrained (after `import fullband.hf`)",
-           "native": "load with FullbandLM.load or --checkpoint"}[target]
+           "native": "load with FullbandLM.load or --checkpoint",
+           "gguf": "its feedback weights are beside it (.feedback.safetensors); decode with --engine llamacpp"}[target]
     print(f"converted {kind} {args.src} -> {target} {args.dst}; {how}")
     return 0
 
@@ -192,12 +193,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
-CONVERT = Command("convert", "native checkpoint <-> transformers folder (a Llama folder into either)", cmd_convert, (
-    opt("src", help="a native checkpoint, a transformers fullband folder or a LlamaForCausalLM folder"),
-    opt("dst", help="folder to write (must not exist or be empty unless --overwrite)"),
+CONVERT = Command("convert", "native checkpoint <-> transformers folder <-> GGUF file (a Llama into any)",
+                  cmd_convert, (
+    opt("src", help="a native checkpoint, a transformers fullband folder, a LlamaForCausalLM folder or a GGUF file"),
+    opt("dst", help="folder to write (must not exist or be empty unless --overwrite), or FILE.gguf"),
     opt("--to", choices=Registry("fullband.hf.convert", "TARGETS"),
-        help="target layout (default: the other one; native for a Llama)"),
+        help="target layout (default: gguf for a .gguf dst, else the other one; native for a Llama)"),
     opt("--dtype", choices=DTYPES, help="cast the weights (default: keep)"),
+    opt("--gguf-type", default="F32", choices=Registry("fullband.hf.gguf_out", "GGUF_TYPES"),
+        help="a GGUF file's tensor type (default F32; norms stay F32)"),
     opt("--fusion", default="gated", help="fusion of the new feedback weights when converting a Llama"),
     opt("--overwrite", action="store_true", help="replace a non-empty destination"),
 ))

@@ -26,12 +26,12 @@ from fullband.folder import (HF_INDEX_FILE, HF_MODEL_TYPE, MODEL_KIND, is_transf
                              write_model_files)
 from fullband.gguf_file import gguf_args, gguf_path, is_gguf
 from fullband.hf.gguf import load_causal_lm, require_native
-from fullband.hf.gguf_out import read_sidecar, sidecar_tokenizer
+from fullband.hf.gguf_out import GGUF_TYPES, check_exportable_type, export_gguf, read_sidecar, sidecar_tokenizer
 from fullband.hf.llama import from_llama
 from fullband.model.config import require_one_slot
 from fullband.model.decoder import FullbandLM
 
-TARGETS = ("hf", "native")
+TARGETS = ("hf", "native", "gguf")
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -75,14 +75,25 @@ def pretrained_source(path: str | Path) -> bool:
 
 
 def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: torch.dtype | None = None,
-            fusion: str = "gated", overwrite: bool = False) -> tuple[str, str]:
-    """Convert folder `src` into `dst` (format `to`: 'hf' or 'native'; default the other one, 'native' for a
-    Llama). Returns (source kind, target kind)."""
+            fusion: str = "gated", overwrite: bool = False, gguf_type: str = "F32") -> tuple[str, str]:
+    """Convert folder `src` into `dst` (format `to`: 'hf', 'native' or 'gguf'; default 'gguf' for a dst ending in
+    .gguf, else the other one, 'native' for a Llama). A GGUF file is written as fullband.hf.gguf_out writes it
+    (`gguf_type` F32 / F16 / Q8_0). Returns (source kind, target kind)."""
     src, dst = Path(src), Path(dst)
     kind = detect(src)
     if kind == "gguf":  # refused by name before anything is written or loaded
         require_native(src, use="fullband convert")
         src = gguf_path(src)
+    if to is None and dst.suffix == ".gguf":
+        to = "gguf"
+    if to == "gguf":
+        if dtype is not None:
+            raise ConfigError("dtype applies to folders; a GGUF file's precision is gguf_type (--gguf-type): "
+                              f"{', '.join(GGUF_TYPES)}")
+        check_exportable_type(gguf_type)
+        native, tokenizer = _read(src, kind, fusion)
+        export_gguf(native, dst, tokenizer=tokenizer, dtype=gguf_type, overwrite=overwrite)
+        return kind, "gguf"
     target = to if to is not None else ("hf" if kind == "native" else "native")
     if target not in TARGETS:
         raise ConfigError(f"to={target!r} is not a target format; accepted: {', '.join(TARGETS)}")

@@ -70,6 +70,11 @@ def sidecar_tokenizer(meta: dict[str, str]):
         return load_tokenizer(tmp)
 
 
+def check_exportable_type(dtype: str) -> None:
+    if dtype not in GGUF_TYPES:
+        raise InputError(f"GGUF type {dtype!r} is unknown; accepted: {', '.join(GGUF_TYPES)}")
+
+
 def check_exportable(cfg) -> None:
     """Refuse, in one line naming the field, a model llama.cpp's llama graph with a host-side feedback loop cannot
     compute: the loop reads the final-norm output (llama.cpp's embeddings) and feeds block 0 (the batch's input
@@ -175,8 +180,7 @@ def export_gguf(model, out: str | Path, *, tokenizer=None, dtype: str = "F32", o
     from safetensors.torch import save_file
 
     cfg = model.config
-    if dtype not in GGUF_TYPES:
-        raise InputError(f"GGUF type {dtype!r} is unknown; accepted: {', '.join(GGUF_TYPES)}")
+    check_exportable_type(dtype)
     check_exportable(cfg)
     out = Path(out)
     side = sidecar_path(out)

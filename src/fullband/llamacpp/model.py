@@ -71,10 +71,8 @@ class LlamaCppCache:
         self.model, self.max_len, self.length, self.epoch = model, max_len, 0, -1
 
     def grow(self, max_len: int) -> None:
-        if max_len > self.model.n_ctx:
-            raise InputError(f"{max_len} positions do not fit the llama.cpp context (n_ctx={self.model.n_ctx}); "
-                             "pass a larger n_ctx (--n-ctx)")
-        self.max_len = max_len
+        """Room for max_len positions, as far as the context goes (a longer sequence is refused when it gets there)."""
+        self.max_len = min(max_len, self.model.n_ctx)
 
 
 class LlamaCppModel(FeedbackModel):
@@ -162,8 +160,6 @@ class LlamaCppModel(FeedbackModel):
         if x.shape[0] != 1:
             raise InputError(f"the llama.cpp engine decodes one sequence at a time; got a batch of {x.shape[0]}")
         T = x.shape[1]
-        if T > self.n_ctx:
-            raise InputError(f"{T} positions do not fit the llama.cpp context (n_ctx={self.n_ctx})")
         self._L.llama_memory_clear(self._mem, True)
         self._epoch += 1
         top = self._decode(x[0], 0)
@@ -186,6 +182,9 @@ class LlamaCppModel(FeedbackModel):
     def _decode(self, x: Tensor, start: int) -> Tensor:
         """llama_decode of inputs x (T, D) at positions start.., every position an output -> final-norm (1, T, D)."""
         L, b, (T, D) = self._L, self._batch, x.shape
+        if start + T > self.n_ctx:
+            raise InputError(f"{start + T} positions do not fit the llama.cpp context (n_ctx={self.n_ctx}); pass a "
+                             "larger n_ctx (--n-ctx), at most the model's max_seq_len")
         inputs = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
         ctypes.memmove(b.embd, inputs.ctypes.data, inputs.nbytes)
         for i in range(T):
