@@ -374,6 +374,28 @@ def test_unsupported_folders_are_refused_by_name(tmp_path):
         engine(tmp_path)
 
 
+def test_an_untested_vllm_is_refused_with_the_range_and_v1_is_said_once(monkeypatch):
+    """The plugin reaches into vLLM's runner and scheduler: another release is refused when a fullband folder is
+    served (before its config is touched), with the tested range; the V1 runner is chosen and said in one line."""
+    import vllm
+
+    from fullband.errors import FullbandError
+    from fullband.vllm import engine as rules
+
+    monkeypatch.delenv("FULLBAND_ALLOW_UNTESTED", raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(FullbandError, match=re.escape("fullband's vLLM plugin is tested with vllm >=0.32,<0.33; "
+                                                      "0.34.0 is installed")):
+        rules.FullbandEngineConfig.verify_and_update_config(None)
+    said = []
+    monkeypatch.setattr(rules.logger, "info", lambda msg, *a: said.append(msg % a))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    rules._model_runner_v1()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert said == ["fullband: model runner V1 instead of the V2 runner asked for (the fed-back state lives in its "
+                    "persistent batch; Model Runner V2 is not supported yet: docs/vllm-v2.md)"]
+
+
 @pytest.mark.skipif(not current_platform.is_cpu(), reason="the CPU attention's head sizes")
 def test_a_head_size_the_attention_cannot_run_is_refused_at_load(tmp_path, capfd):
     make_folder(tmp_path, **dict(BASE, d_model=64, n_heads=4, n_kv_heads=2))  # head_dim 16: CPU_ATTN has no kernel
