@@ -148,7 +148,9 @@ def test_the_readme_walk_through_runs_in_order(tmp_path, monkeypatch, corpus, ca
         if args[0] == "train" and "configs/small.toml" in args:
             continue  # its BPE tokenizer trains on the corpus: tests/test_data.py covers it
         if "smollm2" in text:
-            continue  # the real model's steps: each is run, and checked against transformers, by test_real_model.py
+            continue
+        if "llamacpp" in args:
+            continue  # .venv-llama's engine: tests/test_llamacpp.py runs it  # the real model's steps: each is run, and checked against transformers, by test_real_model.py
         if args[0] in ("train", "rl"):  # a warm start from a README checkpoint: the small walk-through's
             found = re.search(r'init_from = "([^"]+)"', (tmp_path / args[1]).read_text())
             if found:

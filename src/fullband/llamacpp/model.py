@@ -201,15 +201,16 @@ class LlamaCppModel(FeedbackModel):
         """The logits llama.cpp computed beside each state in `top` (..., D) (the last decode's outputs); a state it
         did not compute goes through the output matrix here."""
         flat = top.reshape(-1, top.shape[-1])
-        rows = []
-        for v in flat:
+        V = self.config.vocab_size
+        logits = torch.empty(flat.shape[0], V)
+        for row, v in enumerate(flat):
             i = _find(self._tops, v)
             if i is None:
-                rows.append(self._output_matrix() @ v.float())
-            else:
-                ptr = self._L.llama_get_logits_ith(self._ctx, i)
-                rows.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.config.vocab_size,)).copy()))
-        return torch.stack(rows).reshape(*top.shape[:-1], -1).to(top.dtype)
+                logits[row] = self._output_matrix() @ v.float()
+            else:  # copied out: llama.cpp reuses the buffer at the next decode
+                logits[row] = torch.from_numpy(np.ctypeslib.as_array(self._L.llama_get_logits_ith(self._ctx, i),
+                                                                     shape=(V,)))
+        return logits.reshape(*top.shape[:-1], V).to(top.dtype)
 
     def _output_matrix(self) -> Tensor:
         if self._output is None:
