@@ -83,6 +83,8 @@ def test_what_llama_cpp_cannot_run_is_refused_in_one_line(changes, message, tmp_
 
 
 def test_bad_requests_are_named_and_nothing_is_replaced(tmp_path):
+    with pytest.raises(ConfigError, match="GGUF export writes a native FullbandLM; got Linear"):
+        export_gguf(torch.nn.Linear(2, 2), tmp_path / "m.gguf")
     model = llama_style()
     with pytest.raises(InputError, match="GGUF type 'Q4_K' is unknown; accepted: F32, F16, Q8_0"):
         export_gguf(model, tmp_path / "m.gguf", dtype="Q4_K")

@@ -179,6 +179,11 @@ def export_gguf(model, out: str | Path, *, tokenizer=None, dtype: str = "F32", o
     import gguf
     from safetensors.torch import save_file
 
+    from fullband.model.decoder import FullbandLM
+
+    if not isinstance(model, FullbandLM):
+        raise ConfigError(f"GGUF export writes a native FullbandLM; got {type(model).__name__} (a model.hf_path run "
+                          "wraps another architecture, which llama.cpp's llama layout does not hold)")
     cfg = model.config
     check_exportable_type(dtype)
     check_exportable(cfg)
