@@ -128,3 +128,18 @@ def test_llama_cpp_decodes_the_real_model_as_fullband_does(smollm2, tmp_path):
     assert result["tokenizer_ids"] == result["prompt"]  # the model's BPE tokenizer, from the sidecar
     for kind in ("F16", "Q8_0"):
         assert result["llamacpp"][kind]["standard"][:8] == result["native"]["standard"][:8], kind
+
+
+def test_fullband_convert_writes_and_reads_gguf_files(tmp_path, capsys):
+    """`fullband convert DIR OUT.gguf --gguf-type T` and back; --dtype (a folder's cast) is refused for a GGUF file."""
+    from fullband.cli import main
+
+    llama_style().save(tmp_path / "native", tokenizer=ByteTokenizer())
+    assert main(["convert", str(tmp_path / "native"), str(tmp_path / "m.gguf"), "--gguf-type", "Q8_0"]) == 0
+    assert "-> gguf" in capsys.readouterr().out and sidecar_path(tmp_path / "m.gguf").is_file()
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.0.ffn_down.weight"] == "Q8_0"
+    assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "back")]) == 0
+    assert main(["convert", str(tmp_path / "native"), str(tmp_path / "n.gguf"), "--dtype", "float16"]) == 2
+    assert "a GGUF file's precision is gguf_type (--gguf-type)" in capsys.readouterr().err
+    assert not (tmp_path / "n.gguf").exists()
