@@ -51,7 +51,8 @@ serve-env: $(VLLM_STAMP)
 
 # llama.cpp through llama-cpp-python, in its own environment (fullband.llamacpp, `--engine llamacpp`, and
 # benchmarks/llamacpp_decode.py): pip compiles llama.cpp from the source distribution, a CPU build with its default
-# options (about 15 minutes on 2 cores; a second install reuses pip's wheel cache), beside torch and fullband.
+# options (about 4 minutes on 2 cores, pip's cache off; a second install reuses pip's wheel cache), beside torch and
+# fullband.
 $(LLAMA_BIN)/python:
 	$(PYTHON) -m venv $(LLAMA_VENV)
 	$(LLAMA_BIN)/python -m pip install -q --upgrade pip
