@@ -17,7 +17,8 @@ from fullband.errors import ConfigError, InputError
 
 gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package (pip install 'fullband[gguf]')")
 from fullband.llamacpp import export_gguf, sidecar_path  # noqa: E402
-from fullband.hf.gguf_out import SIDECAR_KEY, read_sidecar, to_gguf_rotary  # noqa: E402
+from fullband.gguf_file import SIDECAR_KEY  # noqa: E402
+from fullband.hf.gguf_out import read_sidecar, to_gguf_rotary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PYTHON = ROOT / ".venv-llama" / "bin" / "python"

@@ -13,6 +13,9 @@ INSTALL_HINT = "pip install 'fullband[gguf]'"
 SHIPPED = "shipped:smollm2"  # the spelling of the real model the project installs (see shipped_gguf)
 
 
+SIDECAR_KEY = "fullband.sidecar"  # the key under which a GGUF file fullband wrote names its feedback sidecar
+
+
 def is_gguf(path: str | Path) -> bool:
     """Whether `path` names a GGUF file (by its suffix: a folder is never one), or is SHIPPED."""
     return str(path) == SHIPPED or (str(path).lower().endswith(".gguf") and not Path(path).is_dir())
@@ -39,8 +42,8 @@ def _gguf():
 
 
 def inspect_gguf(path: str | Path) -> dict[str, Any]:
-    """The header of a GGUF file, checked: its architecture, model name and the tensor types it holds
-    ({type name: count}). ConfigError (naming the file and what is accepted) when it is missing, not a GGUF file,
+    """The header of a GGUF file, checked: its architecture, model name, the tensor types it holds ({type name:
+    count}) and the feedback sidecar it names (fullband.hf.gguf_out; None for other files). ConfigError (naming the file and what is accepted) when it is missing, not a GGUF file,
     truncated, or holds a tensor type the reader cannot dequantize."""
     path = gguf_path(path)
     if not path.is_file():
@@ -74,7 +77,7 @@ def _inspect(path: Path, size: int, mtime: int) -> dict[str, Any]:
     if not isinstance(arch, str):
         raise ConfigError(f"{path} names no general.architecture; accepted: a GGUF file of a language model")
     return {"architecture": arch, "name": _field(reader, "general.name"), "tensor_types": types,
-            "tensors": len(reader.tensors), "bytes": size}
+            "tensors": len(reader.tensors), "bytes": size, "sidecar": _field(reader, SIDECAR_KEY)}
 
 
 def _reason(err: Exception) -> str:

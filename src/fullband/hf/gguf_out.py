@@ -19,12 +19,13 @@ import numpy as np
 import torch
 
 from fullband.errors import CheckpointError, ConfigError, InputError
+from fullband.gguf_file import SIDECAR_KEY, gguf_path, inspect_gguf
 from fullband.model.weights import lookup, named, split
 
 GGUF_TYPES = ("F32", "F16", "Q8_0")
 SIDECAR_SUFFIX = ".feedback.safetensors"
 SIDECAR_FORMAT = "fullband-gguf-sidecar"
-METHOD_KEY, SIDECAR_KEY = "fullband.method", "fullband.sidecar"
+METHOD_KEY = "fullband.method"
 METHOD = "latent feedback (Full-bandwidth Transformer): fuse(e_t, h_{t-1}) fed back into block 0"
 
 
@@ -32,17 +33,16 @@ def sidecar_path(gguf_file: str | Path) -> Path:
     return Path(f"{gguf_file}{SIDECAR_SUFFIX}".replace(f".gguf{SIDECAR_SUFFIX}", SIDECAR_SUFFIX))
 
 
-def read_sidecar(path: str | Path, reader=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_sidecar(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The feedback weights and metadata (format, config, tokenizer files) of the sidecar the GGUF file at `path`
-    names (fullband.sidecar; `reader`: its gguf.GGUFReader, when open); ({}, {}) for a file without one."""
-    import gguf
+    names (fullband.sidecar, read with the checked header); ({}, {}) for a file without one."""
     from safetensors import SafetensorError, safe_open
 
-    field = (reader or gguf.GGUFReader(str(path))).fields.get(SIDECAR_KEY)
-    if field is None:
+    name = inspect_gguf(path)["sidecar"]
+    if not name:
         return {}, {}
-    name = Path(field.contents()).name
-    file = Path(path).parent / name
+    name = Path(name).name
+    file = gguf_path(path).parent / name
     if not file.is_file():
         raise CheckpointError(f"{str(path)!r} names its feedback sidecar {name!r} ({SIDECAR_KEY}), which is not "
                               "beside it; keep both files together (fullband convert writes them)")

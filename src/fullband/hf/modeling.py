@@ -128,11 +128,9 @@ class FullbandConfig(PretrainedConfig):
 
     def decode_mode(self, feedback_mode: str | None = None, prefill_passes: int | str | None = None) -> DecodeMode:
         """The mode of a call: its feedback_mode / prefill_passes over this config's (the config's passes go with a
-        mode name that spells none, e.g. "fused", not "fused:3")."""
-        mode = self.feedback_mode if feedback_mode is None else feedback_mode
-        if prefill_passes is None and ":" not in str(mode):
-            prefill_passes = self.prefill_passes
-        return DecodeMode.parse(mode, prefill_passes, error=ConfigError, field="feedback_mode")
+        bare "fused", not with "fused:3")."""
+        return DecodeMode.parse(self.feedback_mode if feedback_mode is None else feedback_mode, prefill_passes,
+                                default_passes=self.prefill_passes, error=ConfigError, field="feedback_mode")
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs: Any) -> "FullbandConfig":

@@ -89,7 +89,7 @@ class LlamaCppModel(FeedbackModel):
         import gguf
 
         self._reader = gguf.GGUFReader(str(self.path))
-        side, self._meta = read_sidecar(self.path, self._reader)
+        side, self._meta = read_sidecar(self.path)
         self.config = cfg = _config(self.path, self._meta)
         self.norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.fusion = build_fusion(cfg.fusion, cfg.d_model)

@@ -75,11 +75,13 @@ class DecodeMode:
     @classmethod
     def parse(cls, mode: str | Mapping | DecodeMode = "soft", prefill_passes: int | str | None = None, *,
               tol: float | None = None, max_passes: int | None = None, error: type[FullbandError] = InputError,
-              field: str = "mode") -> DecodeMode:
+              field: str = "mode", default_passes: int | str | None = None) -> DecodeMode:
         """A DecodeMode from any spelling users give it: a DecodeMode (returned as it is when no part is given);
         'soft', 'fused', 'fused:2', 'fused:auto'; a mapping of feedback_mode / prefill_passes (an HF config, lm-eval
         or vLLM extra args). prefill_passes is an integer or "auto" (adaptive, with `tol` and `max_passes`, defaults
-        1e-3 and 32). `error` is the class raised, `field` the name the caller gives the mode (e.g. feedback_mode)."""
+        1e-3 and 32). `default_passes`: the passes a bare "fused" takes when none are given (a served folder's or a
+        config's default; else 1). `error` is the class raised, `field` the name the caller gives the mode (e.g.
+        feedback_mode)."""
         if isinstance(mode, Mapping):
             mode, prefill_passes = mode.get("feedback_mode", "soft"), mode.get("prefill_passes", prefill_passes)
         if isinstance(mode, DecodeMode):
@@ -97,6 +99,8 @@ class DecodeMode:
                             "(fused:K)")
             mode, prefill_passes = name, k if k == AUTO else int(k)
         choice(field, mode, MODES, error=error)
+        if prefill_passes is None and mode == "fused":
+            prefill_passes = default_passes  # a bare "fused" takes the default's passes (a folder's, a config's)
         passes = 1 if prefill_passes is None else prefill_passes
         if isinstance(passes, str) and (n := ascii_int(passes.strip())) is not None:
             passes = n  # "2" from a command line or lm-eval's model_args

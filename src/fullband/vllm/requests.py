@@ -49,9 +49,8 @@ def request_mode(extra_args: Mapping[str, Any] | None, default: DecodeMode, *, h
     if passes is not None and name != "fused":
         raise InputError(f"prefill_passes={passes!r} applies to feedback_mode='fused' only (the request asks for "
                          f"{name!r})")
-    if passes is None and spelled == default.name == "fused":
-        passes = default.prefill_passes
-    mode = DecodeMode.parse(spelled, passes, field="feedback_mode")
+    mode = DecodeMode.parse(spelled, passes, field="feedback_mode",
+                            default_passes=default.prefill_passes if default.name == "fused" else None)
     if mode.adaptive:  # adaptive prefill ("auto") is not served
         seen = f"feedback_mode={spelled!r}" if passes is None else f"prefill_passes={passes!r}"
         raise InputError(f"{seen} is invalid (adaptive prefill is not served); accepted: an integer 0 <= "
