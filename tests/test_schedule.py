@@ -174,3 +174,92 @@ def test_growing_schedule_reaches_the_fixed_point_depth():
     for bad in ("grow:", "grow:0", "grow:x", "grow:\u00b2"):
         with pytest.raises(ConfigError, match="grow:N needs an integer N >= 1"):
             PassSchedule.parse(bad)
+
+
+# ---------------------------------------------------------------- the adaptive schedule
+def test_adaptive_starts_at_the_papers_mix_and_draws_from_seed_and_step():
+    from fullband.train.schedule import AdaptiveSchedule, PassMix, parse_schedule
+
+    sched = parse_schedule("adaptive")
+    assert isinstance(sched, AdaptiveSchedule) and sched.start() == PassMix(0.25, 3)
+    assert sched.probs(sched.start()) == pytest.approx({1: 0.75, 2: 0.22, 3: 0.03})
+    assert sched.mean_passes() == pytest.approx(1.28)
+    assert sched.probs(PassMix(0.4, 2)) == pytest.approx({1: 0.6, 2: 0.4})
+    wide = sched.probs(PassMix(0.5, 5))
+    assert sum(wide.values()) == pytest.approx(1) and wide[5] == pytest.approx(0.06) and wide[3] == pytest.approx(0.44 / 3)
+    mix = PassMix(0.5, 4)
+    draws = [sched.sample(s, 100, 7, mix) for s in range(4000)]
+    assert draws == [sched.sample(s, 100, 7, mix) for s in range(4000)]  # a function of (seed, step, mix)
+    freq = Counter(draws)
+    assert set(freq) == {1, 2, 3, 4} and abs(freq[1] / 4000 - 0.5) < 0.03 and abs(freq[4] / 4000 - 0.06) < 0.015
+    assert sched.max_passes == 8 and parse_schedule({"schedule": "adaptive", "cap": 5}).max_passes == 5
+
+
+def test_adaptive_decisions():
+    from fullband.train.schedule import AdaptiveSchedule, PassMix
+
+    s = AdaptiveSchedule()
+    start = PassMix(0.25, 3)
+    assert s.decide(start, 0.7, 0.01) == (start, "hold")  # between margin and expand
+    assert s.decide(start, 0.92, 0.01) == (PassMix(0.3, 3), "raise")  # barely contracting: more multi-pass steps
+    assert s.decide(start, 0.7, 0.4) == (PassMix(0.3, 3), "raise")  # the residual has not settled by the horizon
+    assert s.decide(start, 1.05, 0.5) == (PassMix(0.3, 4), "raise")  # expanding: one pass deeper too
+    assert s.decide(start, float("nan"), 0.0) == (PassMix(0.3, 4), "raise")
+    assert s.decide(PassMix(0.75, 3), 0.95, 0.0) == (PassMix(0.75, 4), "raise")  # the share at its maximum
+    assert s.decide(PassMix(0.75, 8), 1.5, 1.0) == (PassMix(0.75, 8), "raise")  # capped
+    assert s.decide(start, 0.3, 0.01) == (PassMix(0.2, 3), "lower")  # contracting with margin
+    assert s.decide(PassMix(0.05, 3), 0.3, 0.01) == (PassMix(0.05, 2), "lower")  # the share at its minimum
+    assert s.decide(PassMix(0.05, 2), 0.3, 0.01) == (PassMix(0.05, 2), "lower")
+    mix = start
+    for _ in range(3):  # 0.25 + 3 x 0.05, with no float drift
+        mix, _ = s.decide(mix, 0.95, 0.0)
+    assert mix.share == 0.4
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"schedule": "adaptive", "evrey": 5}, r"unknown key 'train.passes.evrey' \(did you mean 'every'\?\)"),
+    ({"schedule": "adaptive", "every": 0}, r"train.passes.every=0"),
+    ({"schedule": "adaptive", "share": 0.9}, r"share=0.9 lies outside \[min_share, max_share\] = \[0.05, 0.75\]"),
+    ({"schedule": "adaptive", "top": 9}, r"top=9 exceeds train.passes.cap=8"),
+    ({"schedule": "adaptive", "margin": 0.95}, r"margin=0.95 is not below train.passes.expand=0.9"),
+    ({"every": 5}, r'a table without schedule = "adaptive"'),
+    ("adaptve", r"did you mean 'adaptive'"),
+])
+def test_adaptive_settings_errors(value, message):
+    from fullband.train.schedule import parse_schedule
+
+    with pytest.raises(ConfigError, match=message):
+        parse_schedule(value)
+
+
+def test_adaptive_refused_where_nothing_can_be_measured():
+    from fullband.train.config import RunConfig
+
+    with pytest.raises(ConfigError, match="model.fusion='none' has no pass map to measure"):
+        RunConfig.from_dict({"model": {"fusion": "none"}, "train": {"passes": "adaptive"}})
+    with pytest.raises(ConfigError, match="FSDP's sharded weights"):
+        RunConfig.from_dict({"train": {"passes": "adaptive", "parallel": "fsdp"}})
+    saved = RunConfig.from_dict({"train": {"passes": {"schedule": "adaptive", "every": 5}}}).to_dict()
+    assert RunConfig.from_dict(saved).train.schedule.every == 5  # run.json round trip
+
+
+def test_training_measures_what_eval_stability_reports(tmp_path, corpus, cache):
+    """The growth the adaptive schedule acts on at a step equals `fullband eval stability`'s at that horizon on the
+    checkpoint of that step (the same held-out windows, directions and linearisation point)."""
+    import json
+
+    from conftest import write_config
+    from fullband.eval.commands import eval_stability
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import train
+
+    passes = '{schedule = "adaptive", every = 4, horizon = 8, windows = 2, vectors = 3}'
+    train(load_run_config(write_config(tmp_path, corpus, cache, steps=9, ckpt_every=4, keep_last=3, passes=passes)))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    measured = {r["step"]: r["adapt"] for r in rows if "adapt" in r}
+    assert set(measured) == {4, 8}
+    for step in (4, 8):
+        result = eval_stability(tmp_path / "run" / f"step_{step:06d}", ks=(1, 9), seq_len=32, windows=4, batch_size=4,
+                                contraction_windows=2, progress=False, out=tmp_path / f"eval{step}")
+        con = result["contraction"]
+        assert con["growth"][con["horizons"].index(8)] == pytest.approx(measured[step]["growth"], rel=1e-6)

@@ -23,7 +23,7 @@ from fullband.train.config import load_run_config
 import fullband.train.trainer as trainer_module
 from fullband.train.trainer import TrainingDiverged, train
 
-from conftest import assert_resume_is_bitwise, losses, write_config  # the corpus and cache fixtures live in conftest too
+from conftest import MICRO_PASSES, assert_resume_is_bitwise, losses, write_config  # the corpus and cache fixtures live in conftest too
 
 
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -65,10 +65,16 @@ def test_training_run_writes_metrics_checkpoints_and_plot(tmp_path, corpus, cach
         assert (run / "step_000010" / name).is_file()
 
 
-def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache):
+# the adaptive schedule measures every 3 steps: its mix (and so every later k) depends on the measurements
+ADAPTIVE = '{schedule = "adaptive", every = 3, horizon = 4, windows = 2, cap = 4}'
+
+
+@pytest.mark.parametrize("passes", [MICRO_PASSES, ADAPTIVE], ids=["fixed", "adaptive"])
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache, passes):
     # long enough (a few seconds) that the kill, 0-0.3 s after the second checkpoint, lands mid-run
-    whole = write_config(tmp_path, corpus, cache, "whole", steps=150, ckpt_every=0, keep_last=3)  # saves at the end
-    part = write_config(tmp_path, corpus, cache, "part", steps=150, ckpt_every=2, keep_last=3)
+    whole = write_config(tmp_path, corpus, cache, "whole", steps=150, ckpt_every=0, keep_last=3,  # saves at the end
+                         passes=passes)
+    part = write_config(tmp_path, corpus, cache, "part", steps=150, ckpt_every=2, keep_last=3, passes=passes)
     ref = cli("train", str(whole))  # the uninterrupted run, beside the victim (one thread each)
     victim = cli("train", str(part))
     deadline = time.time() + 120
@@ -86,6 +92,9 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache):
     _, err = ref.communicate(timeout=300)
     assert ref.returncode == 0, err
     assert losses(tmp_path / "part") == losses(tmp_path / "whole")
+    assert adapt_rows(tmp_path / "part") == adapt_rows(tmp_path / "whole")
+    if passes == ADAPTIVE:
+        assert len(adapt_rows(tmp_path / "whole")) == 49  # steps 3, 6, ..., 147 (none at the last step)
     a = load_file(str(tmp_path / "whole" / "step_000150" / "model.safetensors"))
     b = load_file(str(tmp_path / "part" / "step_000150" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -129,6 +138,26 @@ def test_two_process_ddp_matches_one_process(tmp_path, corpus, cache):
     assert len(a) == 5
     assert any(len(x) > 1 for x in a)  # multi-pass steps were exercised
     assert_same_losses(a, b)
+
+
+def adapt_rows(run_dir: Path) -> list[tuple]:
+    """(step, mix, measurement) of every step of a run's metrics.jsonl: what the adaptive schedule drew from and
+    decided."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["mix"], r["adapt"]) for r in rows if "adapt" in r]
+
+
+def test_adaptive_schedule_agrees_across_ddp_ranks(tmp_path, corpus, cache):
+    # every rank measures, takes the largest value and so decides the same mix; one process decides it too
+    one, two = train_in_one_and_two_processes(tmp_path, corpus, cache, steps=7, micro=2,
+                                              passes='{schedule = "adaptive", every = 2, horizon = 4, windows = 2}')
+    a, b = losses(one), losses(two)
+    assert [len(x) for x in a] == [len(x) for x in b]
+    assert_same_losses(a, b)
+    ra, rb = adapt_rows(one), adapt_rows(two)
+    assert [r[0] for r in ra] == [2, 4, 6] and [(r[0], r[1], r[2]["share"], r[2]["top"]) for r in ra] == \
+        [(r[0], r[1], r[2]["share"], r[2]["top"]) for r in rb]
+    assert all(abs(x[2]["growth"] - y[2]["growth"]) < 1e-4 for x, y in zip(ra, rb))
 
 
 def test_divergence_guard_stops_and_keeps_last_checkpoint(tmp_path, corpus, cache):

@@ -127,7 +127,7 @@ def contraction(model, inputs: Tensor, *, horizons=(1, 2, 4, 8, 16, 32), vectors
     J is nilpotent (position t reads only earlier states), so its spectral radius is 0 and J^T = 0 for T
     positions; what decides whether long feedback horizons are stable is the finite-horizon growth
     (||J^k v|| / ||v||)^(1/k) for k well below T, and the one-pass gain ||J||_2. Forward-mode JVPs give J v,
-    reverse mode J^T u."""
+    reverse mode J^T u. power_iters = 0 skips the gain (lipschitz is then nan)."""
     from torch.func import jvp, vjp
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -142,9 +142,10 @@ def contraction(model, inputs: Tensor, *, horizons=(1, 2, 4, 8, 16, 32), vectors
         with sdpa_kernel([SDPBackend.MATH]):  # the fused CPU attention kernel has no forward-mode derivative
             return pm(h)[0]
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
     growth = []
     for k in horizons:  # forward mode needs no autograd graph
+        # each horizon's directions come from (seed, k) alone: its growth is the same whichever horizons are asked
+        g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + k)
         worst = 0.0
         for _ in range(vectors):
             v = torch.randn(h_star.shape, generator=g).to(device, h_star.dtype)
@@ -154,6 +155,9 @@ def contraction(model, inputs: Tensor, *, horizons=(1, 2, 4, 8, 16, 32), vectors
                     _, v = jvp(fmap, (h_star,), (v,))
             worst = max(worst, float((v.norm() / v0) ** (1.0 / k)) if v.norm() > 0 else 0.0)
         growth.append(worst)
+    if power_iters == 0:  # the growth alone (the adaptive pass schedule's measurement)
+        return Contraction(horizons=list(horizons), growth=growth, lipschitz=float("nan"))
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003)
     u = torch.randn(h_star.shape, generator=g).to(device, h_star.dtype)
     u = u / u.norm()
     sigma = 0.0
@@ -190,3 +194,25 @@ def state_contribution(model, batches) -> dict[str, float]:
     out = {k: v / count for k, v in sums.items()}
     out["swap_penalty"] = out["swapped"] - out["fused"]
     return out
+
+
+@torch.no_grad()
+def pass_residuals(model, inputs: Tensor, ks) -> dict[int, float]:
+    """The fixed-point residual after k passes for each k in `ks` (>= 2): RMS(h^(k) - h^(k-1)) / RMS(h^(k)) over
+    `inputs`, h the fed-back state (0 once the iterate is exact: past T passes for T positions)."""
+    ks = sorted(set(int(k) for k in ks))
+    if ks[0] < 2:
+        raise ValueError(f"a residual needs two passes: k >= 2, got {ks}")
+    model.eval()
+    inputs = inputs.to(next(model.parameters()).device)
+    out: dict[int, float] = {}
+    last: list[Tensor] = []
+
+    def each_pass(j: int, h: Tensor, top: Tensor) -> None:
+        if j + 1 in ks:
+            rms = h.double().pow(2).mean().sqrt().clamp_min(1e-30)
+            out[j + 1] = float((h - last[0]).double().pow(2).mean().sqrt() / rms)
+        last[:] = [h]
+
+    model.iterate(model.embed_inputs(inputs), model.plain_of(inputs), ks[-1], tol=_EXACTLY_ZERO, each_pass=each_pass)
+    return {k: out.get(k, 0.0) for k in ks}  # past the exact fixed point every update is zero

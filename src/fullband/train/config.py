@@ -13,7 +13,7 @@ from fullband.validate import choice, integer, number
 from fullband.model.config import ModelConfig
 from fullband.presets import recipe_path
 from fullband.train.optim import OptimConfig
-from fullband.train.schedule import PassSchedule
+from fullband.train.schedule import AdaptiveSchedule, PassSchedule, parse_schedule
 
 DTYPES = ("auto", "float32", "bfloat16")
 MAX_SEED = 2**63  # seeds are signed 64-bit integers (TOML's range)
@@ -62,7 +62,8 @@ class TrainConfig:
     global_batch_tokens: int = 16384  # tokens per optimizer step across all ranks (seq_len x windows)
     micro_batch: int = 8  # windows per forward on one rank; gradient accumulation fills the global batch
     seed: int = 0
-    passes: Any = "paper-200b"  # pass schedule: a preset name or a list of {until, probs} stages
+    passes: Any = "paper-200b"  # pass schedule: a preset name, a list of {until, probs} stages, or "adaptive" (or
+    # a table {schedule = "adaptive", every = 25, ...}: the mix steered by the measured contraction)
     warmup_steps: int = 200
     cooldown_fraction: float = 0.25  # WSD: the last fraction decays linearly to zero
     z_loss: float = 1e-5  # applied during the cooldown only, as the paper does
@@ -105,8 +106,8 @@ class TrainConfig:
         self.schedule  # validates the pass schedule now
 
     @property
-    def schedule(self) -> PassSchedule:
-        return PassSchedule.parse(self.passes)
+    def schedule(self) -> PassSchedule | AdaptiveSchedule:
+        return parse_schedule(self.passes)
 
     @property
     def global_windows(self) -> int:
@@ -164,6 +165,13 @@ class RunConfig:
             raise ConfigError(f"train.blend_until={self.train.blend_until} has nothing to blend: {why}; "
                               "accepted: train.blend_until = 0, or a gated / additive / concat fusion trained with "
                               "several passes")
+        if isinstance(self.train.schedule, AdaptiveSchedule):
+            why = ("model.fusion='none' has no pass map to measure" if not self.model.has_feedback else
+                   "the contraction is measured with forward-mode derivatives, which FSDP's sharded weights do not "
+                   "support" if self.train.parallel == "fsdp" else "")
+            if why:
+                raise ConfigError(f"train.passes='adaptive': {why}; accepted: a fixed schedule (a preset name or "
+                                  "stages)" + (", or train.parallel = 'ddp'" if self.model.has_feedback else ""))
         if self.train.micro_batch > self.train.global_windows:
             raise ConfigError(f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
                               f"{self.train.global_windows} windows (global_batch_tokens / seq_len)")

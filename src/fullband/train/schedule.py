@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -101,6 +101,20 @@ PRESETS: dict[str, list[tuple[float, dict[int, float]]]] = {
 GROW = "grow:"
 
 
+def draw(probs: Mapping[int, float], step: int, seed: int) -> int:
+    """A pass count from {k: probability}, by numpy's generator seeded by [seed, step] only."""
+    integer("seed", seed, 0)
+    if len(probs) == 1:
+        return next(iter(probs))
+    u = np.random.default_rng([seed, step]).random()
+    total = 0.0
+    for k, p in probs.items():
+        total += p
+        if u < total:
+            return k
+    return max(k for k, p in probs.items() if p > 0)  # u within rounding of 1
+
+
 @dataclass(frozen=True, eq=True)
 class PassSchedule:
     """Stages (until_fraction, {k: probability}) in increasing `until`, the last at 1.0. The pass count of a
@@ -126,9 +140,9 @@ class PassSchedule:
             return cls([(until, {k: n / 2 for k, n in Counter(min(k, deep) for k in pair).items()})
                         for until, pair in ((0.25, (1, 1)), (0.5, (2, 4)), (0.75, (4, 8)), (1.0, (8, deep)))], name=name)
         if name not in PRESETS:
-            hint = closest(name, PRESETS) if isinstance(name, str) else ""
+            hint = closest(name, (*PRESETS, ADAPTIVE)) if isinstance(name, str) else ""
             raise ConfigError(f"unknown pass schedule {name!r}{hint}; accepted presets: {', '.join(PRESETS)}, "
-                              f"{GROW}N")
+                              f"{GROW}N, {ADAPTIVE}")
         return cls(PRESETS[name], name=name)
 
     @classmethod
@@ -161,17 +175,7 @@ class PassSchedule:
 
     def sample(self, step: int, total_steps: int, seed: int) -> int:
         """The pass count k for `step`: a function of (seed, step) and the schedule only."""
-        integer("seed", seed, 0)
-        probs = self.stages[self.stage_index(step, total_steps)].probs
-        if len(probs) == 1:
-            return next(iter(probs))
-        u = np.random.default_rng([seed, step]).random()
-        total = 0.0
-        for k, p in probs.items():
-            total += p
-            if u < total:
-                return k
-        return max(k for k, p in probs.items() if p > 0)  # u within rounding of 1
+        return draw(self.stages[self.stage_index(step, total_steps)].probs, step, seed)
 
     def mean_passes(self, total_steps: int | None = None) -> float:
         """Expected passes per step over the run (token-equivalent compute = tokens x this). With total_steps,
@@ -252,3 +256,130 @@ def _validate_stages(stages: Sequence[Any]) -> tuple[Stage, ...]:
         raise ConfigError(f"pass schedule: the last stage ends at until={out[-1].until}; accepted: the last until is "
                           "1.0 (the schedule must cover the whole run)")
     return tuple(out)
+
+
+# ---------------------------------------------------------------- adaptive pass schedule
+ADAPTIVE = "adaptive"
+
+
+class PassMix(NamedTuple):
+    """The adaptive schedule's state: the share of multi-pass steps and their highest pass count."""
+
+    share: float
+    top: int
+
+
+@dataclass(frozen=True)
+class AdaptiveSchedule:
+    """train.passes = "adaptive" (or a table {schedule = "adaptive", every = 25, ...}): the mix of pass counts is
+    steered by the measured contraction of the pass map (docs/method.md, section 8).
+
+    A step draws k = 1 with probability 1 - share; a multi-pass step draws the highest count `top` with probability
+    deep_share, else k uniform in 2..top - 1 (top = 2: every multi-pass step has 2). The start is the paper's 75/22/3
+    (share 0.25, top 3, deep_share 0.12). Every `every` steps the trainer measures, on the first `windows` held-out
+    windows, the perturbation growth per pass over `horizon` passes (eval.stability.contraction, as `fullband eval
+    stability` reports it) and the fixed-point residual between passes horizon - 1 and horizon; `decide` turns them
+    into the next mix. So the pass count of a step is a function of (seed, step, the values measured before it)."""
+
+    every: int = 25  # optimizer steps between measurements
+    horizon: int = 8  # passes the growth and residual are measured over: beyond the trained depth
+    windows: int = 2  # held-out windows measured (the first of the run's validation windows)
+    vectors: int = 1  # random directions per measurement; the worst counts
+    share: float = 0.25  # the starting share of multi-pass steps
+    top: int = 3  # the starting highest pass count
+    deep_share: float = 0.12  # of the multi-pass steps, the share drawn at `top`
+    step: float = 0.05  # how much one decision moves the share
+    min_share: float = 0.05
+    max_share: float = 0.75
+    cap: int = 8  # the highest pass count the schedule may reach
+    expand: float = 0.9  # growth per pass at or above this: not contracting beyond the trained depth -> more passes
+    margin: float = 0.5  # growth below this (and a small residual): contracting with margin -> fewer
+    residual: float = 0.25  # the residual (relative to the state's RMS) above which the map is not converging
+
+    def __post_init__(self) -> None:
+        for name, low in (("every", 1), ("horizon", 2), ("windows", 1), ("vectors", 1), ("top", 2), ("cap", 2)):
+            integer(f"train.passes.{name}", getattr(self, name), low)
+        for name in ("share", "deep_share", "min_share", "max_share"):
+            number(f"train.passes.{name}", getattr(self, name), low=0, high=1)
+        number("train.passes.step", self.step, low=0, high=1, low_open=True)
+        for name in ("expand", "margin", "residual"):
+            number(f"train.passes.{name}", getattr(self, name), low=0, low_open=True)
+        if not self.min_share <= self.share <= self.max_share:
+            raise ConfigError(f"train.passes.share={self.share} lies outside [min_share, max_share] = "
+                              f"[{self.min_share}, {self.max_share}]; accepted: min_share <= share <= max_share")
+        if self.top > self.cap:
+            raise ConfigError(f"train.passes.top={self.top} exceeds train.passes.cap={self.cap}; accepted: top <= cap")
+        if self.margin >= self.expand:
+            raise ConfigError(f"train.passes.margin={self.margin} is not below train.passes.expand={self.expand}; "
+                              "accepted: margin < expand (between them the mix holds)")
+
+    @property
+    def name(self) -> str:
+        return ADAPTIVE
+
+    @property
+    def max_passes(self) -> int:
+        """The largest k any step can draw (for sizing memory): the cap."""
+        return self.cap
+
+    def start(self) -> PassMix:
+        return PassMix(self.share, self.top)
+
+    def probs(self, mix: PassMix) -> dict[int, float]:
+        """{k: probability} of a step under `mix`."""
+        multi = {2: mix.share} if mix.top == 2 else {
+            **{k: mix.share * (1 - self.deep_share) / (mix.top - 2) for k in range(2, mix.top)},
+            mix.top: mix.share * self.deep_share}
+        return {1: 1 - mix.share, **multi}
+
+    def sample(self, step: int, total_steps: int, seed: int, mix: PassMix | None = None) -> int:
+        """The pass count k of `step` under `mix` (default: the starting mix)."""
+        return draw(self.probs(mix or self.start()), step, seed)
+
+    def mean_passes(self, total_steps: int | None = None) -> float:
+        """Expected passes per step of the starting mix (the run's own depends on what it measures)."""
+        return sum(k * p for k, p in self.probs(self.start()).items())
+
+    def decide(self, mix: PassMix, growth: float, residual: float) -> tuple[PassMix, str]:
+        """The next mix from a measurement -> (mix, "raise" | "lower" | "hold"). Not contracting beyond the trained
+        depth (growth >= expand, or residual > self.residual): the share rises by `step`, and `top` by one when the
+        share is at its maximum or the map expands (growth >= 1). Contracting with margin (growth < margin and the
+        residual within bounds): the share falls by `step`, and `top` by one once the share is at its minimum."""
+        share, top = mix
+        if not (math.isfinite(growth) and math.isfinite(residual)) or growth >= self.expand or residual > self.residual:
+            if growth >= 1 or share >= self.max_share or not math.isfinite(growth):
+                top = min(self.cap, top + 1)
+            share = min(self.max_share, share + self.step)
+            action = "raise"
+        elif growth < self.margin:
+            if share <= self.min_share:
+                top = max(2, top - 1)
+            share = max(self.min_share, share - self.step)
+            action = "lower"
+        else:
+            action = "hold"
+        return PassMix(round(share, 9), top), action
+
+    def to_data(self) -> dict[str, Any]:
+        return {"schedule": ADAPTIVE, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    def __str__(self) -> str:
+        return (f"adaptive (start {self.share:g} multi-pass up to {self.top}, measured every {self.every} steps over "
+                f"{self.horizon} passes)")
+
+
+def parse_schedule(value: Any) -> PassSchedule | AdaptiveSchedule:
+    """train.passes: "adaptive" or a table {schedule = "adaptive", <AdaptiveSchedule settings>}, else a fixed
+    schedule (PassSchedule.parse: a preset name or stages)."""
+    if isinstance(value, PassSchedule | AdaptiveSchedule):
+        return value
+    if value == ADAPTIVE:
+        return AdaptiveSchedule()
+    if isinstance(value, Mapping):
+        if value.get("schedule") != ADAPTIVE:
+            raise ConfigError(f"train.passes={dict(value)!r} is a table without schedule = \"adaptive\"; accepted: "
+                              f'a preset name, a list of stages, or {{schedule = "adaptive", every = ..., ...}}')
+        from fullband.configio import from_dict
+
+        return from_dict(AdaptiveSchedule, {k: v for k, v in value.items() if k != "schedule"}, "train.passes")
+    return PassSchedule.parse(value)

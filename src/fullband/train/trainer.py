@@ -31,7 +31,7 @@ from fullband.train.rundir import MUST_MATCH, RunDir, stop_after_step
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync,
                                      shutdown, unwrap)
-from fullband.train.schedule import blend_weight, in_cooldown, sample_loops, wsd_factor
+from fullband.train.schedule import AdaptiveSchedule, PassMix, blend_weight, in_cooldown, sample_loops, wsd_factor
 
 
 @dataclass
@@ -80,6 +80,8 @@ class Trainer:
         built = build(cfg, self.d, warm=resume is None)
         self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
         self.schedule = cfg.train.schedule
+        # the adaptive schedule's current mix (None for a fixed schedule), steered by adapt()
+        self.mix = self.schedule.start() if isinstance(self.schedule, AdaptiveSchedule) else None
         self.step, self.tokens, self.compute_tokens, self.elapsed, self.flops = 0, 0, 0, 0.0, 0.0
         self._step_flops: dict[tuple[int, int], float] = {}  # (k, r) -> one step's FLOPs, counted once
         self.autocast = _autocast(cfg.train.dtype, self.d.device)
@@ -89,6 +91,8 @@ class Trainer:
             self.data.sampler.check_state(state["sampler"])
             self.step, self.tokens = state["step"], state["tokens"]
             self.compute_tokens, self.elapsed = state["compute_tokens"], state["elapsed"]
+            if self.mix is not None:
+                self.mix = PassMix(*state["pass_mix"])
             # a checkpoint written before FLOPs were counted has none: every step's (k, r) is a function of
             # (seed, step), so the steps it holds are counted again, in order (the sum an uninterrupted run makes)
             self.flops = state["flops"] if "flops" in state else sum(
@@ -105,7 +109,8 @@ class Trainer:
         """(k, r) of 0-based optimizer step `step`: its pass count under self.schedule and a looped model's
         repetitions (1 without a loop), functions of (seed, step) only."""
         cfg = self.cfg
-        k = self.schedule.sample(step, cfg.train.steps, cfg.train.seed)
+        k = (self.schedule.sample(step, cfg.train.steps, cfg.train.seed) if self.mix is None
+             else self.schedule.sample(step, cfg.train.steps, cfg.train.seed, self.mix))
         return k, sample_loops(cfg.model, step, cfg.train.seed)  # a looped model's depth: another axis than k
 
     def step_flops(self, k: int, loops: int) -> float:
@@ -174,6 +179,23 @@ class Trainer:
         return {str(k): validation_loss(self.model, self.data.val_batches, k, autocast=self.autocast).nats
                 for k in self.cfg.log.eval_passes if k == 1 or feedback}
 
+    def adapt(self) -> dict:
+        """The adaptive schedule's measurement and decision: the pass map's perturbation growth per pass over
+        `horizon` passes (eval.stability.contraction, as `fullband eval stability` measures it) and the fixed-point
+        residual at `horizon`, on the first held-out windows; every rank takes the same values (the largest) and so
+        the same next mix."""
+        from fullband.eval.stability import contraction, pass_residuals
+
+        sched, net = self.schedule, unwrap(self.model)
+        inputs = self.data.val_batches[0][0][:sched.windows]
+        growth = contraction(net, inputs, horizons=(sched.horizon,), vectors=sched.vectors, power_iters=0).growth[0]
+        residual = pass_residuals(net, inputs, (sched.horizon,))[sched.horizon]
+        growth, residual = all_reduce_max(torch.tensor([growth, residual], dtype=torch.float64,
+                                                       device=self.d.device), self.d).tolist()
+        self.mix, action = sched.decide(self.mix, growth, residual)
+        return {"growth": growth, "residual": residual, "action": action, "share": self.mix.share,
+                "top": self.mix.top}
+
     # ------------------------------------------------------------------ the loop
     def weights_finite(self) -> bool:
         """Whether every parameter (every rank's shard) is finite."""
@@ -198,6 +220,8 @@ class Trainer:
             return None
         state = {"tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
                  "elapsed": self.elapsed, "sampler": self.data.sampler.state_dict(), "config": self.cfg.to_dict()}
+        if self.mix is not None:
+            state["pass_mix"] = list(self.mix)
         return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, d=self.d,
                                     tokenizer=self.data.tokenizer, keep_last=self.cfg.log.keep_last)
 
@@ -217,8 +241,11 @@ class Trainer:
         if d.main:
             with writing(self.run_dir / "loss.png", "plot the losses"):
                 plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
-        return {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
-                "elapsed": self.elapsed, "eval": self.last_eval, "run_dir": str(self.run_dir)}
+        out = {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
+               "elapsed": self.elapsed, "eval": self.last_eval, "run_dir": str(self.run_dir)}
+        if self.mix is not None:
+            out["pass_mix"] = self.mix._asdict()
+        return out
 
     def _loop(self, bar, stop) -> None:
         cfg, d = self.cfg, self.d
@@ -228,6 +255,7 @@ class Trainer:
             t0 = time.perf_counter()
             stats = self.train_step(self.step)
             dt = time.perf_counter() - t0
+            mix = self.mix
             self.step += 1
             self.tokens += tokens_per_step
             self.compute_tokens += tokens_per_step * stats.k
@@ -243,6 +271,10 @@ class Trainer:
                 row["loops"] = stats.loops
             if cfg.train.blend_until > 0:
                 row["blend"] = stats.blend
+            if mix is not None:  # the mix this step drew from, then (every `every` steps) the measurement
+                row["mix"] = mix._asdict()
+                if self.step % self.schedule.every == 0 and self.step < total:
+                    row["adapt"] = self.adapt()
             if self.loggers:
                 self.loggers.log(row)
             if bar is not None:
