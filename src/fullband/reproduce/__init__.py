@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fullband.errors import InputError, closest
 from fullband.files import check_no_loop, make_folder, replace_file
-from fullband.reproduce import (compare, data_efficiency, fusion_ablation, probe, rl, sft, stability, tracking,
-                                warmstart)
+from fullband.reproduce import (compare, data_efficiency, fusion_ablation, probe, rl, schedule, sft, stability,
+                                tracking, warmstart)
 from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware, train_run
 
 __all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "hardware", "reproduce", "train_run"]
@@ -21,7 +21,7 @@ __all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
                                    for m in (stability, probe, data_efficiency, fusion_ablation, sft, tracking, rl, compare,
-                                           warmstart)}
+                                           warmstart, schedule)}
 EXPERIMENTS = tuple(REGISTRY)
 
 
