@@ -167,3 +167,21 @@ def test_config_errors():
     model = tiny_model(0)
     with pytest.raises(InputError, match='model.latent_head = "linear"'):
         objective(model, random_ids(1, 4), random_ids(1, 4), 2, latent_loss=1.0)
+
+
+def test_a_wrapped_hugging_face_model_trains_and_keeps_its_head(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from fullband import load_model
+    from fullband.hf import add_latent_feedback
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    wrapped = add_latent_feedback(llama, config=ModelConfig(latent_head="linear")).train()
+    ids = random_ids(2, 8, vocab=50)
+    out = objective(wrapped, ids, _targets(ids), 2, latent_loss=1.0)
+    out.loss.backward()
+    assert out.latent is not None and float(wrapped.latent_head.weight.grad.abs().sum()) > 0
+    wrapped.save(tmp_path / "wrapped")
+    back = load_model(tmp_path / "wrapped")
+    assert torch.equal(back.latent_head.weight, wrapped.latent_head.weight)
