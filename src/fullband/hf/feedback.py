@@ -30,7 +30,7 @@ from fullband.model.config import ModelConfig, require_default_layers
 from fullband.decode.generate import generate as generate_ids
 from fullband.model.core import FeedbackModel
 from fullband.model.fusion import FUSION_TYPES, build_fusion, embedding_rms
-from fullband.model.layers import RMSNorm
+from fullband.model.layers import RMSNorm, build_latent_head
 from fullband.model.weights import init_parameter_
 
 def config_for(hf_config: Any, base: ModelConfig | None = None, **changes: Any) -> ModelConfig:
@@ -111,14 +111,17 @@ class LatentFeedback(FeedbackModel):
         d_model = emb.weight.shape[1]
         self.fusion = build_fusion(self.config.fusion, d_model)
         self.norm_in = RMSNorm(d_model, getattr(hf_cfg, "rms_norm_eps", None) or getattr(hf_cfg, "layer_norm_epsilon", 1e-6))
-        for name, p in self.fusion.named_parameters():
-            init_parameter_(f"fusion.{name}", p, self.config)
+        self.latent_head = build_latent_head(self.config.latent_head, d_model)
+        for name, p in self.named_parameters():
+            if not name.startswith("hf."):  # the new weights: the fusion's, a latent head's
+                init_parameter_(name, p, self.config)
         with torch.no_grad():
             self.norm_in.weight.fill_(embedding_rms(emb.weight))
         # the base model's KV-cache keyword: `cache` in newer transformers, else past_key_values
         self._cache_arg = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
-        self.fusion.to(emb.weight.dtype)
-        self.norm_in.to(emb.weight.dtype)
+        for module in (self.fusion, self.norm_in, self.latent_head):
+            if module is not None:
+                module.to(emb.weight.dtype)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -234,10 +237,13 @@ def load_feedback(directory: str | Path, config: ModelConfig, hf_config: dict, *
     with torch.device("meta"):
         shell = tf.AutoModelForCausalLM.from_config(hf_model_config)
         fusion = build_fusion(config.fusion, config.d_model)
+        latent = build_latent_head(config.latent_head, config.d_model)
     expected = {f"hf.{k}": tuple(v.shape) for k, v in shell.state_dict().items()}
-    expected.update({f"fusion.{k}": tuple(v.shape) for k, v in fusion.state_dict().items()})
+    for prefix, module in (("fusion", fusion), ("latent_head", latent)):
+        if module is not None:
+            expected.update({f"{prefix}.{k}": tuple(v.shape) for k, v in module.state_dict().items()})
     expected["norm_in.weight"] = (config.d_model,)
-    del shell, fusion
+    del shell, fusion, latent
     check_shapes(directory, config, expected, header)
     state = read_tensors(directory)
     hf_model = tf.AutoModelForCausalLM.from_config(hf_model_config)

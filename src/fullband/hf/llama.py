@@ -122,7 +122,8 @@ def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = N
             out[name] = torch.cat([sd[n] for n in sources])
     out["norm_in.weight"] = torch.full((cfg.d_model,), embedding_rms(out["embed.weight"]))
     own = native.state_dict()
-    missing = [k for k in own if k not in out and not k.startswith("fusion.")]
+    fresh = ("fusion.", "latent_head.")  # no Llama has them
+    missing = [k for k in own if k not in out and not k.startswith(fresh)]
     if missing:
         raise FullbandError(f"from_llama: no Llama weight for {missing[:4]}; this converter does not cover the model")
     for name, tensor in out.items():

@@ -18,6 +18,7 @@ FUSION_INITS = ("random", "identity")
 MAX_SEQ_LEN = 2**20
 FEEDBACKS = ("final", "residual")
 LOOP_TRAINS = ("fixed", "uniform")
+LATENT_HEADS = ("none", "linear")
 # A looped group runs `loops` times per token and keeps a KV cache per repetition: the cap keeps a hostile
 # config.json from asking for an unbounded forward (Huginn reports up to 64 recurrences at test time).
 MAX_LOOPS = 256
@@ -56,7 +57,11 @@ class ModelConfig:
     `input_norm` (default true): plain positions take norm_in(embedding), as in the paper. False makes the plain
     stack input the raw embedding, as in Llama-style models (so a converted Llama checkpoint computes exactly what
     it did); fused inputs still pass through norm_in, and the gate then reads a gain-free RMS-normalised
-    embedding. `tie_embeddings` (default true) shares the embedding with the LM head; false adds `lm_head`."""
+    embedding. `tie_embeddings` (default true) shares the embedding with the LM head; false adds `lm_head`.
+
+    `latent_head` (docs/method.md, section 6): "linear" adds `latent_head`, a D x D matrix that predicts the next
+    position's fed-back state from this one's, for the training objective's next-latent term (train.latent_loss);
+    decoding never reads it. Default "none": no such weights."""
 
     vocab_size: int = 259
     d_model: int = 256
@@ -103,6 +108,7 @@ class ModelConfig:
     prefix_mixin_prob: float = 0.5
     detach_between_passes: bool = False
     pass_loss_weight: float = 1.0
+    latent_head: str = "none"  # "linear": the next-latent predictor train.latent_loss trains (not read by decoding)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
@@ -140,6 +146,7 @@ class ModelConfig:
         choice("fusion", self.fusion, FUSIONS)
         self._check_fusion_init()
         choice("feedback", self.feedback, FEEDBACKS)
+        choice("latent_head", self.latent_head, LATENT_HEADS)
         self._check_feedback_layers()
         self._check_loop()
         self._check_ponder()

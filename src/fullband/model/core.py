@@ -70,11 +70,13 @@ def update_rms(new: Tensor, old: Tensor) -> Tensor:
 
 class FeedbackModel(nn.Module):
     """A transformer stack with latent feedback. Subclasses set `config` (a ModelConfig: vocab_size, max_seq_len,
-    bos_token_id, input_norm, has_feedback), `fusion` and `norm_in`, and implement the five stack methods."""
+    bos_token_id, input_norm, has_feedback, latent_head), `fusion` and `norm_in` (and `latent_head`, the objective's
+    next-latent predictor, when config.latent_head asks for one), and implement the five stack methods."""
 
     config: Any
     fusion: nn.Module | None
     norm_in: nn.Module
+    latent_head: nn.Module | None
     # The blend curriculum's weight a (train.blend_until, docs/method.md section 6): a fed position's input is
     # (1 - a) * plain + a * fused, so a warm start begins at the pretrained model (a = 0) and ends at the paper's
     # (a = 1). Set only inside `blended` (the training step); every reader outside it sees the paper's input.

@@ -25,7 +25,7 @@ from fullband.model.cache import KVCache
 from fullband.model.config import MAX_LOOPS, ModelConfig
 from fullband.model.core import FeedbackModel, ModelOutput, check_ids, plain_positions, shift_right
 from fullband.model.fusion import build_fusion
-from fullband.model.layers import RMSNorm, Rotary, SwiGLU, linear
+from fullband.model.layers import RMSNorm, Rotary, SwiGLU, build_latent_head, linear
 from fullband.model.weights import init_parameter_
 from fullband.validate import integer
 
@@ -79,6 +79,7 @@ class FullbandLM(FeedbackModel):
         self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.latent_head = build_latent_head(cfg.latent_head, cfg.d_model)
         self._has_local = any(cfg.is_local(i) for i in range(cfg.n_layers))
         self.loops = cfg.loops  # r, the looped group's repetitions now (the trainer's per step: `looping`)
         self.reset_parameters()

@@ -14,7 +14,8 @@ more (not counted here).
 What runs per token (fullband.model.core, model.objective): the blocks below feedback_target once per forward
 (their output is the plain input every pass reads), the blocks from the target up once per pass, the fusion on
 every pass after the first (over all positions: plain ones are selected afterwards), and the LM head once per
-scored pass (the objective scores every pass's logits; an inference read needs it only for one).
+scored pass (the objective scores every pass's logits; an inference read needs it only for one), and, with the
+next-latent term on (train.latent_loss), the latent head once per pass (no decoder reads it).
 
 Ponder slots (ponder = true, PonderLM-2; model.decoder's FullbandLM.jacobi_pass, step): pass 1 is the plain model
 over the T positions; every later pass runs the interleaved sequence of 2 T slots [x_0, z_0, x_1, z_1, ...], two
@@ -57,7 +58,13 @@ def param_count(cfg: ModelConfig) -> int:
     D = cfg.d_model
     block = _block_matrices(cfg) + 2 * D + ((cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm else 0)
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * D
-    return cfg.vocab_size * D + 2 * D + cfg.n_layers * block + head + fusion_params(cfg)  # 2 D: norm_in, norm_out
+    return (cfg.vocab_size * D + 2 * D + cfg.n_layers * block + head + fusion_params(cfg)  # 2 D: norm_in, norm_out
+            + latent_head_params(cfg))
+
+
+def latent_head_params(cfg: ModelConfig) -> int:
+    """Parameters of the next-latent predictor (model.latent_head): D^2 for "linear", else 0."""
+    return cfg.d_model**2 if cfg.latent_head == "linear" else 0
 
 
 def _block(cfg: ModelConfig, layer: int, keys: float) -> float:
@@ -91,6 +98,12 @@ def fusion_flops(cfg: ModelConfig) -> float:
     return 2 * FUSION_MATRICES[cfg.fusion] * cfg.d_model**2
 
 
+def latent_head_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the next-latent predictor (model.latent_head), applied once per pass when
+    train.latent_loss is on: 2 per entry of its matrix."""
+    return 2 * latent_head_params(cfg)
+
+
 def head_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of the LM head (tied or not: a V x D product)."""
     return 2 * cfg.vocab_size * cfg.d_model
@@ -122,13 +135,20 @@ def forward_flops(cfg: ModelConfig, passes: float = 1, *, seq_len: int, heads: f
 
 
 def train_flops(cfg: ModelConfig, passes: float, *, seq_len: int, context: str = "causal",
-                loops: float | None = None) -> float:
+                loops: float | None = None, latent: bool = False) -> float:
     """Training FLOPs per token of a k-pass step (or a schedule's mean k) whose looped group runs `loops` times
     (r; default train_loops(cfg), a step's mean): 3x the forward, every pass scored. Under ponder the forward
     computes every pass's logits and the backward (2x) covers the last head and the blocks of every pass (with
     detach_between_passes, of the last pass alone: then `passes` must be a whole k, since the cost of the last pass
-    depends on whether it is the plain one)."""
+    depends on whether it is the plain one). `latent` (train.latent_loss > 0): plus the latent head on every pass,
+    forward and backward (3 latent_head_flops per pass)."""
     loops = train_loops(cfg) if loops is None else loops
+    extra = 3 * passes * latent_head_flops(cfg) if latent else 0
+    return extra + _train_flops(cfg, passes, seq_len=seq_len, context=context, loops=loops)
+
+
+def _train_flops(cfg: ModelConfig, passes: float, *, seq_len: int, context: str, loops: float) -> float:
+    """train_flops without the latent head."""
     if not cfg.ponder:
         return 3 * forward_flops(cfg, passes, seq_len=seq_len, heads=passes, context=context, loops=loops)
     forward = forward_flops(cfg, passes, seq_len=seq_len, heads=passes, context=context)

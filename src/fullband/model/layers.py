@@ -27,6 +27,11 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return F.rms_norm(x.float(), x.shape[-1:], w, eps).to(x.dtype)
 
 
+def build_latent_head(kind: str, d_model: int) -> nn.Module | None:
+    """The next-latent predictor ModelConfig.latent_head names: "linear" a D x D matrix without bias, "none" None."""
+    return nn.Linear(d_model, d_model, bias=False) if kind == "linear" else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -1,6 +1,7 @@
 """The multi-pass training objective, outside the model: NTP(pass 1) + pass_loss_weight * mean(NTP(passes 2..k))
 (a ponder model: NTP(pass k) alone, as PonderLM-2 trains),
-each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, and the training-time inputs of the later passes
+each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, plus latent_loss * the mean over passes of the
+next-latent error (latent_error) when latent_loss > 0, and the training-time inputs of the later passes
 (uniform jitter on the fed state, a random plain prefix per sequence, detaching between passes). Called by the
 trainer and the transformers class's labels path; eval.loss scores with the same `ntp`.
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fullband.errors import InputError
 from fullband.model.mode import DecodeMode
 
 
@@ -23,11 +25,25 @@ class Objective:
     pass_losses: list[Tensor]  # NTP of every pass (k entries; passes beyond a noise-free fixed point repeat it)
     state: Tensor  # (B, T, D) the last pass's fed-back state
     top: Tensor  # (B, T, D) the last pass's final-norm output
+    latent: Tensor | None = None  # the mean over passes of latent_error (None unless latent_loss > 0)
 
 
 def ntp(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
     """Next-token cross-entropy of logits (B, T, V) against targets (B, T) (-100 = not scored), in float32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+
+
+def latent_error(head, state: Tensor, targets: Tensor) -> Tensor:
+    """The next-latent error of one pass: sum ||head(h_t) - h_{t+1}||^2 / sum ||h_{t+1}||^2 over the positions t
+    whose successor is scored (targets[t + 1] != -100), the fed-back states `state` (B, T, D) as h, the target h_{t+1}
+    not differentiated (the gradient reaches h_t through `head`: it shapes what is fed back). In float32 at least;
+    0 when no pair is scored."""
+    dtype = torch.promote_types(state.dtype, torch.float32)
+    pred = head(state[:, :-1]).to(dtype)  # (B, T-1, D)
+    goal = state[:, 1:].detach().to(dtype)
+    scored = (targets[:, 1:] != -100).to(dtype)  # (B, T-1)
+    err = ((pred - goal).pow(2).sum(-1) * scored).sum()
+    return err / (goal.pow(2).sum(-1) * scored).sum().clamp_min(torch.finfo(dtype).tiny)
 
 
 def prefix_mixin(B: int, T: int, prob: float, device: torch.device, generator: torch.Generator | None) -> Tensor:
@@ -60,24 +76,32 @@ def training_feed(cfg, *, noise: bool, generator: torch.Generator | None):
 
 
 def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_mask: Tensor | None = None,
-              generator: torch.Generator | None = None, z_loss: float = 0.0, noise: bool | None = None,
-              cache=None) -> Objective:
+              generator: torch.Generator | None = None, z_loss: float = 0.0, latent_loss: float = 0.0,
+              noise: bool | None = None, cache=None) -> Objective:
     """The objective of `passes` Jacobi passes over input_ids (B, T) against targets (B, T) (-100 = ignore).
     `model` is a FeedbackModel or its data-parallel wrapper (the loss is computed inside its forward). `noise`
     (default: the model's training mode) adds the jitter and prefix mixin; without it passes beyond T repeat the
-    fixed point, so they are not run again and their terms are the last one's. A `cache` receives the last
-    pass's keys and values."""
+    fixed point, so they are not run again and their terms are the last one's. `latent_loss` > 0 adds that weight
+    times the mean over passes of latent_error through the model's latent_head (model.latent_head). A `cache`
+    receives the last pass's keys and values."""
     net = getattr(model, "module", model)  # DDP: the model inside
     cfg = net.config
+    head = getattr(net, "latent_head", None) if latent_loss > 0 else None
+    if latent_loss > 0 and head is None:
+        raise InputError(f"latent_loss={latent_loss} trains a latent head; this model has none (accepted: "
+                         'model.latent_head = "linear", or latent_loss = 0)')
     noise = net.training if noise is None else noise
     T = input_ids.shape[1]
     run = passes if noise else DecodeMode.from_passes(passes).read(T, fixed_point=net.exact_passes(T)).passes
     ntps: list[Tensor] = []
+    latents: list[Tensor] = []
 
     def each_pass(j: int, state: Tensor, top: Tensor) -> Tensor:
         logits = net.head(top)
         ce = ntp(logits, targets)
         ntps.append(ce)
+        if head is not None:
+            latents.append(latent_error(head, state, targets))
         return ce + z_loss * logits.float().logsumexp(-1).pow(2).mean() if z_loss > 0 else ce
 
     out = model(input_ids, passes=run, plain_mask=plain_mask, cache=cache, return_logits=False,
@@ -89,4 +113,8 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
         loss = terms[-1]
     elif len(terms) > 1:
         loss = loss + cfg.pass_loss_weight * torch.stack(terms[1:]).mean()
-    return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top)
+    latent = None
+    if head is not None:
+        latent = torch.stack(latents + [latents[-1]] * (passes - run)).mean()
+        loss = loss + latent_loss * latent
+    return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top, latent=latent)

@@ -23,7 +23,8 @@ class Weight:
 
     kind: embedding / head (Adam), gain (Adam, never decayed, initialised at 1), offset (a bias or a scale: Adam,
     never decayed, initialised at 0), matrix (a hidden matrix: NorMuon),
-    fusion (the feedback matrices: NorMuon). `residual`: a residual branch's output matrix, initialised at
+    fusion (the feedback matrices: NorMuon), latent (the next-latent predictor train.latent_loss trains: NorMuon,
+    Normal(0, init_std), read by no decoder). `residual`: a residual branch's output matrix, initialised at
     init_std / sqrt(2 L) so the top state stays O(1) with depth. `splits`: the row blocks of a fused matrix (SPLITS),
     orthogonalised separately and read from separate Llama tensors. `llama`: the LlamaForCausalLM tensors it is
     made of, stacked by rows. `served`: its name in fullband's vLLM model (default: the native name)."""
@@ -66,6 +67,7 @@ WEIGHTS: tuple[Weight, ...] = (
     Weight("fusion.w_gx.bias", "offset"),
     Weight("fusion.scale_h", "offset"),  # ReZero scales: 0, so an untrained mixer passes its input through
     Weight("fusion.scale_x", "offset"),
+    Weight("latent_head.weight", "latent"),  # model.latent_head = "linear"
     _block("attn_norm.weight", "gain", llama=("input_layernorm.weight",)),
     _block("mlp_norm.weight", "gain", llama=("post_attention_layernorm.weight",)),
     _block("attn.wqkv.weight", "matrix", splits="qkv", served="attn.qkv_proj.weight",

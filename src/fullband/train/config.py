@@ -79,6 +79,9 @@ class TrainConfig:
     # the blend curriculum (docs/method.md, section 6): fed inputs are (1 - a) * plain + a * fused, a rising from 0 to
     # 1 over this fraction of the steps, so a warm start begins at the pretrained model; 0: off (the paper's input)
     blend_until: float = 0.0
+    # the next-latent term's weight (docs/method.md, section 6): latent_loss * the mean over passes of the normalised
+    # error of model.latent_head predicting the next position's fed-back state; 0: off (nothing computed)
+    latent_loss: float = 0.0
     trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
 
@@ -95,6 +98,7 @@ class TrainConfig:
         number("train.cooldown_fraction", self.cooldown_fraction, low=0, high=1)
         number("train.z_loss", self.z_loss, low=0)
         number("train.blend_until", self.blend_until, low=0, high=1, high_open=True)
+        number("train.latent_loss", self.latent_loss, low=0)
         if self.global_batch_tokens % self.seq_len:
             raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
                               f"train.seq_len={self.seq_len}; accepted: a whole number of windows (e.g. "
@@ -172,6 +176,10 @@ class RunConfig:
             if why:
                 raise ConfigError(f"train.passes='adaptive': {why}; accepted: a fixed schedule (a preset name or "
                                   "stages)" + (", or train.parallel = 'ddp'" if self.model.has_feedback else ""))
+        if self.train.latent_loss > 0 and self.model.latent_head == "none":
+            raise ConfigError(f"train.latent_loss={self.train.latent_loss} trains a next-latent head, but "
+                              'model.latent_head = "none"; accepted: model.latent_head = "linear", or '
+                              "train.latent_loss = 0")
         if self.train.micro_batch > self.train.global_windows:
             raise ConfigError(f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
                               f"{self.train.global_windows} windows (global_batch_tokens / seq_len)")

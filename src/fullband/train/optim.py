@@ -103,7 +103,7 @@ class Route:
 def _native_route(w: Weight) -> Route:
     """A weight-table row's route: matrices on NorMuon, split as the row says; the rest on Adam, gains and offsets
     never decayed (decay pulls gains toward 0, not toward their init of 1)."""
-    if w.kind in ("matrix", "fusion"):
+    if w.kind in ("matrix", "fusion", "latent"):
         return Route(w.pattern, "normuon", splits=w.splits)
     return Route(w.pattern, "adam", wd_mult=0.0 if w.kind in ("gain", "offset") else 1.0)
 
@@ -120,11 +120,11 @@ ROUTES: dict[str, tuple[Route, ...]] = {"normuon": NORMUON_ROUTES, "adamw": _on_
 
 # A pretrained Hugging Face model wrapped with latent feedback (model.hf_path): its own weights continue on
 # AdamW (adam_lr; their layout differs per architecture, e.g. GPT-2 stores Conv1D weights transposed, so no
-# per-matrix NorMuon split applies); the new fusion weights are routed as in a native model (AdamW under
+# per-matrix NorMuon split applies); the new fusion weights (and a latent head) are routed as in a native model (AdamW under
 # optim.name="adamw"). Norm gains and biases never decay.
 _HF_NORMS = r"^hf\..*(norm|ln_[0-9f]|layernorm)[^.]*\.(weight|bias)$"
 HF_ROUTES: tuple[Route, ...] = (
-    *(_native_route(w) for w in WEIGHTS if w.name.startswith("fusion.")),
+    *(_native_route(w) for w in WEIGHTS if w.name.startswith(("fusion.", "latent_head."))),
     Route(r"^norm_in\.weight$", "adam", wd_mult=0.0),
     Route(_HF_NORMS, "adam", wd_mult=0.0),
     Route(r"^hf\..*\.bias$", "adam", wd_mult=0.0),
@@ -133,7 +133,7 @@ HF_ROUTES: tuple[Route, ...] = (
 HF_ROUTE_TABLES: dict[str, tuple[Route, ...]] = {"normuon": HF_ROUTES, "adamw": _on_adamw(HF_ROUTES)}
 
 # the weights latent feedback adds to a decoder (a warm start trains them fresh: optim.feedback_lr_mult)
-FEEDBACK_WEIGHTS = ("fusion.", "norm_in.")
+FEEDBACK_WEIGHTS = ("fusion.", "norm_in.", "latent_head.")
 
 # Segments wrappers insert into parameter names (DDP, torch.compile, activation checkpointing, FSDP1).
 _WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")

@@ -98,9 +98,11 @@ def parallelize(model: nn.Module, *, d: Dist, mode: str, activation_checkpointin
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    # single-pass steps leave the fusion weights unused (the same on every rank, since k is drawn per step)
+    # single-pass steps leave the fusion weights unused (the same on every rank, since k is drawn per step), and
+    # train.latent_loss = 0 a latent head
+    unused = model.config.has_feedback or model.config.latent_head != "none"
     return DistributedDataParallel(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-                                   find_unused_parameters=model.config.has_feedback)
+                                   find_unused_parameters=unused)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -22,7 +22,8 @@ RUN_FILE = "run.json"
 # resuming needs these to be equal; anything else (logging, eval cadence) may change
 MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tokens", "train.seed", "train.passes",
               "train.steps", "train.warmup_steps", "train.cooldown_fraction", "train.z_loss",
-              "train.decay_wd_in_cooldown", "train.trainable", "train.blend_until")
+              "train.decay_wd_in_cooldown", "train.trainable", "train.blend_until",
+              "train.latent_loss")
 
 
 class RunDir:

@@ -43,6 +43,7 @@ class StepStats:
     state_rms: float
     loops: int = 1  # r, the looped group's repetitions in this step
     blend: float = 1.0  # the blend curriculum's weight a in this step (1: the paper's fed input)
+    latent: float = 0.0  # the next-latent error (Objective.latent; 0 when train.latent_loss = 0)
 
 
 def noise_seed(seed: int, step: int, block: int) -> int:
@@ -117,7 +118,8 @@ class Trainer:
         """Training FLOPs of one optimizer step of k passes at r = loops: global_batch_tokens x train_flops."""
         if (k, loops) not in self._step_flops:
             train = self.cfg.train
-            per_token = train_flops(self.cfg.model, k, seq_len=train.seq_len, loops=loops)
+            per_token = train_flops(self.cfg.model, k, seq_len=train.seq_len, loops=loops,
+                                    latent=train.latent_loss > 0)
             self._step_flops[k, loops] = train.global_batch_tokens * per_token
         return self._step_flops[k, loops]
 
@@ -134,7 +136,7 @@ class Trainer:
         model = self.model
         model.train()
         accum = sampler.accum_steps
-        sums = torch.zeros(k + 2, device=d.device)  # per-pass NTP, objective, state RMS
+        sums = torch.zeros(k + 3, device=d.device)  # per-pass NTP, objective, state RMS, next-latent error
         blend = blend_weight(step, cfg.train.steps, cfg.train.blend_until)
         net = unwrap(model)
         with (net.looping(r) if cfg.model.has_loop else contextlib.nullcontext()), \
@@ -146,12 +148,14 @@ class Trainer:
                 gen = torch.Generator(device=d.device).manual_seed(noise_seed(cfg.train.seed, step, block))
                 with no_sync(model, skip=micro < accum - 1), self.autocast:
                     out = objective(model, inputs, targets, k, plain_mask=plain[0] if plain else None, generator=gen,
-                                    z_loss=z_loss)
+                                    z_loss=z_loss, latent_loss=cfg.train.latent_loss)
                     (out.loss / accum).backward()
                 with torch.no_grad():
                     sums[:k] += torch.stack(out.pass_losses).detach().float()
                     sums[k] += out.loss.detach().float()
                     sums[k + 1] += out.state.detach().float().pow(2).mean().sqrt()
+                    if out.latent is not None:
+                        sums[k + 2] += out.latent.detach().float()
         sums = all_reduce_mean(sums / accum, d)
         values = sums.tolist()
         bad = [j + 1 for j, v in enumerate(values[:k]) if not math.isfinite(v)]
@@ -159,7 +163,8 @@ class Trainer:
             bad = [0]
         if bad:
             self.optimizer.zero_grad(set_to_none=True)
-            where = f"pass {bad[0]}" if bad[0] else "the z-loss term"
+            where = f"pass {bad[0]}" if bad[0] else "the z-loss term" + (" or the next-latent term"
+                                                                          if cfg.train.latent_loss else "")
             raise TrainingDiverged(f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); "
                                    f"stopped before applying it. {self.rundir.last_good()}. Try a lower learning rate "
                                    "(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
@@ -169,7 +174,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1],
-                         loops=r, blend=blend)
+                         loops=r, blend=blend, latent=values[k + 2])
 
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> dict[str, float]:
@@ -275,6 +280,8 @@ class Trainer:
                 row["mix"] = mix._asdict()
                 if self.step % self.schedule.every == 0 and self.step < total:
                     row["adapt"] = self.adapt()
+            if cfg.train.latent_loss > 0:
+                row["latent_loss"] = stats.latent
             if self.loggers:
                 self.loggers.log(row)
             if bar is not None:

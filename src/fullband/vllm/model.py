@@ -350,8 +350,8 @@ class FullbandForCausalLM(nn.Module):
             except KeyError:
                 raise ConfigError(f"checkpoint tensor {name!r} is not a fullband weight") from None
             target = named(w, layer, w.serving_name)
-            if self.cfg.tie_embeddings and target == "lm_head.weight":
-                continue
+            if (self.cfg.tie_embeddings and target == "lm_head.weight") or w.kind == "latent":
+                continue  # a latent head trains the fed state; decoding never reads it
             if target not in params:
                 raise ConfigError(f"checkpoint tensor {name!r} has no place in the served model (mapped to {target!r})")
             param = params[target]
