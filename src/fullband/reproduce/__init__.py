@@ -16,7 +16,8 @@ from fullband.reproduce import (compare, data_efficiency, fusion_ablation, probe
                                 warmstart)
 from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware, train_run
 
-__all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "hardware", "reproduce", "train_run"]
+__all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "gate_section", "hardware", "reproduce",
+           "train_run"]
 
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
@@ -51,7 +52,30 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
               f"Hardware: {hardware()}. Wall time of this invocation: {total / 60:.1f} min "
               "(training time per run is in the tables; reused runs cost nothing here).", ""]
     out = docs / f"{name}.md"
-    replace_file(out, "\n".join(header + report) + "\n")
+    replace_file(out, "\n".join(header + report + gate_section(root)) + "\n")
     print(f"wrote {out}")
     return out
 
+
+def gate_section(root: str | Path) -> list[str]:
+    """The report's "## Stability gate" lines: one per run directory under `root` with a metrics.jsonl, the gate's
+    verdict at its last eval (fullband.eval.gate.last_gate)."""
+    from fullband.eval.gate import last_gate
+    from fullband.train.metrics import METRICS_FILE
+
+    root = Path(root)
+    lines = ["", "## Stability gate", "",
+             "Each run's stability gate at its last validation eval (docs/method.md, the stability gate).", ""]
+    runs = sorted(p.parent for p in root.rglob(METRICS_FILE)) if root.is_dir() else []
+    for run in runs:
+        gate = last_gate(run)
+        if gate is None:
+            said = "no validation eval logged"
+        elif gate is False:
+            said = "not measured (trained before the gate existed, or with log.gate_windows = 0)"
+        else:
+            said = "pass" if gate.passed else f"FAILED: {'; '.join(gate.failures())}"
+        lines.append(f"- `{run.relative_to(root).as_posix()}`: {said}")
+    if not runs:
+        lines.append("- no run directory with a metrics.jsonl under this experiment's root")
+    return lines
