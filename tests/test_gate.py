@@ -113,6 +113,13 @@ def test_a_training_run_logs_returns_and_shows_its_gate(tmp_path, corpus, cache,
     assert "warn  metrics.jsonl (stability gate): FAILED at the last eval: max |logit| 143 >= 100" in out
     assert "- `run`: FAILED: max |logit| 143 >= 100 at pass 2" in gate_section(tmp_path)
     assert verdict(bad.to_dict()) == "stability gate FAILED: max |logit| 143 >= 100 at pass 2"
+    # a report rebuilt after the run folders are gone (compare reuses its records) keeps the lines it had
+    kept = tmp_path / "gates.json"
+    before = gate_section(tmp_path, kept=kept)
+    import shutil
+
+    shutil.rmtree(run)
+    assert gate_section(tmp_path, kept=kept) == before
 
 
 def test_a_run_from_before_the_gate_is_not_measured(tmp_path, capsys):
