@@ -353,6 +353,7 @@ def _run_dir(path: Path, hashes: bool) -> Report:
             good.append(step)
     last_step = read_trainer_state(good[-1])["step"] if good else 0
     _metrics(report, path / METRICS_FILE, last_step)
+    _gate(report, path)
     if busy:
         report.verdict = (f"in use by a running process ({got}); {len(good)} healthy checkpoint(s) so far"
                           f"{f', the latest {good[-1].name}' if good else ''}: check again when it stops")
@@ -404,3 +405,22 @@ def _metrics(report: Report, path: Path, last_step: int) -> None:
     if later:
         report.add(WARN, path.name, f"{later} row(s) logged after step {last_step}, the last usable checkpoint; "
                                     "a resume drops them and trains those steps again")
+
+
+def _gate(report: Report, run_dir: Path) -> None:
+    """The stability gate at the run's last eval (fullband.eval.gate). A failed gate warns: the files are healthy,
+    the training is not."""
+    from fullband.eval.gate import last_gate
+    from fullband.train.metrics import METRICS_FILE
+
+    gate = last_gate(run_dir)
+    if gate is None:
+        return  # no eval yet (or no metrics.jsonl, reported above)
+    where = f"{METRICS_FILE} (stability gate)"
+    if gate is False:
+        report.add(OK, where, "not measured (trained before the gate existed, or with log.gate_windows = 0)")
+    elif gate.passed:
+        report.add(OK, where, f"{gate.summary()} at the last eval")
+    else:
+        report.add(WARN, where, f"FAILED at the last eval: {'; '.join(gate.failures())}. The files are healthy; the "
+                                "training is not stable (docs/method.md, the stability gate)")

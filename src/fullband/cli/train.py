@@ -38,6 +38,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train from a recipe TOML; --resume continues a run exactly where its last checkpoint left it."""
+    from fullband.eval.gate import verdict
     from fullband.train.config import load_run_config
     from fullband.train.trainer import train
 
@@ -45,8 +46,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = train(cfg, resume=args.resume)
     if result.get("eval") and int(os.environ.get("RANK", "0")) == 0:
         losses = "  ".join(f"passes={k}: {v:.4f}" for k, v in result["eval"].items())
+        gate = f"; {verdict(result['gate'])}" if result.get("gate") else ""  # a failed gate says what failed
         print(f"done: {result['steps']} steps, {result['tokens'] / 1e6:.2f}M tokens, {result['elapsed']:.0f}s; "
-              f"val loss {losses}; run dir {result['run_dir']}")
+              f"val loss {losses}; run dir {result['run_dir']}{gate}")
     return 0
 
 

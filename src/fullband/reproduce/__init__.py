@@ -16,7 +16,8 @@ from fullband.reproduce import (compare, data_efficiency, fusion_ablation, probe
                                 tracking, warmstart)
 from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware, train_run
 
-__all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "hardware", "reproduce", "train_run"]
+__all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "gate_section", "hardware", "reproduce",
+           "train_run"]
 
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
@@ -51,7 +52,40 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
               f"Hardware: {hardware()}. Wall time of this invocation: {total / 60:.1f} min "
               "(training time per run is in the tables; reused runs cost nothing here).", ""]
     out = docs / f"{name}.md"
-    replace_file(out, "\n".join(header + report) + "\n")
+    replace_file(out, "\n".join(header + report + gate_section(root, kept=figs / GATES_FILE)) + "\n")
     print(f"wrote {out}")
     return out
 
+
+GATES_FILE = "gates.json"  # in the report's folder: each run's gate line, for a report rebuilt without its runs
+
+
+def gate_section(root: str | Path, *, kept: Path | None = None) -> list[str]:
+    """The report's "## Stability gate" lines: one per run directory under `root` with a metrics.jsonl, the gate's
+    verdict at its last eval (fullband.eval.gate.last_gate). `kept` (JSON): the lines of earlier reports, so runs
+    whose folders are gone (an experiment that reuses its records on another machine) keep theirs; it is updated."""
+    import json
+
+    from fullband.eval.gate import last_gate
+    from fullband.files import read_json
+    from fullband.train.metrics import METRICS_FILE
+
+    root = Path(root)
+    said: dict[str, str] = dict(read_json(kept) or {}) if kept is not None else {}
+    for run in sorted(p.parent for p in root.rglob(METRICS_FILE)) if root.is_dir() else []:
+        gate = last_gate(run)
+        if gate is None:
+            verdict = "no validation eval logged"
+        elif gate is False:
+            verdict = "not measured (trained before the gate existed, or with log.gate_windows = 0)"
+        else:
+            verdict = "pass" if gate.passed else f"FAILED: {'; '.join(gate.failures())}"
+        said[run.relative_to(root).as_posix()] = verdict
+    if kept is not None and said:
+        replace_file(kept, json.dumps(said, indent=1, sort_keys=True) + "\n")
+    lines = ["", "## Stability gate", "",
+             "Each run's stability gate at its last validation eval (docs/method.md, the stability gate).", ""]
+    lines += [f"- `{name}`: {verdict}" for name, verdict in sorted(said.items())]
+    if not said:
+        lines.append("- no run directory with a metrics.jsonl under this experiment's root")
+    return lines

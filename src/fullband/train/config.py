@@ -125,6 +125,7 @@ class LogConfig:
     eval_every: int = 200  # validation loss every N steps (0: only at the end)
     eval_windows: int = 32  # validation windows per evaluation
     eval_passes: list[int] = field(default_factory=lambda: [1, 2])
+    gate_windows: int = 4  # validation windows the stability gate reads at every eval (0: no gate)
     ckpt_every: int = 200  # checkpoint every N steps (0: only at the end)
     keep_last: int = 3  # checkpoints kept
     progress: bool = True
@@ -133,7 +134,7 @@ class LogConfig:
     wandb_project: str = "fullband"
 
     def __post_init__(self) -> None:
-        for name in ("log_every", "eval_every", "eval_windows", "ckpt_every"):
+        for name in ("log_every", "eval_every", "eval_windows", "gate_windows", "ckpt_every"):
             integer(f"log.{name}", getattr(self, name), 0)
         integer("log.keep_last", self.keep_last, 1)
         if not self.eval_passes:

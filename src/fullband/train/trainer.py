@@ -20,6 +20,7 @@ import torch
 
 from fullband.errors import TrainingDiverged
 from fullband.files import writing
+from fullband.eval.gate import gate_windows, stability_gate
 from fullband.eval.loss import validation_loss
 from fullband.model.flops import train_flops
 from fullband.model.objective import objective
@@ -201,6 +202,14 @@ class Trainer:
         return {"growth": growth, "residual": residual, "action": action, "share": self.mix.share,
                 "top": self.mix.top}
 
+    def gate(self) -> dict | None:
+        """The stability gate (fullband.eval.gate) on the first log.gate_windows validation windows, as a dict
+        (None with log.gate_windows = 0). Every rank runs it on the same windows: an FSDP forward is collective."""
+        if not self.cfg.log.gate_windows:
+            return None
+        inputs, plain = gate_windows(self.data.val_batches, self.cfg.log.gate_windows)
+        return stability_gate(unwrap(self.model), inputs, plain_mask=plain, autocast=self.autocast).to_dict()
+
     # ------------------------------------------------------------------ the loop
     def weights_finite(self) -> bool:
         """Whether every parameter (every rank's shard) is finite."""
@@ -235,6 +244,7 @@ class Trainer:
         d = self.d
         bar = progress_bar(self.cfg, d, self.step, self.cfg.train.steps)
         self.last_eval: dict[str, float] = {}
+        self.last_gate: dict | None = None
         try:
             with stop_after_step() as stop:
                 self._loop(bar, stop)
@@ -247,7 +257,7 @@ class Trainer:
             with writing(self.run_dir / "loss.png", "plot the losses"):
                 plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
         out = {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
-               "elapsed": self.elapsed, "eval": self.last_eval, "run_dir": str(self.run_dir)}
+               "elapsed": self.elapsed, "eval": self.last_eval, "gate": self.last_gate, "run_dir": str(self.run_dir)}
         if self.mix is not None:
             out["pass_mix"] = self.mix._asdict()
         return out
@@ -291,10 +301,12 @@ class Trainer:
             done = self.step == total
             if (cfg.log.eval_every and self.step % cfg.log.eval_every == 0) or done:
                 self.last_eval = last_eval = self.evaluate()
+                self.last_gate = gate = self.gate()
                 if self.loggers:
                     self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens,
-                                      "flops": self.flops})
+                                      "flops": self.flops} | ({"gate": gate} if gate else {}))
                 msg = "  ".join(f"passes={k}: {v:.4f}" for k, v in last_eval.items())
+                msg += f"; {gate['summary']}" if gate else ""
                 (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
             due = (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done
             path = self.save() if due else None
