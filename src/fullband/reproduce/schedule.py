@@ -105,13 +105,11 @@ def _evaluate(run: Run, ckpt: Path, figs: Path) -> dict:
 
 def _trajectory(run_dir: Path) -> dict:
     """From metrics.jsonl: the adaptive schedule's decisions and mixes, and the gate at every evaluation."""
-    from fullband.eval.gate import last_gate
     from fullband.train.metrics import METRICS_FILE, metric_rows
 
     rows = metric_rows(run_dir / METRICS_FILE)
-    gates = [r["gate"] for r in rows if isinstance(r.get("gate"), dict)]
     return {"adapt": [(r["step"], r["adapt"]) for r in rows if "adapt" in r],
-            "gates": gates, "last_gate": last_gate(run_dir)}
+            "gates": [r["gate"] for r in rows if isinstance(r.get("gate"), dict)]}
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[str]:
@@ -154,7 +152,7 @@ def _intro() -> list[str]:
         "only); **stress**: the code setting without the training noise on the fed state (jitter 0, no plain",
         "prefixes) at twice the learning rates, a setting chosen to make 75/25 diverge.", "",
         "Columns: held-out loss (nats/token; registers: on the answer) after k fused passes (k = 1 is the standard",
-        f"read; k = 1000 is far past every trained depth); growth: the worst perturbation growth per pass of the",
+        "read; k = 1000 is far past every trained depth); growth: the worst perturbation growth per pass of the",
         "linearised pass map at its fixed point over 8 and 32 passes (< 1: contracting); gain: the one-pass",
         "amplification; gate: the stability checklist on the final checkpoint (finite logits, max |logit| < 100,",
         "the state's RMS p99 within [0.25, 4] x pass 1's at pass 32, the residual at pass 32 <= 0.25 and <= pass",
@@ -175,7 +173,7 @@ def _setting_lines(setting: str, rows: list) -> list[str]:
         flops = ev["flops"] / ref["flops"] if ref else float("nan")
         fails = sum(not g["passed"] for g in traj["gates"])
         gate = ("pass" if ev["gate"]["passed"] else "FAIL: " + ", ".join(
-            c["name"] for c in ev["gate"]["checks"] if c["passed"] is False))
+            name for name, c in ev["gate"]["checks"].items() if c["passed"] is False))
         cells = [run.name.removeprefix(f"{setting}-"), str(ev["step"]), f"{ev['tokens'] / 1e6:.2f}M",
                  f"{ev['flops']:.3g}", f"{flops:.3f}", f"{wall / 60:.1f} min",
                  *(f"{v:.3f}" for v in ev["sweep"]["loss"]), f"{growth[8]:.3f} / {growth[32]:.3f}",
@@ -248,7 +246,8 @@ def _figures(results: dict, figs: Path) -> list[str]:
     ax.set(xlabel="step", ylabel="adaptive mix", title="adaptive schedule")
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     lines = saved_figure(fig, figs, "schedule.png", "schedule")
     return lines[:2]  # the figure; the command list comes at the end
 
