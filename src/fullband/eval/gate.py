@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fullband.eval.stability import relative_residual
+
 LOGIT_LIMIT = 100.0
 RMS_BAND = (0.25, 4.0)
 RESIDUAL_LIMIT = 0.25
@@ -97,7 +99,7 @@ def stability_gate(model, inputs: Tensor, *, plain_mask: Tensor | None = None, d
         if k == 1:
             seen["rms1"] = _p99_rms(h)
         if k in (mid, deep) and "h" in seen:
-            seen["residual"][k] = float(_rms(h - seen["h"]) / _rms(h))
+            seen["residual"][k] = relative_residual(h, seen["h"])
         seen["h"] = h
         if k == runs:
             seen["rms_deep"] = _p99_rms(h)
@@ -109,10 +111,6 @@ def stability_gate(model, inputs: Tensor, *, plain_mask: Tensor | None = None, d
     finally:
         net.train(was_training)
     return _judge(seen, feedback, runs, mid, deep)
-
-
-def _rms(x: Tensor) -> Tensor:
-    return x.double().pow(2).mean().sqrt()
 
 
 def _p99_rms(h: Tensor) -> float:

@@ -210,9 +210,14 @@ def pass_residuals(model, inputs: Tensor, ks) -> dict[int, float]:
 
     def each_pass(j: int, h: Tensor, top: Tensor) -> None:
         if j + 1 in ks:
-            rms = h.double().pow(2).mean().sqrt().clamp_min(1e-30)
-            out[j + 1] = float((h - last[0]).double().pow(2).mean().sqrt() / rms)
+            out[j + 1] = relative_residual(h, last[0])
         last[:] = [h]
 
     model.iterate(model.embed_inputs(inputs), model.plain_of(inputs), ks[-1], tol=_EXACTLY_ZERO, each_pass=each_pass)
     return {k: out.get(k, 0.0) for k in ks}  # past the exact fixed point every update is zero
+
+
+def relative_residual(h: Tensor, prev: Tensor) -> float:
+    """The fixed-point residual of a pass: RMS(h - prev) / RMS(h) over every position and channel (the adaptive
+    schedule and the stability gate read it)."""
+    return float((h - prev).double().pow(2).mean().sqrt() / h.double().pow(2).mean().sqrt())
