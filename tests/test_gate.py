@@ -8,7 +8,8 @@ import json
 import torch
 
 from fullband.cli import main
-from fullband.eval.gate import CHECKS, Gate, last_gate, stability_gate, verdict
+from fullband.eval.gate import CHECKS, Gate, stability_gate, verdict
+from fullband.train.metrics import last_gate
 
 from conftest import MICRO_MODEL, random_ids, tiny_model, write_config
 

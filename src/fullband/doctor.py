@@ -410,7 +410,7 @@ def _metrics(report: Report, path: Path, last_step: int) -> None:
 def _gate(report: Report, run_dir: Path) -> None:
     """The stability gate at the run's last eval (fullband.eval.gate). A failed gate warns: the files are healthy,
     the training is not."""
-    from fullband.eval.gate import last_gate
+    from fullband.train.metrics import last_gate
     from fullband.train.metrics import METRICS_FILE
 
     gate = last_gate(run_dir)

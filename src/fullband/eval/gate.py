@@ -11,10 +11,8 @@ the passes stop there and a residual beyond is 0."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -170,30 +168,3 @@ def gate_windows(batches, windows: int) -> tuple[Tensor, Tensor | None]:
     if not inputs:
         raise ValueError("no validation windows to run the stability gate on")
     return torch.cat(inputs), torch.cat(plain) if plain else None
-
-
-def last_gate(run_dir: str | Path) -> Gate | None | bool:
-    """The gate at the last eval of a run directory that recorded one (metrics.jsonl): a Gate; False when the run
-    has evals but none with a gate (trained before the gate existed, or with log.gate_windows = 0); None when there
-    is no metrics.jsonl or no eval row."""
-    from fullband.train.metrics import METRICS_FILE
-
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return None
-    found: Gate | None | bool = None
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line of a killed run
-            continue
-        if not isinstance(row, dict) or "eval" not in row:
-            continue
-        if isinstance(row.get("gate"), dict):
-            try:
-                found = Gate.from_dict(row["gate"])
-            except (KeyError, TypeError):
-                pass
-        elif found is None:
-            found = False
-    return found

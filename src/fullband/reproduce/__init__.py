@@ -66,7 +66,7 @@ def gate_section(root: str | Path, *, kept: Path | None = None) -> list[str]:
     whose folders are gone (an experiment that reuses its records on another machine) keep theirs; it is updated."""
     import json
 
-    from fullband.eval.gate import last_gate
+    from fullband.train.metrics import last_gate
     from fullband.files import read_json
     from fullband.train.metrics import METRICS_FILE
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fullband.errors import ConfigError
 from fullband.files import writing
 from fullband.train.config import RunConfig
 from fullband.train.parallel import Dist
+
+if TYPE_CHECKING:
+    from fullband.eval.gate import Gate
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -126,3 +130,30 @@ def _smooth(points: list[tuple[float, float]], window: int) -> list[tuple[float,
     """Each point's y averaged with the window - 1 before it."""
     ys = [y for _, y in points]
     return [(x, sum(ys[max(0, i - window + 1) : i + 1]) / min(i + 1, window)) for i, (x, _) in enumerate(points)]
+
+
+def last_gate(run_dir: str | Path) -> Gate | None | bool:
+    """The gate at the last eval of a run directory that recorded one (metrics.jsonl): a Gate; False when the run
+    has evals but none with a gate (trained before the gate existed, or with log.gate_windows = 0); None when there
+    is no metrics.jsonl or no eval row."""
+    from fullband.eval.gate import Gate
+
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return None
+    found: Gate | None | bool = None
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line of a killed run
+            continue
+        if not isinstance(row, dict) or "eval" not in row:
+            continue
+        if isinstance(row.get("gate"), dict):
+            try:
+                found = Gate.from_dict(row["gate"])
+            except (KeyError, TypeError):
+                pass
+        elif found is None:
+            found = False
+    return found
