@@ -111,7 +111,7 @@ def test_a_training_run_logs_returns_and_shows_its_gate(tmp_path, corpus, cache,
         f.write(json.dumps({"step": 2, "eval": evals[-1]["eval"], "gate": bad.to_dict()}) + "\n")
     assert main(["doctor", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "warn  metrics.jsonl (stability gate): FAILED at the last eval: max |logit| 143 >= 100" in out
+    assert "warn  metrics.jsonl (stability gate): did not pass at the last eval: max |logit| 143 >= 100" in out
     assert "- `run`: FAILED: max |logit| 143 >= 100 at pass 2" in gate_section(tmp_path)
     assert verdict(bad.to_dict()) == "stability gate FAILED: max |logit| 143 >= 100 at pass 2"
     # a report rebuilt after the run folders are gone (compare reuses its records) keeps the lines it had

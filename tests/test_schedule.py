@@ -198,7 +198,9 @@ def test_adaptive_starts_at_the_papers_mix_and_draws_from_seed_and_step():
 def test_adaptive_decisions():
     from fullband.train.schedule import AdaptiveSchedule, PassMix
 
-    s = AdaptiveSchedule()
+    assert AdaptiveSchedule().decide(PassMix(0.25, 3), 0.3, 0.01) == (PassMix(0.25, 3), "lower")  # the paper's: the floor
+    assert AdaptiveSchedule().decide(PassMix(0.3, 4), 0.3, 0.01) == (PassMix(0.25, 4), "lower")
+    s = AdaptiveSchedule(min_share=0.05, min_top=2)  # a floor below the paper's mix
     start = PassMix(0.25, 3)
     assert s.decide(start, 0.7, 0.01) == (start, "hold")  # between margin and expand
     assert s.decide(start, 0.92, 0.01) == (PassMix(0.3, 3), "raise")  # barely contracting: more multi-pass steps
@@ -219,8 +221,8 @@ def test_adaptive_decisions():
 @pytest.mark.parametrize("value, message", [
     ({"schedule": "adaptive", "evrey": 5}, r"unknown key 'train.passes.evrey' \(did you mean 'every'\?\)"),
     ({"schedule": "adaptive", "every": 0}, r"train.passes.every=0"),
-    ({"schedule": "adaptive", "share": 0.9}, r"share=0.9 lies outside \[min_share, max_share\] = \[0.05, 0.75\]"),
-    ({"schedule": "adaptive", "top": 9}, r"top=9 exceeds train.passes.cap=8"),
+    ({"schedule": "adaptive", "share": 0.9}, r"share=0.9 lies outside \[min_share, max_share\] = \[0.25, 0.75\]"),
+    ({"schedule": "adaptive", "top": 9}, r"top=9 lies outside \[min_top, cap\] = \[3, 8\]"),
     ({"schedule": "adaptive", "margin": 0.95}, r"margin=0.95 is not below train.passes.expand=0.9"),
     ({"every": 5}, r'a table without schedule = "adaptive"'),
     ("adaptve", r"did you mean 'adaptive'"),

@@ -422,5 +422,5 @@ def _gate(report: Report, run_dir: Path) -> None:
     elif gate.passed:
         report.add(OK, where, f"{gate.summary()} at the last eval")
     else:
-        report.add(WARN, where, f"FAILED at the last eval: {'; '.join(gate.failures())}. The files are healthy; the "
+        report.add(WARN, where, f"did not pass at the last eval: {'; '.join(gate.failures())}. The files are healthy; the "
                                 "training is not stable (docs/method.md, the stability gate)")

@@ -289,7 +289,10 @@ class AdaptiveSchedule:
     top: int = 3  # the starting highest pass count
     deep_share: float = 0.12  # of the multi-pass steps, the share drawn at `top`
     step: float = 0.05  # how much one decision moves the share
-    min_share: float = 0.05
+    # the floor: by default the paper's mix, so "lower" only gives back what "raise" added (below it the fused
+    # passes go undertrained: docs/results/schedule.md, adaptive-low)
+    min_share: float = 0.25
+    min_top: int = 3
     max_share: float = 0.75
     cap: int = 8  # the highest pass count the schedule may reach
     expand: float = 0.9  # growth per pass at or above this: not contracting beyond the trained depth -> more passes
@@ -297,7 +300,8 @@ class AdaptiveSchedule:
     residual: float = 0.25  # the residual (relative to the state's RMS) above which the map is not converging
 
     def __post_init__(self) -> None:
-        for name, low in (("every", 1), ("horizon", 2), ("windows", 1), ("vectors", 1), ("top", 2), ("cap", 2)):
+        for name, low in (("every", 1), ("horizon", 2), ("windows", 1), ("vectors", 1), ("top", 2), ("min_top", 2),
+                          ("cap", 2)):
             integer(f"train.passes.{name}", getattr(self, name), low)
         for name in ("share", "deep_share", "min_share", "max_share"):
             number(f"train.passes.{name}", getattr(self, name), low=0, high=1)
@@ -307,8 +311,9 @@ class AdaptiveSchedule:
         if not self.min_share <= self.share <= self.max_share:
             raise ConfigError(f"train.passes.share={self.share} lies outside [min_share, max_share] = "
                               f"[{self.min_share}, {self.max_share}]; accepted: min_share <= share <= max_share")
-        if self.top > self.cap:
-            raise ConfigError(f"train.passes.top={self.top} exceeds train.passes.cap={self.cap}; accepted: top <= cap")
+        if not self.min_top <= self.top <= self.cap:
+            raise ConfigError(f"train.passes.top={self.top} lies outside [min_top, cap] = [{self.min_top}, {self.cap}]; "
+                              "accepted: min_top <= top <= cap")
         if self.margin >= self.expand:
             raise ConfigError(f"train.passes.margin={self.margin} is not below train.passes.expand={self.expand}; "
                               "accepted: margin < expand (between them the mix holds)")
@@ -344,7 +349,8 @@ class AdaptiveSchedule:
         """The next mix from a measurement -> (mix, "raise" | "lower" | "hold"). Not contracting beyond the trained
         depth (growth >= expand, or residual > self.residual): the share rises by `step`, and `top` by one when the
         share is at its maximum or the map expands (growth >= 1). Contracting with margin (growth < margin and the
-        residual within bounds): the share falls by `step`, and `top` by one once the share is at its minimum."""
+        residual within bounds): the share falls by `step`, and `top` by one (not below min_top) once the share is at
+        its minimum."""
         share, top = mix
         if not (math.isfinite(growth) and math.isfinite(residual)) or growth >= self.expand or residual > self.residual:
             if growth >= 1 or share >= self.max_share or not math.isfinite(growth):
@@ -353,7 +359,7 @@ class AdaptiveSchedule:
             action = "raise"
         elif growth < self.margin:
             if share <= self.min_share:
-                top = max(2, top - 1)
+                top = max(self.min_top, top - 1)
             share = max(self.min_share, share - self.step)
             action = "lower"
         else:
