@@ -200,7 +200,7 @@ def _setting_lines(setting: str, rows: list) -> list[str]:
 
 
 def _behaviour(ev: dict, depth: int) -> tuple[str, float]:
-    """How a pass map behaves iterated past its trained depth -> ("diverges" | "settles worse" | "stable", the loss
+    """How a pass map behaves iterated past its trained depth -> ("diverges" | "settles worse" | "stays stable", the loss
     at k = 1000 minus the loss at the depth). Diverges: a non-finite loss, or perturbations that grow (growth per pass
     over 32 passes >= 1); settles worse: contracting, but to a fixed point more than DIVERGES nats/token worse."""
     import math
@@ -210,7 +210,7 @@ def _behaviour(ev: dict, depth: int) -> tuple[str, float]:
     growth = dict(zip(ev["contraction"]["horizons"], ev["contraction"]["growth"]))[32]
     if not (math.isfinite(rise) and growth < 1):
         return "diverges", rise
-    return ("settles worse" if rise > DIVERGES else "stable"), rise
+    return ("settles worse" if rise > DIVERGES else "stays stable"), rise
 
 
 def _claim(b25: tuple[str, float], b223: tuple[str, float]) -> str:
@@ -252,7 +252,7 @@ def _findings(results: dict) -> list[str]:
                              f"{a['sweep']['loss'][0] - b['sweep']['loss'][0]:+.3f} at k=1, "
                              f"{a['sweep']['loss'][1] - b['sweep']['loss'][1]:+.3f} at k=2, at "
                              f"{a['flops'] / b['flops']:.3f}x the FLOPs and {a['tokens'] / b['tokens']:.3f}x the tokens; "
-                             f"from k = 3 to k = 1000 it is {_behaviour(a, 3)[0]}.")
+                             f"from k = 3 to k = 1000 it {_behaviour(a, 3)[0]}.")
     front = [run.name for run, _, ev, _ in results.values()
              if ev["gate"]["checks"]["residual"]["passed"] is False and _behaviour(ev, 1)[0] != "diverges"]
     if front:
