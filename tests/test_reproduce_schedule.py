@@ -15,7 +15,7 @@ def test_equal_flops_steps():
     from fullband.reproduce.schedule import STEPS, expected_step_flops, runs
 
     by_name = {r.name: r for r in runs()}
-    assert len(by_name) == 15
+    assert len(by_name) == 18
     for name, run in by_name.items():
         steps = int(run.overrides[-1].removeprefix("train.steps="))
         recipe = run.config or "configs/tiny.toml"
