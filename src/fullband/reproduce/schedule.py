@@ -278,13 +278,13 @@ def _figures(results: dict, figs: Path) -> list[str]:
     for run, _, _, traj in results.values():
         if traj["adapt"]:
             steps = [s for s, _ in traj["adapt"]]
-            ax.plot(steps, [a["share"] for _, a in traj["adapt"]], label=f"{run.name} share")
-            ax.plot(steps, [a["top"] / 10 for _, a in traj["adapt"]], ls="--", label=f"{run.name} top / 10")
-    ax.set(xlabel="step", ylabel="adaptive mix", title="adaptive schedule")
+            (line,) = ax.plot(steps, [a["share"] for _, a in traj["adapt"]], label=run.name)
+            ax.plot(steps, [a["top"] / 10 for _, a in traj["adapt"]], ls="--", color=line.get_color())
+    ax.set(xlabel="step", ylabel="multi-pass share (solid), top k / 10 (dashed)", title="adaptive schedule")
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6)
     lines = saved_figure(fig, figs, "schedule.png", "schedule")
     return lines[:2]  # the figure; the command list comes at the end
 
