@@ -525,6 +525,16 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_bitwise(tmp_p
     estimate is printed before the first step."""
     from fullband.train.trainer import Trainer
 
+    # Python's own SIGINT handler, as a program started from a terminal has it, whatever this test process inherited
+    # (a background start ignores SIGINT); one CI run here saw no Ctrl-C reach the trainer, cause not found
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_then_resume(tmp_path, corpus, cache, monkeypatch, capsys, Trainer)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_then_resume(tmp_path, corpus, cache, monkeypatch, capsys, Trainer) -> None:
     whole = write_config(tmp_path, corpus, cache, "whole")
     part = write_config(tmp_path, corpus, cache, "part")
     train(load_run_config(whole))
