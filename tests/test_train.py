@@ -150,7 +150,7 @@ def adapt_rows(run_dir: Path) -> list[tuple]:
 def test_adaptive_schedule_agrees_across_ddp_ranks(tmp_path, corpus, cache):
     # every rank measures, takes the largest value and so decides the same mix; one process decides it too
     one, two = train_in_one_and_two_processes(tmp_path, corpus, cache, steps=7, micro=2,
-                                              passes='{schedule = "adaptive", every = 2, horizon = 4, windows = 2}')
+                                              passes='{schedule = "adaptive", every = 2, horizon = 4, windows = 2, cap = 4}')
     a, b = losses(one), losses(two)
     assert [len(x) for x in a] == [len(x) for x in b]
     assert_same_losses(a, b)
