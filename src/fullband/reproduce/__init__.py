@@ -62,13 +62,12 @@ GATES_FILE = "gates.json"  # in the report's folder: each run's gate line, for a
 
 def gate_section(root: str | Path, *, kept: Path | None = None) -> list[str]:
     """The report's "## Stability gate" lines: one per run directory under `root` with a metrics.jsonl, the gate's
-    verdict at its last eval (fullband.eval.gate.last_gate). `kept` (JSON): the lines of earlier reports, so runs
+    verdict at its last eval (fullband.train.metrics.last_gate). `kept` (JSON): the lines of earlier reports, so runs
     whose folders are gone (an experiment that reuses its records on another machine) keep theirs; it is updated."""
     import json
 
-    from fullband.train.metrics import last_gate
     from fullband.files import read_json
-    from fullband.train.metrics import METRICS_FILE
+    from fullband.train.metrics import METRICS_FILE, last_gate
 
     root = Path(root)
     said: dict[str, str] = dict(read_json(kept) or {}) if kept is not None else {}

@@ -193,7 +193,7 @@ class Trainer:
         from fullband.eval.stability import contraction, pass_residuals
 
         sched, net = self.schedule, unwrap(self.model)
-        inputs = self.data.val_batches[0][0][:sched.windows]
+        inputs, _ = gate_windows(self.data.val_batches, sched.windows)  # the gate's first windows, read as PassMap does
         growth = contraction(net, inputs, horizons=(sched.horizon,), vectors=sched.vectors, power_iters=0).growth[0]
         residual = pass_residuals(net, inputs, (sched.horizon,))[sched.horizon]
         growth, residual = all_reduce_max(torch.tensor([growth, residual], dtype=torch.float64,
