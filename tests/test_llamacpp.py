@@ -109,11 +109,13 @@ def _parity(native: Path, out: Path, *args: str) -> dict:
 @needs_llama
 @pytest.mark.parametrize("changes", [{}, {"input_norm": True}])
 def test_llama_cpp_decodes_every_mode_as_fullband_does(changes, tmp_path):
-    """A tiny model's GGUF file on llama.cpp: greedy tokens equal fullband.generate in every mode (F32)."""
+    """A tiny model's GGUF file on llama.cpp: greedy tokens equal fullband.generate in every mode (F32), also with
+    the host step compiled (compile=True: torch.compile around llama.cpp's call)."""
     model = llama_style(**changes)
     model.save(tmp_path / "native", tokenizer=ByteTokenizer())
-    result = _parity(tmp_path / "native", tmp_path, "--tokens", "24")
+    result = _parity(tmp_path / "native", tmp_path, "--tokens", "24", "--compiled", "soft")
     assert result["llamacpp"]["F32"] == result["native"]
+    assert result["compiled"]["F32"]["soft"] == result["native"]["soft"]
     assert result["tokenizer_ids"] == result["prompt"]  # the byte tokenizer, from the sidecar
 
 

@@ -118,8 +118,12 @@ class LlamaCppModel(FeedbackModel):
             raise CheckpointError(f"{str(self.path)!r}: llama.cpp could not create a context of n_ctx={self.n_ctx}"
                                   f"{_said()}")
         self._mem = L.llama_get_memory(self._ctx)
-        self._batch = L.llama_batch_init(self.n_ctx, cfg.d_model, 1)
-        self._L, self._epoch, self._tops, self._positions = L, 0, None, 0
+        self._batch = b = L.llama_batch_init(self.n_ctx, cfg.d_model, 1)
+        for i in range(self.n_ctx):  # every position of sequence 0 and an output: set once, decode sets positions
+            b.n_seq_id[i], b.logits[i] = 1, 1
+            b.seq_id[i][0] = 0
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_ctx,))
+        self._L, self._epoch, self._tops, self._outputs = L, 0, None, {}
         self.eval()
 
     def _tensor(self, name: str) -> Tensor:
@@ -179,37 +183,48 @@ class LlamaCppModel(FeedbackModel):
         cache.length += 1
         return top, top
 
+    @torch.compiler.disable  # llama.cpp's call: a compiled step (compile=True) compiles the host math around it
     def _decode(self, x: Tensor, start: int) -> Tensor:
-        """llama_decode of inputs x (T, D) at positions start.., every position an output -> final-norm (1, T, D)."""
+        """llama_decode of inputs x (T, D) at positions start.., every position an output -> final-norm (1, T, D).
+        The host side is lean: at batch 1 each token's round trip is what SOFT costs over llama.cpp's own loop."""
         L, b, (T, D) = self._L, self._batch, x.shape
         if start + T > self.n_ctx:
             raise InputError(f"{start + T} positions do not fit the llama.cpp context (n_ctx={self.n_ctx}); pass a "
                              "larger n_ctx (--n-ctx), at most the model's max_seq_len")
-        inputs = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
-        ctypes.memmove(b.embd, inputs.ctypes.data, inputs.nbytes)
-        for i in range(T):
-            b.pos[i], b.n_seq_id[i], b.logits[i] = start + i, 1, 1
-            b.seq_id[i][0] = 0
+        inputs = x.detach().to(torch.float32).contiguous()
+        ctypes.memmove(b.embd, inputs.data_ptr(), T * D * 4)
+        self._pos[:T] = np.arange(start, start + T) if T > 1 else start
         b.n_tokens = T
         if (rc := L.llama_decode(self._ctx, b)) != 0:
             raise InputError(f"llama_decode failed (code {rc}) at positions {start}..{start + T - 1}{_said()}")
-        top = torch.from_numpy(np.ctypeslib.as_array(L.llama_get_embeddings(self._ctx), shape=(T, D)).copy())
-        self._tops = top
+        self._tops = top = self._buffer("embeddings", D)[:T].clone()
         return top[None].to(x.dtype)
+
+    def _buffer(self, name: str, width: int) -> Tensor:
+        """llama.cpp's output buffer `name` (embeddings or logits) as an (n_ctx, width) float32 view, row i the i-th
+        output of the last decode (every position is one). Read before the next decode: llama.cpp reuses it."""
+        pointer = getattr(self._L, f"llama_get_{name}")(self._ctx)
+        address = ctypes.cast(pointer, ctypes.c_void_p).value
+        if not address:
+            raise InputError(f"llama.cpp holds no {name} output (no decode yet){_said()}")
+        view = self._outputs.get(name)
+        if view is None or view[0] != address:  # the buffer moved (llama.cpp reallocates on growth)
+            view = self._outputs[name] = address, torch.from_numpy(
+                np.ctypeslib.as_array(pointer, shape=(self.n_ctx, width)))
+        return view[1]
 
     def head(self, top: Tensor) -> Tensor:
         """The logits llama.cpp computed beside each state in `top` (..., D) (the last decode's outputs); a state it
         did not compute goes through the output matrix here."""
         flat = top.reshape(-1, top.shape[-1])
         V = self.config.vocab_size
-        logits = torch.empty(flat.shape[0], V)
-        for row, v in enumerate(flat):
-            i = _find(self._tops, v)
-            if i is None:
-                logits[row] = self._output_matrix() @ v.float()
-            else:  # copied out: llama.cpp reuses the buffer at the next decode
-                logits[row] = torch.from_numpy(np.ctypeslib.as_array(self._L.llama_get_logits_ith(self._ctx, i),
-                                                                     shape=(V,)))
+        rows = [_find(self._tops, v) for v in flat]
+        if all(i is not None for i in rows):  # copied out: llama.cpp reuses the buffer at the next decode
+            logits = self._buffer("logits", V)[rows]
+        else:
+            logits = torch.empty(flat.shape[0], V)
+            for row, (i, v) in enumerate(zip(rows, flat)):
+                logits[row] = self._output_matrix() @ v.float() if i is None else self._buffer("logits", V)[i]
         return logits.reshape(*top.shape[:-1], V).to(top.dtype)
 
     def _output_matrix(self) -> Tensor:
