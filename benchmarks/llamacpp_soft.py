@@ -10,7 +10,10 @@ Rows, per GGUF type and thread count (medians over --repeats, the rows interleav
   llama.cpp SOFT         fullband.generate(LlamaCppModel, mode="soft"): the host loop (fusion, one round trip)
   llama.cpp STANDARD (fullband)   the same host loop without feedback
   fullband SOFT / STANDARD        fullband.generate on the native float32 model (F32 rows only)
-The ratios are what to read; the machine (CPU model, load) is printed and written with them."""
+The ratios are what to read; the machine (CPU model, load) is printed and written with them. "ms/token over it" is
+each row's time per token minus llama.cpp's own loop's: the host's cost per token (SOFT minus the fullband loop's
+STANDARD is the fusion's; the fullband loop's STANDARD minus llama.cpp's own is the generic decode step's), about
+constant across files, so its share grows as a llama.cpp step shortens."""
 
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    load_start = os.getloadavg()
     from fullband import load_model
     from fullband.data.tokenizer import load_tokenizer
     from fullband.hf.convert import convert
@@ -105,15 +109,17 @@ def main(argv: list[str] | None = None) -> None:
             engine.close()
             base = statistics.median(seen["llama.cpp STANDARD"])
             for name, values in seen.items():
-                rows.append({"type": kind, "threads": threads, "row": name, "tok_s": statistics.median(values),
-                             "vs_llama_cpp_standard": statistics.median(values) / base})
-    machine = {"cpu": cpu_model(), "load": os.getloadavg(), "torch": torch.__version__,
+                tok_s = statistics.median(values)
+                rows.append({"type": kind, "threads": threads, "row": name, "tok_s": tok_s,
+                             "vs_llama_cpp_standard": tok_s / base, "ms_per_token_over": 1e3 / tok_s - 1e3 / base})
+    machine = {"cpu": cpu_model(), "load_start": load_start, "load": os.getloadavg(), "torch": torch.__version__,
                "llama_cpp": __import__("llama_cpp").__version__}
-    print(f"# {machine['cpu']}; load {machine['load'][0]:.2f}; prompt {args.prompt_len}, {args.new_tokens} new "
+    print(f"# {machine['cpu']}; load {load_start[0]:.2f} at the start, {machine['load'][0]:.2f} at the end; prompt {args.prompt_len}, {args.new_tokens} new "
           f"tokens, batch 1, greedy, median of {args.repeats}")
-    print("| type | threads | row | tok/s | vs llama.cpp STANDARD |\n|---|---|---|---|---|")
+    print("| type | threads | row | tok/s | vs llama.cpp STANDARD | ms/token over it |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['type']} | {r['threads']} | {r['row']} | {r['tok_s']:.1f} | {r['vs_llama_cpp_standard']:.2f} |")
+        print(f"| {r['type']} | {r['threads']} | {r['row']} | {r['tok_s']:.1f} | {r['vs_llama_cpp_standard']:.3f} | "
+              f"{r['ms_per_token_over']:+.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
 
