@@ -551,6 +551,17 @@ def test_the_chosen_runner_gets_its_logits_processor(v2_config, monkeypatch):
     assert v2_config.model_config.logits_processors == [TRACKER]
 
 
+def test_prefill_context_parallelism_is_refused_by_name(v2_config, monkeypatch):
+    """V2's prefill context parallelism splits a prompt's positions over ranks: a fed position would read a state
+    another rank computes."""
+    from fullband.errors import ConfigError
+    from fullband.vllm import engine as rules
+
+    monkeypatch.setattr(v2_config.parallel_config, "prefill_context_parallel_size", 2)
+    with pytest.raises(ConfigError, match="prefill_context_parallel_size > 1 is not supported with latent feedback"):
+        rules.FullbandEngineConfig.verify_and_update_config(v2_config)
+
+
 # ---------------------------------------------------------------------------------------------------- a converted Llama
 def test_converted_llama_in_standard_mode_equals_vllms_own_llama(tmp_path):
     """Converted without fusion weights (fusion="none"), so also what a model without feedback weights is served
