@@ -123,7 +123,8 @@ def step(model, reqs: list[Req], batch, memory: dict) -> None:
 
 def solo(model, req: Req) -> Req:
     """`req` alone on V1's layout: one batch row, the model's state buffer (BatchRows)."""
-    rows, state, memory = Rows(1), torch.zeros(1, model.config.d_model), {req.name: torch.zeros(0, model.config.d_model)}
+    D = model.config.d_model
+    rows, state, memory = Rows(1), torch.zeros(1, D), {req.name: torch.zeros(0, D)}
     rows.add(0, req.mode, req.prompt, runs(req.mode, req.prompt, req.spans))
     rows.batch_size = 1
     while not (req.finished and req.done == len(req.tokens)):
