@@ -30,6 +30,7 @@ class FeedbackModelState(DefaultModelState):
         super().__init__(vllm_config, model, encoder_cache, device)
         cfg = model_config_of(self.model_config.hf_config)
         self.slots = Slots(self.max_num_reqs, cfg.d_model, dtype=self.dtype, device=device)
+        SERVED.tracker = None  # a V1 engine's tracker earlier in this process must not steer V2's dummy runs
 
     def add_request(self, req_index: int, new_req_data) -> None:
         super().add_request(req_index, new_req_data)
