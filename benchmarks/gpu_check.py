@@ -1,7 +1,14 @@
 """One pass over every CUDA path fullband has, and training steps at nanochat's d20 shape set against reference
 figures (run by benchmarks/gpu_check.sh on a GPU machine), printed as one table. The rows, with the time each is
-estimated to take on one H100-class GPU (BUDGET_S; about 8 minutes in all, under the 10 the check must fit in):
+estimated to take on one H100-class GPU (BUDGET_S; about 10 minutes in all, the most the check may take):
 
+  vllm v2  (120 s, a guess: not yet run on a GPU) tests/test_vllm.py's token-for-token tests against
+           fullband.generate (every mode on a ragged batch, modes mixed in one batch, fed states returned, chunked
+           prefill with prefix caching, preemption) on vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1), and
+           that the workers ran V2 with fullband's model state (fullband.vllm.runner_v2). Run first, in its own
+           process (vLLM takes most of the GPU's memory), with the interpreter in $VLLM_PYTHON, else .venv-vllm's,
+           else this one; skipped, as a row, where that interpreter has no vLLM, a vLLM without V2, or a vLLM
+           that is not a CUDA build (vLLM's CPU build runs V1 only), and on a CPU run
   train    (150 s) a few steps of configs/small.toml in bfloat16 autocast with compiled blocks and the 75/22/3 pass
            schedule (NorMuon's Newton-Schulz runs in bfloat16 on CUDA): tokens/s and MFU (6 N k FLOPs per token,
            N every parameter); most of the time is the tokenizer, the data and compiling
@@ -58,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = {"GH200": 989.0, "H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0,
                "A10": 125.0, "L4": 121.0}
 # estimated seconds of each row on one H100-class GPU (module docstring); the table prints them beside the times
-BUDGET_S = {"train": 150, "nccl": 10, "decode": 20, "bench": 90, "d20 k=1": 120, "d20 k=2": 90}
+BUDGET_S = {"vllm v2": 120, "train": 150, "nccl": 10, "decode": 20, "bench": 90, "d20 k=1": 120, "d20 k=2": 90}
 D20_WINDOWS = 4  # sequences of 2048 per d20 step: the two-pass step fits an 80 GB card with room to spare
 ANCHORS = ("anchors at d20: the paper author's nanochat-based reproduction on A100s, ~60% bfloat16 MFU for one pass, "
            "a two-pass step 1.95x the one-pass step, peak memory 41.6 -> 74.8 GB (at its own micro-batch); nanochat "
@@ -112,6 +119,58 @@ def check_train(out: Path, device: str, quick: bool) -> dict:
     return {"ok": True, "note": f"{tok_s:,.0f} tokens/s, mean k {mean_k:.2f}, {n / 1e6:.1f}M params, MFU "
                                 f"{mfu(flops, peak_tflops(device))} (6*N*k FLOPs/token), {wall:.0f}s incl. data and "
                                 "compile"}
+
+
+# the token-for-token vLLM tests the V2 row runs (pytest -k), and its time limit
+VLLM_V2_TESTS = ("ragged_batch or mixes_modes or the_model_runner_the_plugin_chose or fed_states_are_returned or "
+                 "chunked_prefill or preemption")
+VLLM_V2_LIMIT_S = 420
+
+
+def vllm_python() -> str:
+    """The interpreter for the vLLM row: $VLLM_PYTHON, else `make test`'s .venv-vllm, else this one."""
+    venv = ROOT / ".venv-vllm" / "bin" / "python"
+    return os.environ.get("VLLM_PYTHON") or (str(venv) if venv.exists() else sys.executable)
+
+
+def vllm_platform(python: str) -> str:
+    """What the interpreter's vLLM can run: "cuda", another platform's name, "no vLLM" or "no V2"."""
+    probe = ("import importlib.util as u, sys\n"
+             "if u.find_spec('vllm') is None: print('no vLLM'); sys.exit()\n"
+             "if u.find_spec('vllm.v1.worker.gpu.model_states') is None: print('no V2'); sys.exit()\n"
+             "from vllm.platforms import current_platform; print(current_platform.device_type)")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{python} could not say what its vLLM runs on: {one_line(RuntimeError(done.stderr))}")
+    return lines[-1]
+
+
+def check_vllm_v2(out: Path, device: str) -> dict:
+    python = vllm_python()
+    where = vllm_platform(python)
+    if where == "no vLLM":
+        return {"ok": True, "note": f"skipped: vLLM not installed ({python})"}
+    if where == "no V2":
+        return {"ok": True, "note": f"skipped: this vLLM has no Model Runner V2 ({python})"}
+    if device != "cuda" or where != "cuda":
+        return {"ok": True, "note": f"skipped: Model Runner V2 runs on CUDA; this run is on {device}, its vLLM "
+                                    f"({python}) on {where}"}
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1",
+           "PYTHONPATH": str(ROOT / "src") + (os.pathsep + path if path else "")}
+    log = out / "vllm-v2.log"
+    try:
+        with open(log, "w") as f:
+            done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_vllm.py", "-k",
+                                   VLLM_V2_TESTS], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, check=False,
+                                  timeout=VLLM_V2_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "note": f"tests/test_vllm.py on V2 ran past {VLLM_V2_LIMIT_S}s; see {log}"}
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    summary = next((line.strip("= ") for line in reversed(lines) if " passed" in line or " failed" in line
+                    or " error" in line), "no pytest summary")
+    return {"ok": done.returncode == 0, "note": f"tests/test_vllm.py on Model Runner V2: {summary}; see {log}"}
 
 
 def check_nccl(device: str) -> dict:
@@ -272,7 +331,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPU {gpu}; logs under {out}; estimated "
           f"{sum(BUDGET_S.values()) / 60:.0f} minutes on one H100-class GPU", flush=True)
     d20 = D20(args.device, args.quick)
-    checks = {"train": lambda: check_train(out, args.device, args.quick),
+    checks = {"vllm v2": lambda: check_vllm_v2(out, args.device),
+              "train": lambda: check_train(out, args.device, args.quick),
               "nccl": lambda: check_nccl(args.device),
               "decode": lambda: check_decode(args.device),
               "bench": lambda: check_bench(out, args.device, args.quick),

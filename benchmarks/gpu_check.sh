@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA path of fullband once and training steps at nanochat's d20 shape, printed as one table (see
-# benchmarks/gpu_check.py); about 8 minutes on one H100-class GPU, under 10.
+# benchmarks/gpu_check.py); about 10 minutes on one H100-class GPU. The vLLM row runs tests/test_vllm.py on Model
+# Runner V2 with $VLLM_PYTHON (default: .venv-vllm's python; a CUDA build of vLLM), and is skipped without one.
 # On a GPU machine with PyTorch nothing needs installing: src/ goes on PYTHONPATH. `--device cpu --quick` is a
 # toy-sized dry run of the script itself on any machine.
 set -euo pipefail

@@ -1,8 +1,10 @@
 """benchmarks/gpu_check.py's CPU dry run (`--device cpu --quick`): every row runs at its toy size, prints its
-figures in the table, and a row made to fail is printed as FAILED with its reason while the others still run."""
+figures in the table (the vLLM row: skipped, with why), and a row made to fail is printed as FAILED with its reason
+while the others still run."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -14,14 +16,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_quick_cpu_run_prints_every_row_and_survives_a_failing_one(tmp_path):
     path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + (os.pathsep + path if path else "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + (os.pathsep + path if path else ""),
+           "VLLM_PYTHON": sys.executable}  # the vLLM row's interpreter: this one
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
                            "--out", str(tmp_path), "--fail", "nccl"], capture_output=True, text=True, env=env)
     assert done.returncode == 1, done.stdout + done.stderr  # one row failed
     table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")]
     assert table[0] == ["check", "result", "est. s (GPU)", "seconds", "figures"]
     rows = {name: (result, note) for name, result, _, _, note in table[1:]}
-    assert list(rows) == ["train", "nccl", "decode", "bench", "d20 k=1", "d20 k=2"]
+    assert list(rows) == ["vllm v2", "train", "nccl", "decode", "bench", "d20 k=1", "d20 k=2"]
+    if importlib.util.find_spec("vllm") is None:
+        assert rows["vllm v2"] == ("ok", f"skipped: vLLM not installed ({sys.executable})")
+    else:  # vLLM's CPU build, or a CPU run
+        assert rows["vllm v2"][1].startswith("skipped: Model Runner V2 runs on CUDA; this run is on cpu")
     assert rows["nccl"] == ("FAILED", "RuntimeError: made to fail by --fail 'nccl'")
     assert all(result == "ok" for name, (result, _) in rows.items() if name != "nccl"), done.stdout
     bench = rows["bench"][1]

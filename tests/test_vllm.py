@@ -24,6 +24,9 @@ from fullband.model.config import ModelConfig  # noqa: E402
 from fullband.model.decoder import FullbandLM  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Model Runner V2 asked for by whoever runs these tests (benchmarks/gpu_check.py on a GPU), read before an engine
+# hook sets the variable for the workers
+ASKED_V2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
 pytestmark = pytest.mark.timeout(600)
 
 VOCAB, BOS = 300, 299
@@ -374,9 +377,9 @@ def test_unsupported_folders_are_refused_by_name(tmp_path):
         engine(tmp_path)
 
 
-def test_an_untested_vllm_is_refused_with_the_range_and_v1_is_said_once(monkeypatch):
+def test_an_untested_vllm_is_refused_with_the_range(monkeypatch):
     """The plugin reaches into vLLM's runner and scheduler: another release is refused when a fullband folder is
-    served (before its config is touched), with the tested range; the V1 runner is chosen and said in one line."""
+    served (before its config is touched), with the tested range."""
     import vllm
 
     from fullband.errors import FullbandError
@@ -387,13 +390,6 @@ def test_an_untested_vllm_is_refused_with_the_range_and_v1_is_said_once(monkeypa
     with pytest.raises(FullbandError, match=re.escape("fullband's vLLM plugin is tested with vllm >=0.32,<0.33; "
                                                       "0.34.0 is installed")):
         rules.FullbandEngineConfig.verify_and_update_config(None)
-    said = []
-    monkeypatch.setattr(rules.logger, "info", lambda msg, *a: said.append(msg % a))
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    rules._model_runner_v1()
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    assert said == ["fullband: model runner V1 instead of the V2 runner asked for (the fed-back state lives in its "
-                    "persistent batch; Model Runner V2 is not supported yet: docs/vllm-v2.md)"]
 
 
 @pytest.mark.skipif(not current_platform.is_cpu(), reason="the CPU attention's head sizes")
@@ -403,6 +399,167 @@ def test_a_head_size_the_attention_cannot_run_is_refused_at_load(tmp_path, capfd
         engine(tmp_path)
     printed = capfd.readouterr()  # the worker process's log: its stdout and stderr
     assert "head_dim=16 (d_model / n_heads) is not supported by vLLM's CPU_ATTN attention" in printed.out + printed.err
+
+
+# ---------------------------------------------------------------------------------------------------- Model Runner V2
+# V2 needs Triton, which the CPU build lacks: its engine runs on a GPU only (benchmarks/gpu_check.py runs this file
+# there with VLLM_USE_V2_MODEL_RUNNER=1). Here: vLLM's own V2 base class, request data and input batch around
+# fullband's model state, and the runner choice. The steps themselves are tested in tests/test_vllm_slots.py.
+def test_the_workers_run_the_model_runner_the_plugin_chose(base):
+    """V1 on the CPU build; V2 on CUDA when asked for (what makes the GPU check's run of this file a V2 run)."""
+    _, llm = base
+    want = "V2" if ASKED_V2 and current_platform.is_cuda() else "V1"
+    assert llm.collective_rpc("fullband_runner") == [want]
+
+
+@pytest.fixture(scope="module")
+def v2_config(tmp_path_factory):
+    """A real VllmConfig for a fullband folder (built on the CPU: its engine hook chooses V1 here)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    path = tmp_path_factory.mktemp("v2")
+    make_folder(path, **BASE)
+    return EngineArgs(model=str(path), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                      max_model_len=256, max_num_seqs=6).create_engine_config()
+
+
+def new_request(req_id, prompt, generated=(), computed=0, **extra):
+    """V2's NewRequestData as the scheduler sends it: a resumed request carries its prompt and, to recompute, its
+    prompt and generated tokens (prefill_token_ids)."""
+    from vllm.v1.core.sched.output import NewRequestData
+
+    return NewRequestData(req_id=req_id, prompt_token_ids=list(prompt), mm_features=[],
+                          sampling_params=vllm.SamplingParams(extra_args=extra or None), pooling_params=None,
+                          block_ids=([],), num_computed_tokens=computed, lora_request=None,
+                          prefill_token_ids=[*prompt, *generated])
+
+
+def input_batch(req_ids, index):
+    """A real V2 InputBatch of these requests at these request indices (one token each)."""
+    import dataclasses
+
+    import numpy as np
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    dummy = InputBatch.make_dummy(len(req_ids), len(req_ids), InputBuffers(8, 16, torch.device("cpu")))
+    return dataclasses.replace(dummy, req_ids=list(req_ids), idx_mapping_np=np.asarray(index, dtype=np.intp),
+                               idx_mapping=torch.tensor(index, dtype=torch.int64))
+
+
+def test_v2_model_state_is_the_model_s_and_keeps_requests_by_index(v2_config):
+    """vLLM's resolve_model_state_cls finds fullband's state on the served model (V1's runner never asks: the V1
+    tests here all run with the method in place), and on vLLM's own base class it admits a request by index with a
+    zeroed state row, reads a resumed request's prompt, not its recomputed tokens, as its prompt, and frees it."""
+    import inspect
+
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from fullband.vllm.model import FullbandForCausalLM
+    from fullband.vllm.runner_v2 import FeedbackModelState
+
+    assert resolve_model_state_cls(v2_config, FullbandForCausalLM) is FeedbackModelState
+    assert "get_model_state_cls" not in inspect.getsource(gpu_model_runner)
+    state = FeedbackModelState(v2_config, torch.nn.Module(), None, torch.device("cpu"))
+    assert isinstance(state, DefaultModelState) and state.slots.state.shape == (6, BASE["d_model"])
+    slots = state.slots
+    slots.state[4] = 1.0  # what an earlier request left at index 4
+    state.add_request(4, new_request("a", [1, 2, 3, 4], generated=[7, 8], feedback_mode="fused", prefill_passes=2))
+    assert slots.index == {"a": 4} and not slots.state[4].any() and slots.fresh[4]
+    assert (slots.prompt_len[4], slots.passes[4], slots.prompts[4]) == (4, 3, [1, 2, 3, 4]) and slots.feeds[4]
+    state.add_request(1, new_request("b", [5, 6, 7, 8, 9], feedback_mode="soft", fed_spans=[[1, 3]]))
+    assert slots.fed[1] == ((1, 3),) and slots.index == {"a": 4, "b": 1}
+    state.remove_request("a")
+    assert slots.index == {"b": 1} and slots.prompts[4] is None
+
+
+def test_v2_prepare_inputs_hands_the_forward_the_step_s_requests_by_index(v2_config):
+    """prepare_inputs's result is the forward's keyword arguments: fullband_batch, the packed requests' Reads and
+    states gathered by V2's idx_mapping; a dummy run's batch (requests not admitted) gets none, so it keeps no
+    state."""
+    from fullband.vllm.runner_v2 import FeedbackModelState
+
+    state = FeedbackModelState(v2_config, torch.nn.Module(), None, torch.device("cpu"))
+    for req_id, index, mode in (("a", 3, "soft"), ("b", 0, "standard"), ("c", 5, "fused")):
+        state.add_request(index, new_request(req_id, [1] * (index + 2), feedback_mode=mode))
+        state.slots.state[index] = float(index)
+    assert "fullband_batch" not in state.prepare_inputs(input_batch(["x", "y"], [0, 1]), None)  # a dummy run
+    batch = state.prepare_inputs(input_batch(["c", "a", "b"], [5, 3, 0]), None)["fullband_batch"]
+    assert batch.rows.prompt_len.tolist() == [7, 5, 2] and batch.rows.feeds.tolist() == [True, True, False]
+    assert batch.state()[:, 0].tolist() == [5.0, 3.0, 0.0]
+
+
+def test_v2_admission_refuses_a_bad_request_by_name_through_vllm_s_v2_loader():
+    """On V2 the request tracker (a V1 logits processor) is not loaded; fullband.vllm.admission's V2 processor
+    checks the arguments at admission instead, loaded and run by vLLM's own V2 validator."""
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import build_custom_logits_processors_params_validator
+
+    from fullband.vllm.admission import CHECK
+
+    validate = build_custom_logits_processors_params_validator([CHECK])
+    validate(vllm.SamplingParams(extra_args={"feedback_mode": "fused", "prefill_passes": 2}))
+    with pytest.raises(vllm.exceptions.VLLMValidationError, match="feedback_mode='bogus' is not a serving mode"):
+        validate(vllm.SamplingParams(extra_args={"feedback_mode": "bogus"}))
+
+
+@pytest.mark.parametrize("cuda,asked,default,want", [
+    (False, "1", True, "V1 (on cpu: fullband runs Model Runner V2 on CUDA only, and V2 needs Triton, which vLLM's CPU "
+                       "build lacks; the fed-back state lives in its persistent batch"),
+    (True, "1", False, "V2 (VLLM_USE_V2_MODEL_RUNNER=1; the fed-back state lives in a model state by request index"),
+    (True, "0", True, "V1 (VLLM_USE_V2_MODEL_RUNNER=0; the fed-back state lives in its persistent batch"),
+    (True, None, True, "V2 (vLLM's default here; the fed-back state lives in a model state by request index"),
+    (True, None, False, "V1 (vLLM's default here; the fed-back state lives in its persistent batch"),
+])
+def test_the_model_runner_is_chosen_and_said_in_one_line(monkeypatch, cuda, asked, default, want):
+    """V2 where it runs (CUDA) and is asked for or vLLM's default; the workers are told through the variable."""
+    from vllm.platforms import current_platform as platform
+
+    from fullband.vllm import engine as rules
+
+    said = []
+    monkeypatch.setattr(rules.logger, "info_once", lambda msg, *a, **k: said.append(msg % a))
+    monkeypatch.setattr(platform, "is_cuda", lambda: cuda)
+    if asked is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", asked)
+
+    class Config:  # vLLM's property reads the variable as it is when asked
+        @property
+        def use_v2_model_runner(self):
+            value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+            return default if value is None else value == "1"
+
+    v2 = rules.model_runner(Config())
+    assert said == [f"fullband: model runner {want}: docs/vllm-v2.md)"]
+    assert v2 == want.startswith("V2") and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == ("1" if v2 else "0")
+
+
+def test_the_chosen_runner_gets_its_logits_processor(v2_config, monkeypatch):
+    """V1: the request tracker; V2: the admission check (V2 refuses V1's processors), never both."""
+    from fullband.vllm import engine as rules
+    from fullband.vllm.admission import CHECK
+    from fullband.vllm.tracker import TRACKER
+
+    assert v2_config.model_config.logits_processors == [TRACKER]  # the CPU build: V1
+    monkeypatch.setattr(rules, "model_runner", lambda config: True)
+    rules.FullbandEngineConfig.verify_and_update_config(v2_config)
+    assert v2_config.model_config.logits_processors == [CHECK]
+    monkeypatch.setattr(rules, "model_runner", lambda config: False)
+    rules.FullbandEngineConfig.verify_and_update_config(v2_config)
+    assert v2_config.model_config.logits_processors == [TRACKER]
+
+
+def test_prefill_context_parallelism_is_refused_by_name(v2_config, monkeypatch):
+    """V2's prefill context parallelism splits a prompt's positions over ranks: a fed position would read a state
+    another rank computes."""
+    from fullband.errors import ConfigError
+    from fullband.vllm import engine as rules
+
+    monkeypatch.setattr(v2_config.parallel_config, "prefill_context_parallel_size", 2)
+    with pytest.raises(ConfigError, match="prefill_context_parallel_size > 1 is not supported with latent feedback"):
+        rules.FullbandEngineConfig.verify_and_update_config(v2_config)
 
 
 # ---------------------------------------------------------------------------------------------------- a converted Llama

@@ -1,8 +1,10 @@
 """Engine rules for fullband folders, run when vLLM builds its config (registered by fullband.vllm.register):
-what is refused, what is turned off and why, and the request tracker added to the model's logits processors."""
+what is refused, what is turned off and why, which model runner keeps the fed-back state (model_runner), and the
+logits processor that follows the requests (V1's request tracker) or checks them (on Model Runner V2)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING
 
@@ -61,24 +63,52 @@ class FullbandEngineConfig(VerifyAndUpdateConfig):
             from fullband.vllm.states import WORKER_EXTENSION
 
             vllm_config.parallel_config.worker_extension_cls = WORKER_EXTENSION  # fed states handed over on request
-        _model_runner_v1()
+        if getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1:
+            raise ConfigError("prefill_context_parallel_size > 1 is not supported with latent feedback: it splits a "
+                              "prompt's positions over ranks, and each fed position reads the one before it")
+        v2 = model_runner(vllm_config)
         _no_full_cuda_graphs(vllm_config)
         from fullband.vllm.tracker import SERVED, TRACKER
 
         SERVED.configure(has_feedback=cfg.has_feedback, default=default, max_passes=cfg.max_seq_len)
-        procs = list(vllm_config.model_config.logits_processors or [])
-        if TRACKER not in procs:
-            vllm_config.model_config.logits_processors = [*procs, TRACKER]
+        if v2:  # the requests' Reads live in the model state (fullband.vllm.runner_v2); admission is checked here
+            from fullband.vllm.admission import CHECK
+
+            ours, other = CHECK, TRACKER
+        else:
+            ours, other = TRACKER, "fullband.vllm.admission:RequestCheck"
+        procs = [p for p in vllm_config.model_config.logits_processors or [] if p != other]
+        vllm_config.model_config.logits_processors = procs if ours in procs else [*procs, ours]
 
 
-def _model_runner_v1() -> None:
-    """The per-request fed state follows the V1 model runner's persistent batch (fullband.vllm.tracker): V1 is
-    chosen before the workers start, said once. Model Runner V2 keeps requests in its own state, with no hook yet
-    for a per-request tensor carried between steps (docs/vllm-v2.md)."""
-    asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    logger.info("fullband: model runner V1%s (the fed-back state lives in its persistent batch; Model Runner V2 is "
-                "not supported yet: docs/vllm-v2.md)", " instead of the V2 runner asked for" if asked == "1" else "")
+V2_STATES = "vllm.v1.worker.gpu.model_states"  # Model Runner V2's per-model states (vLLM >= 0.32)
+
+
+def model_runner(vllm_config: VllmConfig) -> bool:
+    """Whether the fed-back state lives on Model Runner V2 (fullband.vllm.runner_v2: a model state indexed by V2's
+    request index) rather than in V1's persistent batch (fullband.vllm.tracker). V2 where this vLLM has it, the
+    platform is CUDA (V2 needs Triton: vLLM's CPU build runs V1) and V2 is asked for (VLLM_USE_V2_MODEL_RUNNER=1)
+    or is vLLM's default; V1 otherwise. Chosen before the workers start (they read the variable), said once."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    asked = envs.VLLM_USE_V2_MODEL_RUNNER
+    if importlib.util.find_spec(V2_STATES) is None:
+        v2, why = False, "this vLLM has no Model Runner V2 model states"
+    elif not current_platform.is_cuda():
+        v2, why = False, (f"on {current_platform.device_type}: fullband runs Model Runner V2 on CUDA only, and V2 "
+                          "needs Triton, which vLLM's CPU build lacks")
+    elif asked is not None:
+        v2, why = bool(asked), f"VLLM_USE_V2_MODEL_RUNNER={int(asked)}"
+    else:
+        v2, why = vllm_config.use_v2_model_runner, "vLLM's default here"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
+    if vllm_config.use_v2_model_runner != v2:  # vLLM overrides the variable (watermarking, HiSparse need V2)
+        v2, why = not v2, "vLLM requires it for this configuration"
+    where = "a model state by request index" if v2 else "its persistent batch"
+    logger.info_once("fullband: model runner %s (%s; the fed-back state lives in %s: docs/vllm-v2.md)",
+                     "V2" if v2 else "V1", why, where)
+    return v2
 
 
 def _feedback_caching(vllm_config: VllmConfig) -> None:

@@ -2,23 +2,25 @@
 chunked prefill, tensor parallelism and OpenAI-compatible server, checked token for token against
 `fullband.generate` (tests/test_vllm.py).
 
-How the fed-back state is kept (the paper's appendix D on vLLM's own extension points). Each request's latest
-top state lives in one persistent buffer, `state`, a row per row of vLLM's persistent batch, allocated with the
-model (fixed address). vLLM tells a logits processor about every request that enters the batch (with its
-SamplingParams and prompt), leaves it, or moves between rows, before each forward; RequestTracker
-(fullband.vllm.tracker) is that processor: it keeps each row's mode, prompt length and FUSED prompt, and moves
-the state rows with their requests. The forward maps its packed rows to batch rows with the attention
-metadata's `query_start_loc`, gathers each fed row's previous state, runs the gated fusion inside forward, and
-writes each request's last row back. A finished request's row is taken by the next one, so nothing needs
-dropping. With prefix caching the state each KV block's last position leaves is kept too, by block id
+How the fed-back state is kept (the paper's appendix D on vLLM's own extension points). On the V1 model runner,
+each request's latest top state lives in one persistent buffer, `state`, a row per row of vLLM's persistent batch,
+allocated with the model (fixed address). vLLM tells a logits processor about every request that enters the batch
+(with its SamplingParams and prompt), leaves it, or moves between rows, before each forward; RequestTracker
+(fullband.vllm.tracker) is that processor: it keeps each row's mode, prompt length and FUSED prompt, and moves the
+state rows with their requests. On Model Runner V2 (CUDA), the model's own ModelState (get_model_state_cls,
+fullband.vllm.runner_v2) keeps the same by V2's request index, which never moves, and hands the forward this step's
+requests (`fullband_batch`). Either way the forward maps its packed rows to requests with the attention metadata's
+`query_start_loc`, gathers each fed row's previous state, runs the gated fusion inside forward, and writes each
+request's last row back (fullband.vllm.plan: the same step plan on both runners). A finished request's row is taken
+by the next one. With prefix caching the state each KV block's last position leaves is kept too, by block id
 (`block_state`): a request that reads blocks from the cache and goes on with a fed position reads it there.
 
 Why not the alternatives: vLLM's EAGLE / MTP proposers hand hidden states from the target model to the drafter
 within one step, not from one step to the next; its Mamba state cache lives in KV blocks keyed by token ids (what
-prefix caching keys blocks by, so fullband's scheduler adds how the positions were read: fullband.vllm.scheduler);
-model runner V2's ModelState hook would fit as well, but V2 needs
-Triton kernels that vLLM's CPU build cannot run, so this is the path that runs, and is tested, everywhere (the
-engine hook selects runner V1 for fullband folders).
+prefix caching keys blocks by, so fullband's scheduler adds how the positions were read: fullband.vllm.scheduler).
+The engine hook picks the runner (fullband.vllm.engine.model_runner): V2 needs Triton kernels that vLLM's CPU
+build cannot run, so V1 is the runner tested end to end here, and V2 only on a GPU (benchmarks/gpu_check.py runs
+tests/test_vllm.py on it: docs/vllm-v2.md).
 
 Where vLLM's machinery meets the state (modes, FUSED prompts, chunked prefill, prefix caching, preemption,
 n > 1, CUDA graphs, what is not served; each case is tested): README.md's "Serving" table."""
@@ -55,7 +57,7 @@ from fullband.model.fusion import build_fusion
 from fullband.model.layers import RMSNorm as NativeRMSNorm
 from fullband.model.weights import lookup, named, split
 from fullband.vllm.engine import default_mode_of, model_config_of
-from fullband.vllm.plan import Blocks, StepPlan, plan_step, run_step
+from fullband.vllm.plan import BatchRows, Blocks, Rows, SlotBatch, StepPlan, plan_step, run_step
 from fullband.vllm.tracker import SERVED
 
 # ---------------------------------------------------------------------------------------------------- the layers
@@ -264,7 +266,7 @@ class FullbandForCausalLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.embed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
-        # each batch row's latest fed-back state; rows move with their requests (the request tracker)
+        # on V1, each batch row's latest fed-back state; rows move with their requests (the request tracker)
         self.register_buffer("state", torch.zeros(vllm_config.scheduler_config.max_num_seqs, cfg.d_model,
                                                   dtype=vllm_config.model_config.dtype), persistent=False)
         # with prefix caching, the state of each KV block's last position, by block id (grown to the ids seen)
@@ -282,60 +284,78 @@ class FullbandForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, fullband_batch: SlotBatch | None = None,
+                **_: object) -> torch.Tensor:
+        """`fullband_batch`: this step's requests on Model Runner V2 (fullband.vllm.runner_v2 passes it); on V1 they
+        are the request tracker's batch rows."""
         plain = self.core.plain_input(self.embed(input_ids) if inputs_embeds is None else inputs_embeds)
-        plan = self._plan(positions, input_ids)
+        batch = fullband_batch if fullband_batch is not None else self._batch_rows()
+        plan = None if batch is None else self._plan(positions, input_ids, batch.rows)
         if plan is None:  # profile and warm-up runs, STANDARD-only batches: an ordinary step, no state kept
             return self._stack(positions, plain)[1]
         if plan.blocks > self.block_state.shape[0]:  # grown to the block ids seen
             grown = self.state.new_zeros(max(plan.blocks, 2 * self.block_state.shape[0]), self.cfg.d_model)
             grown[:self.block_state.shape[0]] = self.block_state
             self.block_state = grown
+        state = batch.state()
         if plan.restore_reqs is not None:
-            self.state[plan.restore_reqs] = self.block_state[plan.restore_blocks]
-        state, top = run_step(plan, self.core, lambda x: self._stack(positions, x), plain, self.state, SERVED.tracker)
-        self.state[:plan.rows] = state[plan.last_rows].to(self.state.dtype)
-        SERVED.tracker.fresh[:plan.rows] = False
+            state[plan.restore_reqs] = self.block_state[plan.restore_blocks].to(state.dtype)
+        new, top = run_step(plan, self.core, lambda x: self._stack(positions, x), plain, state, batch.rows)
+        last = batch.write(plan, new)
         if plan.store_rows is not None:
-            self.block_state[plan.store_blocks] = state[plan.store_rows].to(self.block_state.dtype)
+            self.block_state[plan.store_blocks] = new[plan.store_rows].to(self.block_state.dtype)
         if plan.sampled:  # the state each token sampled from these rows will read; one copy to the host
-            rows = self.state[[row for row, _ in plan.sampled]].cpu()
+            rows = last[[row for row, _ in plan.sampled]].cpu()
             for (row, pos), kept in zip(plan.sampled, rows):
-                SERVED.kept_states.setdefault(SERVED.tracker.states_key[row], {})[pos] = kept
+                SERVED.kept_states.setdefault(batch.rows.states_key[row], {})[pos] = kept
         return top
+
+    def _batch_rows(self) -> BatchRows | None:
+        """This step's requests on the V1 runner: the request tracker's rows and the model's state buffer (None
+        without a tracker: on Model Runner V2, a dummy run)."""
+        if SERVED.tracker is None:
+            return None
+        SERVED.state = self.state  # the tracker moves its rows with the requests
+        return BatchRows(SERVED.tracker, self.state)
+
+    @staticmethod
+    def get_model_state_cls():
+        """Model Runner V2's per-model state (vLLM's resolve_model_state_cls asks for it; V1 never does): where the
+        fed-back states live on V2 (fullband.vllm.runner_v2)."""
+        from fullband.vllm.runner_v2 import FeedbackModelState
+
+        return FeedbackModelState
 
     def _stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fed-back state, final-norm output) of the compiled stack on inputs x."""
         out = self.model(None, positions, None, x)
         return (out, out) if self.cfg.feedback == "final" else out
 
-    def _plan(self, positions: torch.Tensor, input_ids: torch.Tensor | None) -> StepPlan | None:
-        """This step's plan from vLLM's attention metadata (query_start_loc) and the tracked requests; None when
-        nothing is fed and no state needs keeping: a run with no requests (profiling, warm-up), or a batch of
-        STANDARD requests only."""
-        tracker = SERVED.tracker
+    def _plan(self, positions: torch.Tensor, input_ids: torch.Tensor | None, rows: Rows) -> StepPlan | None:
+        """This step's plan from vLLM's attention metadata (query_start_loc) and the step's requests' `rows` (row i:
+        packed request i); None when nothing is fed and no state needs keeping: a run with no requests (profiling,
+        warm-up), or a batch of STANDARD requests only."""
         metadata = get_forward_context().attn_metadata
-        if tracker is None or not isinstance(metadata, dict):
+        if not isinstance(metadata, dict):
             return None
-        SERVED.state = self.state
         md = metadata.get(self.model.blocks[0].attn.attn.layer_name)
-        if md is None or tracker.batch_size == 0:
+        if md is None or rows.batch_size == 0:
             return None
-        R = min(tracker.batch_size, md.query_start_loc.shape[0] - 1)
-        if not tracker.feeds[:R].any() and not self.caching:  # only STANDARD requests: nothing is fed, no state
+        R = min(rows.batch_size, md.query_start_loc.shape[0] - 1)
+        if not rows.feeds[:R].any() and not self.caching:  # only STANDARD requests: nothing is fed, no state
             return None  # is read later (with prefix caching, their blocks' states may be)
         qsl = md.query_start_loc[:R + 1].tolist()
         starts = positions.index_select(0, md.query_start_loc[:R].to(positions.device, torch.long)).tolist()
         ids = None if input_ids is None else input_ids[:qsl[-1]].cpu().numpy()
         if not self.caching:
-            return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device)
+            return plan_step(rows, qsl, starts, ids, self.cfg.bos_token_id, positions.device)
         if not (hasattr(md, "slot_mapping") and hasattr(md, "block_table")):
             raise ConfigError(f"prefix caching with latent feedback keeps each block's last state by the attention "
                               f"metadata's slot_mapping and block_table, which {type(md).__name__} lacks; serve with "
                               "--no-enable-prefix-caching")
         blocks = Blocks(md.slot_mapping[:qsl[-1]].cpu().numpy(), self.cache_config.block_size,
                         lambda i, j: int(md.block_table[i, j]))
-        return plan_step(tracker, qsl, starts, ids, self.cfg.bos_token_id, positions.device, blocks)
+        return plan_step(rows, qsl, starts, ids, self.cfg.bos_token_id, positions.device, blocks)
 
     # ------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -20,6 +20,9 @@ class Rows:
     """Each row of vLLM's persistent batch as the plan reads it: the Read its request was admitted with, spread
     over arrays (one entry per row, read vectorised every step) and moved with the requests (RequestTracker)."""
 
+    ARRAYS = ("feeds", "passes", "dense", "prompt_len", "keeps_states", "has_fed", "fresh")
+    LISTS = ("prompts", "fused", "states_key", "fed")
+
     def __init__(self, n: int) -> None:
         self.feeds = np.zeros(n, dtype=bool)  # generated positions are fed (every mode but STANDARD)
         self.passes = np.ones(n, dtype=np.int64)  # the prompt's Jacobi passes (Read.passes)
@@ -53,13 +56,105 @@ class Rows:
         self.keeps_states[index] = False
 
     def move(self, rows: list[int], to: list[int]) -> None:
-        for arr in (self.feeds, self.passes, self.dense, self.prompt_len, self.keeps_states, self.has_fed, self.fresh):
+        for name in self.ARRAYS:
+            arr = getattr(self, name)
             arr[to] = arr[rows]
-        for name in ("prompts", "fused", "states_key", "fed"):
+        for name in self.LISTS:
             values = getattr(self, name)
             moving = [values[r] for r in rows]
             for r, v in zip(to, moving):
                 values[r] = v
+
+    def take(self, index: np.ndarray) -> Rows:
+        """Copies of rows `index`, in that order (row i of the result is row index[i]): a step's requests in packed
+        order, from a runner that keeps each request at one index for its life (Slots)."""
+        out = Rows.__new__(Rows)
+        for name in self.ARRAYS:
+            setattr(out, name, getattr(self, name)[index])
+        for name in self.LISTS:
+            values = getattr(self, name)
+            setattr(out, name, [values[i] for i in index])
+        out.batch_size = len(index)
+        return out
+
+
+class Slots(Rows):
+    """The requests of a runner that keeps each at one index for its whole life (vLLM's Model Runner V2: its
+    request index; fullband.vllm.runner_v2) as the plan reads them, with their fed-back states: row i is index i's
+    Read and `state[i]` its latest state. Nothing moves; a step reads and writes its requests through `batch`."""
+
+    def __init__(self, n: int, d: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(n)
+        self.state = torch.zeros(n, d, dtype=dtype, device=device)  # (n, D) each index's latest fed-back state
+        self.index: dict[str, int] = {}  # request id -> its index
+
+    def admit(self, req_id: str, index: int, mode: DecodeMode, prompt, runs: tuple[tuple[int, int], ...],
+              states_key: str | None = None) -> None:
+        """Index `index` takes request `req_id`, new or resumed after preemption (either way it reads its prompt
+        again, as V1's tracker has it read), with Rows.add's arguments; its state row is zeroed, so nothing of the
+        index's previous holder is left in it."""
+        self.release(req_id)
+        self.index[req_id] = index
+        self.add(index, mode, prompt, runs, states_key)
+        self.state[index] = 0
+
+    def release(self, req_id: str) -> None:
+        """A finished, aborted or preempted request: what it kept goes with it (its index may be taken next)."""
+        index = self.index.pop(req_id, None)
+        if index is not None:
+            self.remove(index)
+
+    def batch(self, req_ids: list[str], index, device_index: torch.Tensor | None = None) -> SlotBatch | None:
+        """This step's requests: packed request i is req_ids[i], at index[i] (`device_index`: the same indices on the
+        state's device, or None to copy them there). None unless they are the requests admitted at those indices:
+        a dummy run (profiling, CUDA-graph capture, an idle data-parallel rank) reads and writes no state."""
+        index = np.asarray(index, dtype=np.int64)
+        if len(req_ids) != len(index) or any(self.index.get(r) != i for r, i in zip(req_ids, index.tolist())):
+            return None
+        if device_index is None:
+            device_index = torch.from_numpy(index).to(self.state.device)
+        return SlotBatch(self, index, device_index)
+
+
+class SlotBatch:
+    """One step's requests on Slots, as the step plan reads them: `rows` (row i: packed request i's Read, a copy),
+    `state()` their states gathered in packed order, `write` the new ones scattered back to their indices."""
+
+    def __init__(self, slots: Slots, index: np.ndarray, device_index: torch.Tensor) -> None:
+        self.slots, self.index, self.device_index = slots, index, device_index
+        self.rows = slots.take(index)
+
+    def state(self) -> torch.Tensor:
+        """(R, D) the states the packed requests read: a copy, so the plan may overwrite rows of it (restores)."""
+        return self.slots.state[self.device_index]
+
+    def write(self, plan: StepPlan, new: torch.Tensor) -> torch.Tensor:
+        """After the step on states `new` (N, D): each request's last state to its index, and what the step changed
+        of its Read (a FUSED prompt's kept passes; none is fresh any more). -> the last states (R, D), packed order."""
+        last = new[plan.last_rows].to(self.slots.state.dtype)
+        self.slots.state[self.device_index] = last
+        self.slots.fresh[self.index] = False
+        for job in plan.dense:
+            self.slots.fused[self.index[job.batch_row]] = self.rows.fused[job.batch_row]
+        return last
+
+
+class BatchRows:
+    """One step's requests on vLLM's V1 persistent batch (RequestTracker), with SlotBatch's interface: there the
+    batch rows are in packed order already, and the model's state buffer has a row per batch row."""
+
+    def __init__(self, rows: Rows, state: torch.Tensor) -> None:
+        self.rows, self._state = rows, state
+
+    def state(self) -> torch.Tensor:
+        return self._state
+
+    def write(self, plan: StepPlan, new: torch.Tensor) -> torch.Tensor:
+        last = new[plan.last_rows].to(self._state.dtype)
+        self._state[:plan.rows] = last
+        self.rows.fresh[:plan.rows] = False
+        return last
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from fullband.errors import InputError
+from fullband.vllm.plan import Slots
 from fullband.vllm.requests import STATES
 from fullband.vllm.tracker import SERVED
 
@@ -39,6 +40,16 @@ class StatesWorker:
             out[key] = (pos, rows.contiguous().view(torch.uint8).numpy().tobytes(), str(rows.dtype).split(".")[-1],
                         rows.shape[-1])
         return out
+
+    def fullband_runner(self) -> str:
+        """The model runner this worker runs the model on: "V2" where fullband's model state keeps the fed-back
+        states (fullband.vllm.runner_v2), "V1" where the request tracker does."""
+        state = getattr(self.model_runner, "model_state", None)  # V2's runner has one; V1's none
+        if state is None:
+            return "V1"
+        if isinstance(getattr(state, "slots", None), Slots):  # fullband.vllm.runner_v2's
+            return "V2"
+        return f"V2 without fullband's state ({type(state).__name__})"
 
     def fullband_states_kept(self) -> int:
         """How many requests' fed states this worker keeps, not yet handed over (0 whenever no

@@ -1,5 +1,6 @@
-"""The per-request side of fullband's vLLM model, on vLLM's hook for per-request arguments: a logits processor
-(it changes no logits) that
+"""The per-request side of fullband's vLLM model on the V1 model runner (on Model Runner V2 the model's own state
+keeps it: fullband.vllm.runner_v2), on vLLM's hook for per-request arguments: a logits processor (it changes no
+logits) that
 
   * checks each request's mode when vLLM admits it (`validate_params`, run by the frontend: a bad mode is an
     HTTP 400 with our message and never reaches the engine), and
@@ -56,15 +57,21 @@ class Served:
 SERVED = Served()
 
 
+def admit(sampling_params) -> None:
+    """A request's arguments as the frontend admits them (a logits processor's validate_params: RequestTracker's on
+    V1, fullband.vllm.admission's on Model Runner V2): ValueError with fullband's message, an HTTP 400."""
+    try:
+        SERVED.mode_of(sampling_params, admit=True)
+    except InputError as err:
+        raise ValueError(str(err)) from None
+
+
 class RequestTracker(LogitsProcessor, Rows):
     """vLLM's view of the batch rows (a logits processor that changes no logits) kept as the step plan reads them."""
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        try:
-            SERVED.mode_of(sampling_params, admit=True)
-        except InputError as err:
-            raise ValueError(str(err)) from None
+        admit(sampling_params)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         Rows.__init__(self, vllm_config.scheduler_config.max_num_seqs)
