@@ -9,6 +9,7 @@ Rows, per GGUF type and thread count (medians over --repeats, the rows interleav
   llama.cpp STANDARD     llama.cpp's own loop: token ids in, argmax of its logits, one llama_decode per token
   llama.cpp SOFT         fullband.generate(LlamaCppModel, mode="soft"): the host loop (fusion, one round trip)
   llama.cpp STANDARD (fullband)   the same host loop without feedback
+  llama.cpp SOFT (minimal host loop)   the core's fusion and one decode per token, no decode engine: the floor
   fullband SOFT / STANDARD        fullband.generate on the native float32 model (F32 rows only)
 The ratios are what to read; the machine (CPU model, load) is printed and written with them. "ms/token over it" is
 each row's time per token minus llama.cpp's own loop's: the host's cost per token (SOFT minus the fullband loop's
@@ -50,6 +51,23 @@ def own_standard(engine, prompt: list[int], new: int) -> float:
         return new / (time.perf_counter() - start)
     finally:
         L.llama_batch_free(b)
+
+
+@torch.no_grad()
+def minimal_soft(engine, prompt: list[int], new: int) -> float:
+    """The floor of a host loop: greedy SOFT with the core's fusion and one llama.cpp decode per token and nothing
+    else (no decode engine: no plain rule, stops or steps) -> decode tokens per second."""
+    cache = engine.new_cache(1, len(prompt) + new)
+    top, _ = engine.stack(engine.plain_input(engine.embed_tokens(torch.tensor([prompt]))), cache)
+    state = top[:, -1]
+    logits = engine.head(state)
+    start = time.perf_counter()
+    for s in range(new):
+        x = engine.fuse(engine.plain_input(engine.embed_tokens(logits.argmax(-1))), state)
+        position = len(prompt) + s
+        state = engine.stack_step(x[:, None], torch.tensor([position]), cache, position + 1)[0][:, 0]
+        logits = engine.head(state)
+    return new / (time.perf_counter() - start)
 
 
 def timed(model, prompt: list[int], new: int, mode: str) -> float:
@@ -98,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             engine = LlamaCppModel(path, threads=threads, n_ctx=args.prompt_len + args.new_tokens + 8)
             runs = {"llama.cpp STANDARD": lambda: own_standard(engine, prompt, args.new_tokens),
                     "llama.cpp SOFT": lambda: timed(engine, prompt, args.new_tokens, "soft"),
-                    "llama.cpp STANDARD (fullband loop)": lambda: timed(engine, prompt, args.new_tokens, "standard")}
+                    "llama.cpp STANDARD (fullband loop)": lambda: timed(engine, prompt, args.new_tokens, "standard"),
+                    "llama.cpp SOFT (minimal host loop)": lambda: minimal_soft(engine, prompt, args.new_tokens)}
             if kind == "F32":
                 runs["fullband SOFT"] = lambda: timed(native, prompt, args.new_tokens, "soft")
                 runs["fullband STANDARD"] = lambda: timed(native, prompt, args.new_tokens, "standard")
