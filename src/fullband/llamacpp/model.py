@@ -185,8 +185,7 @@ class LlamaCppModel(FeedbackModel):
 
     @torch.compiler.disable  # llama.cpp's call: a compiled step (compile=True) compiles the host math around it
     def _decode(self, x: Tensor, start: int) -> Tensor:
-        """llama_decode of inputs x (T, D) at positions start.., every position an output -> final-norm (1, T, D).
-        The host side is lean: at batch 1 each token's round trip is what SOFT costs over llama.cpp's own loop."""
+        """llama_decode of inputs x (T, D) at positions start.., every position an output -> final-norm (1, T, D)."""
         L, b, (T, D) = self._L, self._batch, x.shape
         if start + T > self.n_ctx:
             raise InputError(f"{start + T} positions do not fit the llama.cpp context (n_ctx={self.n_ctx}); pass a "
