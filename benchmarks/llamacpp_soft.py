@@ -55,18 +55,19 @@ def own_standard(engine, prompt: list[int], new: int) -> float:
 
 @torch.no_grad()
 def minimal_soft(engine, prompt: list[int], new: int) -> float:
-    """The floor of a host loop: greedy SOFT with the core's fusion and one llama.cpp decode per token and nothing
-    else (no decode engine: no plain rule, stops or steps) -> decode tokens per second."""
+    """The floor of a host loop: greedy SOFT as the core's read of the prompt and then its step (one fused input,
+    one llama.cpp decode) per token, and nothing else (no decode engine: no stops, samplers or steps handed out)
+    -> decode tokens per second."""
+    from fullband.model.mode import DecodeMode
+
     cache = engine.new_cache(1, len(prompt) + new)
-    top, _ = engine.stack(engine.plain_input(engine.embed_tokens(torch.tensor([prompt]))), cache)
-    state = top[:, -1]
+    state = engine.read(torch.tensor([prompt]), DecodeMode("soft"), cache=cache).hidden[:, -1]
     logits = engine.head(state)
     start = time.perf_counter()
     for s in range(new):
-        x = engine.fuse(engine.plain_input(engine.embed_tokens(logits.argmax(-1))), state)
         position = len(prompt) + s
-        state = engine.stack_step(x[:, None], torch.tensor([position]), cache, position + 1)[0][:, 0]
-        logits = engine.head(state)
+        state, top = engine.step(logits.argmax(-1), torch.tensor([position]), cache, prev=state, kv_len=position + 1)
+        logits = engine.head(top)
     return new / (time.perf_counter() - start)
 
 

@@ -410,8 +410,7 @@ def _metrics(report: Report, path: Path, last_step: int) -> None:
 def _gate(report: Report, run_dir: Path) -> None:
     """The stability gate at the run's last eval (fullband.eval.gate). A failed gate warns: the files are healthy,
     the training is not."""
-    from fullband.train.metrics import last_gate
-    from fullband.train.metrics import METRICS_FILE
+    from fullband.train.metrics import METRICS_FILE, last_gate
 
     gate = last_gate(run_dir)
     if gate is None:
@@ -422,5 +421,5 @@ def _gate(report: Report, run_dir: Path) -> None:
     elif gate.passed:
         report.add(OK, where, f"{gate.summary()} at the last eval")
     else:
-        report.add(WARN, where, f"did not pass at the last eval: {'; '.join(gate.failures())}. The files are healthy; the "
-                                "training is not stable (docs/method.md, the stability gate)")
+        report.add(WARN, where, f"did not pass at the last eval: {'; '.join(gate.failures())}. The files are healthy; "
+                                "the training is not stable (docs/method.md, the stability gate)")

@@ -218,12 +218,13 @@ class LlamaCppModel(FeedbackModel):
         flat = top.reshape(-1, top.shape[-1])
         V = self.config.vocab_size
         rows = [_find(self._tops, v) for v in flat]
+        computed = self._buffer("logits", V)
         if all(i is not None for i in rows):  # copied out: llama.cpp reuses the buffer at the next decode
-            logits = self._buffer("logits", V)[rows]
+            logits = computed[rows]
         else:
             logits = torch.empty(flat.shape[0], V)
             for row, (i, v) in enumerate(zip(rows, flat)):
-                logits[row] = self._output_matrix() @ v.float() if i is None else self._buffer("logits", V)[i]
+                logits[row] = self._output_matrix() @ v.float() if i is None else computed[i]
         return logits.reshape(*top.shape[:-1], V).to(top.dtype)
 
     def _output_matrix(self) -> Tensor:

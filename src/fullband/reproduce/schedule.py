@@ -200,9 +200,10 @@ def _setting_lines(setting: str, rows: list) -> list[str]:
 
 
 def _behaviour(ev: dict, depth: int) -> tuple[str, float]:
-    """How a pass map behaves iterated past its trained depth -> ("diverges" | "settles worse" | "stays stable", the loss
-    at k = 1000 minus the loss at the depth). Diverges: a non-finite loss, or perturbations that grow (growth per pass
-    over 32 passes >= 1); settles worse: contracting, but to a fixed point more than DIVERGES nats/token worse."""
+    """How a pass map behaves iterated past its trained depth -> ("diverges" | "settles worse" | "stays stable", the
+    loss at k = 1000 minus the loss at the depth). Diverges: a non-finite loss, or perturbations that grow (growth
+    per pass over 32 passes >= 1); settles worse: contracting, but to a fixed point more than DIVERGES nats/token
+    worse."""
     import math
 
     loss = dict(zip(ev["sweep"]["ks"], ev["sweep"]["loss"]))
@@ -251,7 +252,8 @@ def _findings(results: dict) -> list[str]:
                 lines.append(f"  - {sched} vs 75/22/3: held-out loss "
                              f"{a['sweep']['loss'][0] - b['sweep']['loss'][0]:+.3f} at k=1, "
                              f"{a['sweep']['loss'][1] - b['sweep']['loss'][1]:+.3f} at k=2, at "
-                             f"{a['flops'] / b['flops']:.3f}x the FLOPs and {a['tokens'] / b['tokens']:.3f}x the tokens; "
+                             f"{a['flops'] / b['flops']:.3f}x the FLOPs and {a['tokens'] / b['tokens']:.3f}x the "
+                             "tokens; "
                              f"from k = 3 to k = 1000 it {_behaviour(a, 3)[0]}.")
     front = [run.name for run, _, ev, _ in results.values()
              if ev["gate"]["checks"]["residual"]["passed"] is False and _behaviour(ev, 1)[0] != "diverges"]

@@ -19,8 +19,7 @@ from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
 from fullband.vllm.engine import model_config_of
 from fullband.vllm.plan import Slots
-from fullband.vllm.requests import STATES, fed_runs
-from fullband.vllm.tracker import SERVED
+from fullband.vllm.tracker import SERVED, request_rows
 
 
 class FeedbackModelState(DefaultModelState):
@@ -34,12 +33,9 @@ class FeedbackModelState(DefaultModelState):
 
     def add_request(self, req_index: int, new_req_data) -> None:
         super().add_request(req_index, new_req_data)
-        params = new_req_data.sampling_params
-        mode = SERVED.mode_of(params)  # admitted by fullband.vllm.admission, so this cannot fail
-        extra = getattr(params, "extra_args", None)
-        prompt = new_req_data.prompt_token_ids  # the prompt alone: a resumed request's outputs are generated runs
-        self.slots.admit(new_req_data.req_id, req_index, mode, prompt, fed_runs(mode, extra, len(prompt or ())),
-                         (extra or {}).get(STATES))
+        # the prompt alone: a resumed request's outputs are generated runs
+        self.slots.admit(new_req_data.req_id, req_index,
+                         *request_rows(new_req_data.sampling_params, new_req_data.prompt_token_ids))
 
     def remove_request(self, req_id: str) -> None:
         super().remove_request(req_id)

@@ -66,6 +66,14 @@ def admit(sampling_params) -> None:
         raise ValueError(str(err)) from None
 
 
+def request_rows(params, prompt) -> tuple:
+    """An admitted request's Rows.add arguments after its row: (mode, prompt, fed runs, fullband_states key), read
+    from its SamplingParams' extra args (admitted already, so this cannot fail)."""
+    mode = SERVED.mode_of(params)
+    extra = getattr(params, "extra_args", None) or {}
+    return mode, prompt, fed_runs(mode, extra, len(prompt or ())), extra.get(STATES)
+
+
 class RequestTracker(LogitsProcessor, Rows):
     """vLLM's view of the batch rows (a logits processor that changes no logits) kept as the step plan reads them."""
 
@@ -87,9 +95,7 @@ class RequestTracker(LogitsProcessor, Rows):
         for index in batch_update.removed:
             self.remove(index)
         for index, params, prompt, _ in batch_update.added:
-            mode = SERVED.mode_of(params)  # admitted by validate_params, so this cannot fail
-            extra = getattr(params, "extra_args", None)
-            self.add(index, mode, prompt, fed_runs(mode, extra, len(prompt or ())), (extra or {}).get(STATES))
+            self.add(index, *request_rows(params, prompt))
         for a, b, direction in batch_update.moved:
             rows, to = ([a, b], [b, a]) if direction == MoveDirectionality.SWAP else ([a], [b])
             self.move(rows, to)
