@@ -426,7 +426,7 @@ def test_reproduce_sft_writes_a_report(tmp_path, corpus, cache):
     base = write_config(tmp_path, corpus, cache, "base", steps=3, ckpt_every=0)
     small = ["train.steps=3", "train.warmup_steps=1", "train.seq_len=256", "train.global_batch_tokens=512",
              "train.micro_batch=2", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=256"]
-    out = reproduce("sft", root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base),
+    out = reproduce("sft", root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base), seeds=1,
                     extra=[*small, f'data.cache_dir="{cache}"'], sft_extra=['data.corpus="arithmetic:300"'],
                     held_out=8, max_new_tokens=16)
     text = out.read_text()

@@ -242,7 +242,7 @@ def test_reproduce_writes_a_report(exp, tmp_path, corpus, cache):
     from fullband.reproduce import reproduce
 
     base = write_config(tmp_path, corpus, cache, "base", steps=3, ckpt_every=0)
-    out = reproduce(exp, root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base),
+    out = reproduce(exp, root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base), seeds=1,
                     extra=["train.steps=3", "train.warmup_steps=1", "train.seq_len=32", "train.global_batch_tokens=256",
                            "train.micro_batch=4"])
     text = out.read_text()

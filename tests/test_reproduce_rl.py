@@ -13,7 +13,7 @@ def test_reproduce_rl_writes_a_report_and_a_rerun_reuses_it(tmp_path, corpus, ca
     base = write_config(tmp_path, corpus, cache, "base", steps=3, ckpt_every=0)
     small = ["train.steps=3", "train.warmup_steps=1", "train.seq_len=256", "train.global_batch_tokens=512",
              "train.micro_batch=2", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=256"]
-    options = dict(root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base),
+    options = dict(root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base), seeds=1,
                    extra=[*small, f'data.cache_dir="{cache}"'], sft_extra=['data.corpus="arithmetic-mixed:300"'],
                    rl_extra=("rl.steps=2", "rl.group=2", "rl.prompts_per_step=2", "rl.max_new_tokens=8",
                              "rl.eval_prompts=4", 'rl.data="arithmetic-mixed:300"', "rl.accept=0"),

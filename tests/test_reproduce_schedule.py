@@ -29,7 +29,7 @@ def test_reproduce_schedule_writes_a_report_and_reuses_it(tmp_path, corpus, cach
     from fullband.reproduce import reproduce
 
     base = write_config(tmp_path, corpus, cache, "base", ckpt_every=0)
-    options = dict(root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base),
+    options = dict(root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base), seeds=1,
                    extra=[*SHRINK, f'data.cache_dir="{cache}"'])
     text = reproduce("schedule", **options).read_text()
     assert text.startswith("# Reproduction: schedule") and "Hardware:" in text

@@ -170,7 +170,8 @@ def test_reproduce_tracking_writes_a_report(tmp_path):
 
     small = ["train.steps=4", "train.warmup_steps=1", "train.seq_len=64", "train.global_batch_tokens=256",
              "train.micro_batch=4", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "log.eval_windows=2"]
-    out = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",), n=8)
+    out = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, seeds=1,
+                    tasks=("registers",), n=8)
     text = out.read_text()
     assert text.startswith("# Reproduction: tracking") and "## registers" in text
     assert "**Outcome.** registers (accuracy at L / 2L / 4L / 8L, L = 8): best standard (registers-standard" in text
@@ -182,19 +183,20 @@ def test_reproduce_tracking_writes_a_report(tmp_path):
     # a second invocation reuses the runs and their evaluations: the same tables, nothing scored again
     saved = tmp_path / "docs" / "tracking" / "registers-fbt-three" / "tracking_registers.json"
     stamp = saved.stat().st_mtime_ns
-    again = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",),
-                      n=8).read_text()
+    again = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, seeds=1,
+                      tasks=("registers",), n=8).read_text()
     assert "Scoring in this invocation: 0 models in 0.0 min; 5 evaluations reused" in again
     assert saved.stat().st_mtime_ns == stamp
     tables = [line for line in text.splitlines() if line.startswith("| registers-")]
     assert tables == [line for line in again.splitlines() if line.startswith("| registers-")]
     # a missing figure is drawn again (the evaluation with it)
     (saved.with_suffix(".png")).unlink()
-    reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",), n=8)
+    reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, seeds=1,
+                    tasks=("registers",), n=8)
     assert saved.with_suffix(".png").is_file() and saved.stat().st_mtime_ns > stamp
     # another number of examples per length is scored afresh
-    third = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, tasks=("registers",),
-                      n=6).read_text()
+    third = reproduce("tracking", root=tmp_path / "runs", docs=tmp_path / "docs", extra=small, seeds=1,
+                      tasks=("registers",), n=6).read_text()
     assert "Scoring in this invocation: 5 models in " in third and "over 6 examples per length" in third
 
 

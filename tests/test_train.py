@@ -458,26 +458,31 @@ def test_demo_races_trains_evaluates_summarises_and_reuses_every_phase(tmp_path,
         assert (out / name).stat().st_size > 0, name
     race = json.loads((out / "race.json").read_text())
     assert [r["mode"] for r in race["rows"]] == [
-        "standard model, read standard", "full-bandwidth model, read standard", "full-bandwidth model, read fused k=1",
+        "standard model, read standard", "standard model at the same compute, read standard",
+        "full-bandwidth model, read standard", "full-bandwidth model, read fused k=1",
         "full-bandwidth model, read fused k=4", "full-bandwidth model, read exact"]
     assert race["lengths"] == [8, 16, 32, 64] and race["runs"]["standard"]["parameters"] < \
         race["runs"]["full-bandwidth"]["parameters"]  # the standard model has no fusion weights
+    # the second standard model trains as many steps as the full-bandwidth model's passes cost
+    std, same, fb = (race["runs"][k] for k in ("standard", "standard-compute", "full-bandwidth"))
+    assert std["steps"] == fb["steps"] == 12 and same["steps"] == demo.equal_compute_steps(demo.RACE, demo.QUICK["race"])
+    assert same["compute_tokens"] == pytest.approx(fb["compute_tokens"], rel=0.1) and same["steps"] > 5 * std["steps"]
     again = eval_tracking(race["runs"]["full-bandwidth"]["checkpoint"], n=16,
                           modes=["standard", "fused:1", "fused:4", "exact"], out=tmp_path / "eval", progress=False)
-    assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in race["rows"][1:]]
+    assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in race["rows"][2:]]
     loss = json.loads((out / "code" / "step_000004" / "eval" / "loss.json").read_text())
     assert [r["mode"] for r in loss["rows"]] == ["standard", "fused k=1", "fused k=2"]
     assert len(json.loads((out / "samples.json").read_text())["text"]) == 8
     assert (out / "samples.md").read_text().count("```python") == 9
     summary = (out / "summary.md").read_text()
     assert "Parity of inputs up to 8 bits" in summary and "held-out loss: standard" in summary
-    assert "x the standard model's compute" in summary
+    assert "x the first standard model's compute" in summary
     # a second run reuses every phase: nothing is trained, scored or sampled again
     for name in ("train", "eval_tracking", "eval_loss", "generate"):
         monkeypatch.setattr(demo, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran again"))
     capsys.readouterr()
     assert demo.run_demo(out, quick=True, code_config=config) == 0
-    assert capsys.readouterr().out.count("reusing") == 3 + 4
+    assert capsys.readouterr().out.count("reusing") == 4 + 5  # the runs; the evaluations and the samples
 
 
 def test_train_bench_child_measures_a_step(tmp_path, corpus, cache):

@@ -278,7 +278,7 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
 
     extra = [f'data.corpus="{tiny_llama / "prose"}"', "data.val_percent=20",
              f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
-    out = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro",
+    out = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
                     model=str(tiny_llama / "llama"), extra=extra)
     text = out.read_text()
     assert out.name == "warmstart-micro.md"
@@ -289,7 +289,7 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
     assert (tmp_path / "docs" / "warmstart-micro" / "curves.png").is_file()
     first = capsys.readouterr().out
     assert first.count("== training ") == 7
-    again = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro",
+    again = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
                       model=str(tiny_llama / "llama"), extra=extra)
     assert "== training " not in capsys.readouterr().out  # every run reused, every evaluation cached
     body = lambda t: t.split("\n", 4)[4]  # noqa: E731 (the header states this invocation's wall time)

@@ -5,6 +5,7 @@ again (an interrupted training resumes)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -19,14 +20,21 @@ from fullband.files import lock_folder, make_folder, read_json, replace_file, sa
 from fullband.folder import read_header
 from fullband.loader import load_model
 from fullband.machine import hardware
+from fullband.presets import recipe_path
 from fullband.train.checkpoint import list_checkpoints, read_trainer_state
 from fullband.train.config import load_run_config
 from fullband.train.rundir import RUN_FILE
 from fullband.train.trainer import train
 
 RACE, CODE = "configs/demo-parity.toml", "configs/tiny.toml"
-RACERS = {"standard": ['train.passes="none"', 'model.fusion="none"'], "full-bandwidth": []}  # the recipe's grow:11
-RACE_MODES = {"standard": ["standard"], "full-bandwidth": ["standard", "fused:1", "fused:4", "exact"]}
+STANDARD = ['train.passes="none"', 'model.fusion="none"']  # a standard transformer of the same size
+EQUAL_COMPUTE = "equal-compute"  # in a racer's overrides: train.steps = the full-bandwidth recipe's compute
+# the racers: name -> (overrides of the race's recipe, the modes each is read in, its rows' label); the second
+# standard model trains as many steps as the full-bandwidth model's passes cost (EQUAL_COMPUTE: set from the recipe)
+RACERS = {"standard": (STANDARD, ["standard"], "standard model"),
+          "standard-compute": ([*STANDARD, EQUAL_COMPUTE], ["standard"],
+                               "standard model at the same compute"),
+          "full-bandwidth": ([], ["standard", "fused:1", "fused:4", "exact"], "full-bandwidth model")}
 CODE_STEPS = 100  # the code LM: configs/tiny.toml's 200 steps shortened to leave time for the race
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 SAMPLE_MODES = [("standard", 0), ("soft", 0), ("fused", 1), ("exact", 0)]
@@ -44,7 +52,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, race_config:
         t0 = time.perf_counter()
         race = _race(out, race_config, quick)
         code = _code(out, code_config, quick, list(code_overrides or []))
-        text = _summary(out, race, code, time.perf_counter() - t0)
+        text = _summary(out, race, code, time.perf_counter() - t0, robustness_counts(race_config))
     print("\n" + text)
     return 0
 
@@ -75,19 +83,34 @@ def _fresh(saved: Path, checkpoint: Path, **settings) -> dict | None:
     return data
 
 
+def equal_compute_steps(config: str | Path, overrides: list[str]) -> int:
+    """The steps a one-pass model of the recipe trains to spend the full-bandwidth recipe's compute (its steps times
+    the pass schedule's mean passes per step)."""
+    t = load_run_config(config, overrides).train
+    return max(1, round(t.steps * t.schedule.mean_passes(t.steps)))
+
+
+def racer_overrides(name: str, config: str | Path, extra: list[str]) -> list[str]:
+    """A racer's overrides of the race's recipe (then `extra`), the equal-compute steps resolved."""
+    overrides = RACERS[name][0]
+    if EQUAL_COMPUTE not in overrides:
+        return [*overrides, *extra]
+    steps = equal_compute_steps(config, extra)
+    return [*(o for o in overrides if o != EQUAL_COMPUTE), *extra, f"train.steps={steps}", f"log.ckpt_every={steps}"]
+
+
 def _race(out: Path, config: str | Path, quick: bool) -> dict:
     n, runs, rows = 16 if quick else 200, {}, []
-    for name, overrides in RACERS.items():
-        ckpt, runs[name] = _trained(config, out / f"parity-{name}", [*overrides, *(QUICK["race"] if quick else [])],
-                                    f"parity, {name} model")
-        modes = RACE_MODES[name]
+    for name, (_, modes, label) in RACERS.items():
+        ckpt, runs[name] = _trained(config, out / f"parity-{name}",
+                                    racer_overrides(name, config, QUICK["race"] if quick else []), f"parity, {label}")
         result = _fresh(ckpt / "eval" / "tracking_parity.json", ckpt, n=n, modes=modes) or \
             {**eval_tracking(ckpt, n=n, modes=modes), "modes": modes}
         replace_file(ckpt / "eval" / "tracking_parity.json", json.dumps(result, indent=2) + "\n")
-        rows += [{**r, "model": name, "mode": f"{name} model, read {r['mode']}"} for r in result["rows"]]
+        rows += [{**r, "model": name, "mode": f"{label}, read {r['mode']}"} for r in result["rows"]]
     race = {**{k: result[k] for k in ("task", "train_length", "lengths", "chance", "n")}, "rows": rows, "runs": runs,
-            "title": f"Running parity, trained on inputs of up to {result['train_length']} bits: a standard transformer "
-                     "and a full-bandwidth one of the same size"}
+            "title": f"Running parity, trained on inputs of up to {result['train_length']} bits: standard transformers "
+                     "(the same tokens; the same compute) and a full-bandwidth one of the same size"}
     save_figure(tracking_figure(race), out / "race.png")
     replace_file(out / "race.json", json.dumps(race, indent=2) + "\n")
     return race
@@ -126,44 +149,93 @@ def _verdict(diff: float, se: float) -> str:
     return f"{'lower' if diff < 0 else 'higher'} than STANDARD by {abs(diff) / se:.1f} standard errors"
 
 
-def _race_sentence(race: dict) -> str:
+ABOVE_CHANCE = 0.15  # a standard model this far above chance beyond L is not at chance (4 s.e. at 200 examples)
+SOLVED = 0.9  # accuracy at which a length counts as solved (the robustness report's bar)
+ROBUSTNESS = "docs/results/robustness.md"  # how often the race's recipe learns the recurrence, across seeds and threads
+COUNTS = Path("docs/results/robustness/race.json")  # its counts (fullband reproduce robustness), which the summary quotes
+
+
+def recipe_key(config: str | Path) -> str:
+    """What the race's counts are about: the SHA-256 of its recipe file (quoted for that recipe only)."""
+    return hashlib.sha256(recipe_path(config).read_bytes()).hexdigest()
+
+
+def robustness_counts(config: str | Path) -> dict | None:
+    """The robustness report's counts for the race recipe `config`: from the checkout the demo runs in (the current
+    folder, or the one that holds this package's source), None when there are none for this recipe."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        data = read_json(root / COUNTS)
+        if data and data.get("recipe_sha256") == recipe_key(config):
+            return data
+    return None
+
+
+def _race_sentence(race: dict, robustness: dict | None = None) -> str:
+    """The race in words, each row named by its own mode, and whether this run shows the effect it claims: the
+    full-bandwidth model's exact read at SOLVED or above at every length beyond training, the standard models near
+    chance there. When it does not, it says so and how often the recipe does (`robustness`: the robustness report's
+    counts, when there are some for this recipe)."""
     rows = {r["mode"]: r["accuracy"] for r in race["rows"]}
-    L, beyond = race["train_length"], ", ".join(str(n) for n in race["lengths"][1:])
+    L, lengths = race["train_length"], race["lengths"]
+    beyond = ", ".join(str(n) for n in lengths[1:])
+    std_rows = [m for m in rows if m.startswith("standard model")]
 
     def acc(mode: str) -> str:
         a = rows[mode]
         return f"{a[0]:.2f} at {L} bits and {' / '.join(f'{v:.2f}' for v in a[1:])} at {beyond}"
 
-    best = max((m for m in rows if m.startswith("full")), key=lambda m: sum(rows[m][1:]))
-    return (f"Parity of inputs up to {L} bits (chance {race['chance']:.2f}): the standard model scores "
-            f"{acc('standard model, read standard')}; the full-bandwidth model, {best.split(', ')[1]}, scores "
-            f"{acc(best)}, and read standard {acc('full-bandwidth model, read standard')}.")
+    exact = rows["full-bandwidth model, read exact"]
+    said = "; ".join(f"the {m.split(', read')[0]} scores {acc(m)}" for m in std_rows)
+    text = (f"Parity of inputs up to {L} bits (chance {race['chance']:.2f}): {said}; the full-bandwidth model read "
+            f"exact (the recurrence over the input) scores {acc('full-bandwidth model, read exact')}, and the same "
+            f"weights read standard {acc('full-bandwidth model, read standard')}.")
+    worst = min(range(1, len(lengths)), key=lambda i: exact[i])
+    if exact[worst] >= SOLVED:
+        text += (f" The full-bandwidth model learned the recurrence: {exact[worst]:.2f} or better up to "
+                 f"{lengths[-1] // L}x its longest training input.")
+    else:
+        counts = (f"; {robustness['learned']} of {robustness['trainings']} trainings of this recipe across seeds and "
+                  f"thread counts do ({ROBUSTNESS})" if robustness else
+                  f"; {ROBUSTNESS} counts how often this recipe does across seeds and thread counts")
+        text += (f" **This run's full-bandwidth model did not learn the recurrence** (exact read {exact[worst]:.2f} at "
+                 f"{lengths[worst]} bits, below {SOLVED}){counts}.")
+    for m in std_rows:
+        above = [i for i in range(1, len(lengths)) if rows[m][i] > race["chance"] + ABOVE_CHANCE]
+        if above:
+            text += (f" The {m.split(', read')[0]} scores {rows[m][above[0]]:.2f} at {lengths[above[0]]} bits: above "
+                     "chance beyond its training length, which a fixed-depth model is not expected to do.")
+    return text
 
 
-def _summary(out: Path, race: dict, code: dict, seconds: float) -> str:
-    std, fb = race["runs"]["standard"], race["runs"]["full-bandwidth"]
+def _summary(out: Path, race: dict, code: dict, seconds: float, robustness: dict | None = None) -> str:
+    runs = race["runs"]
+    fb, std = runs["full-bandwidth"], runs["standard"]
     first, fused = code["loss"]["rows"][0], code["loss"]["rows"][1]
+
+    def trained(name: str) -> str:
+        r = runs[name]
+        passes = r["compute_tokens"] / max(r["tokens"], 1)
+        per = "one pass each" if passes == 1 else f"{passes:.1f} passes per token on average"
+        return (f"- parity, {RACERS[name][2]}: {r['parameters'] / 1e3:.0f}k parameters, {r['steps']} steps, "
+                f"{r['tokens'] / 1e6:.2f}M tokens, {per} ({r['compute_tokens'] / max(std['compute_tokens'], 1):.1f}x "
+                f"the first standard model's compute), {r['train_seconds']:.0f} s")
+
     lines = [
         "# fullband demo: what latent feedback buys", "",
         f"Machine: {hardware()}; this run {seconds / 60:.1f} min of wall time (reused phases cost nothing).", "",
-        "What was trained:", "",
-        f"- parity, standard model: {std['parameters'] / 1e3:.0f}k parameters, {std['tokens'] / 1e6:.2f}M tokens, one "
-        f"pass each, {std['train_seconds']:.0f} s",
-        f"- parity, full-bandwidth model: {fb['parameters'] / 1e3:.0f}k parameters, {fb['tokens'] / 1e6:.2f}M tokens, "
-        f"{fb['compute_tokens'] / max(fb['tokens'], 1):.1f} passes per token on average "
-        f"({fb['compute_tokens'] / max(std['compute_tokens'], 1):.1f}x the standard model's compute), "
-        f"{fb['train_seconds']:.0f} s",
+        "What was trained:", "", *(trained(name) for name in RACERS if name in runs),
         f"- the code LM: {code['parameters'] / 1e6:.2f}M parameters, {code['steps']} steps, {code['tokens'] / 1e6:.2f}M "
         f"tokens of the Python standard library, {code['train_seconds']:.0f} s", "",
         "Results:", "",
-        f"- {_race_sentence(race)} ![race](race.png)",
+        f"- {_race_sentence(race, robustness)} ![race](race.png)",
         f"- Code LM, held-out loss: {first['mode']} {first['nats_per_token']:.4f} nats/token; {fused['mode']} "
         f"{fused['minus_first']:+.4f} ± {fused['minus_first_stderr']:.4f} (paired, over {code['loss']['windows']} "
         f"windows): {_verdict(fused['minus_first'], fused['minus_first_stderr'])}, for a "
-        f"{code['parameters'] / 1e6:.1f}M-parameter model after {code['tokens'] / 1e6:.1f}M tokens.", "",
-        f"Files in {out}/: summary.md, race.png, race.json, samples.md, samples.json, and the runs (parity-standard/, "
-        "parity-full-bandwidth/, code/: metrics, loss.png, checkpoints; each final checkpoint's eval/ holds its "
-        "evaluation, table and figure).",
+        f"{code['parameters'] / 1e6:.1f}M-parameter model after {code['tokens'] / 1e6:.1f}M tokens (one seed; "
+        f"{ROBUSTNESS} trains it with three).", "",
+        f"Files in {out}/: summary.md, race.png, race.json, samples.md, samples.json, and the runs ("
+        + ", ".join(f"parity-{name}/" for name in RACERS) + ", code/: metrics, loss.png, checkpoints; each final "
+        "checkpoint's eval/ holds its evaluation, table and figure).",
     ]
     text = "\n".join(lines) + "\n"
     replace_file(out / "summary.md", text)

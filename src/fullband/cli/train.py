@@ -126,7 +126,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if args.model is not None:
         options["model"] = args.model
     for exp in REGISTRY if args.experiment == "all" else [args.experiment]:
-        reproduce(exp, root=args.root, docs=args.docs, **options)
+        reproduce(exp, root=args.root, docs=args.docs, seeds=args.seeds, **options)
     return 0
 
 
@@ -147,6 +147,9 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
         "(a .gguf file or a transformers folder; default shipped:smollm2)"),
     opt("--budget", type=float, default=None, metavar="MIN", help="compare only: start no new run after MIN minutes, "
         "then report the finished runs and list the rest (a rerun goes on)"),
+    opt("--seeds", type=int, default=None, metavar="N", help="train every run with N seeds (0..N-1; seed 0 is the "
+        "recipes as written) and report each finding's spread across them; default per experiment: "
+        + ", ".join(f"{name} {e.seeds}" for name, e in REGISTRY.items())),
 ))
 DEMO = Command("demo", "the embedded demo (what `make demo` runs): latent feedback vs a standard model", cmd_demo, (
     opt("--out", default="runs/demo", help="where everything goes (default runs/demo)"),

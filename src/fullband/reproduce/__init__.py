@@ -7,14 +7,18 @@ resumed."""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from fullband.errors import InputError, closest
 from fullband.files import check_no_loop, make_folder, replace_file
-from fullband.reproduce import (compare, data_efficiency, fusion_ablation, probe, rl, schedule, sft, stability,
-                                tracking, warmstart)
+from fullband.reproduce import (compare, data_efficiency, fusion_ablation, probe, rl, robustness, schedule, sft,
+                                stability, tracking, warmstart)
 from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware, train_run
+from fullband.reproduce.seeds import FINDINGS_FILE, SEEDS_FILE, Findings, across, across_lines
+from fullband.validate import integer
 
 __all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "gate_section", "hardware", "reproduce",
            "train_run"]
@@ -22,20 +26,26 @@ __all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
                                    for m in (stability, probe, data_efficiency, fusion_ablation, sft, tracking, rl, compare,
-                                           warmstart, schedule)}
+                                           warmstart, schedule, robustness)}
 EXPERIMENTS = tuple(REGISTRY)
 
 
+MAX_SEEDS = 100
+
+
 def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "docs/results", base: str = BASE,
-              extra: list[str] | None = None, **options) -> Path:
-    """Run one experiment; `base`, `extra` overrides (applied after the experiment's own) and `options` (keyword
-    arguments of the experiment's function, e.g. sft's held_out) exist for tests."""
+              extra: list[str] | None = None, seeds: int | None = None, **options) -> Path:
+    """Run one experiment once per training seed (`seeds`, default the experiment's own: seed 0 is the recipes as
+    written, seed N > 0 trains every run with train.seed = N under root/<exp>/seed-N); `base`, `extra` overrides
+    (applied after the experiment's own) and `options` (keyword arguments of the experiment's function, e.g. sft's
+    held_out) exist for tests. The report opens with the findings across seeds, then seed 0's report; every other
+    seed's report is written beside it (<exp>/seed-N.md)."""
     if exp not in REGISTRY:
         raise InputError(f"experiment {exp!r} is unknown{closest(exp, EXPERIMENTS)}; "
                          f"accepted: {', '.join(EXPERIMENTS)}")
     experiment = REGISTRY[exp]
-    runs = experiment.runs()
-    settings = Settings(base, tuple(extra or ()))
+    n = experiment.seeds if seeds is None else seeds
+    integer("--seeds", n, 1, below=MAX_SEEDS + 1, error=InputError)
     scale = options.get("scale")
     name = exp if scale in (None, "cpu") else f"{exp}-{scale}"  # another scale's study is a report of its own
     if experiment.check is not None:
@@ -44,17 +54,52 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
     root, docs = Path(root) / name, Path(docs)
     figs = make_folder(docs / name, "--docs folder")
     t0 = time.perf_counter()
-    report = experiment.report(runs, root, figs, settings, **options)
+    command = exp + (f" --scale {scale}" if name != exp else "") + (f" --seeds {n}" if n != experiment.seeds else "")
+    per_seed, first = {}, []
+    if experiment.seeds_option:  # the experiment is about seeds: it takes them itself, in one report
+        options = {**options, "seeds": n}
+    for seed in range(1 if experiment.seeds_option else n):
+        settings = Settings(base, tuple(extra or ()), seed=seed)
+        seed_figs = figs if seed == 0 else make_folder(figs / f"seed-{seed}", "--docs folder")
+        if n > 1 and not experiment.seeds_option:
+            print(f"=== {name}: seed {seed} ({seed + 1} of {n})", flush=True)
+        lines = experiment.report(experiment.runs(), root if seed == 0 else root / f"seed-{seed}", seed_figs,
+                                  settings, **options)
+        per_seed[seed] = settings.findings
+        replace_file(seed_figs / FINDINGS_FILE, json.dumps(settings.findings.to_data(), indent=1) + "\n")
+        if seed == 0:
+            first = lines
+        else:
+            replace_file(figs / f"seed-{seed}.md", "\n".join(
+                [f"# Reproduction: {name}, seed {seed}", "",
+                 f"Seed {seed} of `fullband reproduce {command}` (every run with `train.seed={seed}`, under "
+                 f"`{root / f'seed-{seed}'}`); the findings across seeds are in [{name}.md](../{name}.md).", "",
+                 *lines]) + "\n")
     total = time.perf_counter() - t0
-    command = exp + (f" --scale {scale}" if name != exp else "")
     header = [f"# Reproduction: {name}", "",
               f"Produced by `fullband reproduce {command}` (runs under `{root}`), {time.strftime('%Y-%m-%d')}.",
               f"Hardware: {hardware()}. Wall time of this invocation: {total / 60:.1f} min "
               "(training time per run is in the tables; reused runs cost nothing here).", ""]
     out = docs / f"{name}.md"
-    replace_file(out, "\n".join(header + report + gate_section(root, kept=figs / GATES_FILE)) + "\n")
+    seed_lines = [] if experiment.seeds_option else _seed_lines(name, figs, per_seed)
+    replace_file(out, "\n".join(header + seed_lines + first
+                                 + gate_section(root, kept=figs / GATES_FILE)) + "\n")
     print(f"wrote {out}")
     return out
+
+
+def _seed_lines(name: str, figs: Path, per_seed: dict[int, Findings]) -> list[str]:
+    """The report's opening: the findings across seeds (kept in SEEDS_FILE too), then the heading of seed 0's
+    report; a one-seed run says that it measured no spread."""
+    rows = across(per_seed)
+    seeds = sorted(per_seed)
+    replace_file(figs / SEEDS_FILE, json.dumps({"seeds": seeds, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    if len(seeds) == 1:
+        return ["One training seed (`--seeds 1`): no spread across seeds is measured here; `--seeds N` trains every "
+                "run with N seeds and reports each finding's spread.", ""]
+    others = ", ".join(f"[seed {s}]({name}/seed-{s}.md)" for s in seeds[1:])
+    return ["## Across seeds", "", *across_lines(rows, seeds),
+            f"Each seed's own report: seed 0 below, {others}.", "", "## Seed 0", ""]
 
 
 GATES_FILE = "gates.json"  # in the report's folder: each run's gate line, for a report rebuilt without its runs
@@ -64,8 +109,6 @@ def gate_section(root: str | Path, *, kept: Path | None = None) -> list[str]:
     """The report's "## Stability gate" lines: one per run directory under `root` with a metrics.jsonl, the gate's
     verdict at its last eval (fullband.train.metrics.last_gate). `kept` (JSON): the lines of earlier reports, so runs
     whose folders are gone (an experiment that reuses its records on another machine) keep theirs; it is updated."""
-    import json
-
     from fullband.files import read_json
     from fullband.train.metrics import METRICS_FILE, last_gate
 

@@ -34,11 +34,17 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
     for run in runs[1:]:
         ckpt, wall = train_run(root, run, settings, [f'train.init_from="{base_ckpt}"'])
         r = results[run.name] = state_contribution(FullbandLM.load(ckpt), val_batches(ckpt))
+        kind = run.name.removeprefix("warm-")
+        for key in ("standard", "fused", "zero"):
+            settings.findings.value(f"{kind}: {key} (nats/token)", r[key])
+        settings.findings.value(f"{kind}: swap penalty (nats/token)", r["swap_penalty"], fmt="+.4f")
         lines.append(f"| {run.name.removeprefix('warm-')} | {wall / 60:.1f} min | {r['standard']:.4f} | "
                      f"{r['fused']:.4f} | {r['swapped']:.4f} | {r['zero']:.4f} | {r['swap_penalty']:+.4f} |")
     base_loss = validation_loss(FullbandLM.load(base_ckpt), val_batches(base_ckpt), 1).nats
     lines += ["", f"The standard base model itself: {base_loss:.4f} nats/token.", ""]
     ranked = sorted(results, key=lambda n: results[n]["swap_penalty"])
+    settings.findings.claim("additive has the smallest swap penalty and gated the largest",
+                            ranked[0] == "warm-additive" and ranked[-1] == "warm-gated")
     lines += ["**Outcome.** Swap penalty (what one window's own state is worth over another window's): "
               + ", ".join(f"{n.removeprefix('warm-')} {results[n]['swap_penalty']:+.4f}" for n in ranked)
               + f". The least state-dependent fusion is {ranked[0].removeprefix('warm-')}; the paper predicts the "

@@ -57,6 +57,9 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
     for task, t in res["tasks"].items():
         one, std = t["modes"]["one-step"][0], t["modes"]["standard"][0]
         met = one >= 0.95 and std <= 0.65
+        settings.findings.value(f"{task}: layer-0 probe, one-step recurrent prefill", one, fmt=".3f")
+        settings.findings.value(f"{task}: layer-0 probe, standard prefill", std, fmt=".3f")
+        settings.findings.claim(f"{task}: target met (>= 0.95 vs <= 0.65)", met)
         lines += ["", f"**{task}**: layer-0 accuracy {one:.3f} with one-step recurrent prefill vs {std:.3f} with "
                   f"standard prefill (target >= 0.95 vs <= 0.65: {'met' if met else 'not met'}; the paper: "
                   f"{'0.996' if task == 'completion' else '1.000'} vs near chance)."]

@@ -57,7 +57,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
             "standard": post_runs("standard", ckpts[std_sft.name], "standard", rl_extra)}
     posted = [*post["fbt"], *post["standard"]]
     for run in posted:
-        ckpts[run.name], walls[run.name] = rl_run(root, run)
+        ckpts[run.name], walls[run.name] = rl_run(root, run, settings=settings)
 
     # held-out conversations: the SFT runs' own validation split of the corpus, never trained on
     cfg = load_run_config(SFT, [f'data.corpus="{CORPUS}"', *settings.extra, *sft_extra])
@@ -70,6 +70,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
     table = {(model, stage, row["mode"]): row for model, names in stage_runs.items()
              for stage, name in zip(STAGES, names) for row in results[name]["rows"]}
     lines = _intro(results[sft.name]["n"]) + _table_lines(table)
+    _record(settings.findings, table)
     fbt_compute, std_compute = tuned[sft.name].compute_tokens, tuned[std_sft.name].compute_tokens
     lines += ["", "Training time: " + ", ".join(f"{name} {w / 60:.1f} min" for name, w in walls.items())
               + f". Pretraining + SFT compute (tokens x passes): standard / full-bandwidth = "
@@ -149,6 +150,20 @@ def _table_lines(table: dict) -> list[str]:
         lines.append(f"| {model} | {stage} | {mode} | {row['accuracy']:.3f} ± {row['accuracy_se']:.3f} | {d_acc} | "
                      f"{row['tokens']:.1f} ± {row['tokens_se']:.1f} | {np.median(row['lengths']):.0f} | {d_len} |")
     return lines
+
+
+def _record(findings, table: dict) -> None:
+    """The findings across seeds: every row's exact match and reply length, and each post-training stage's paired
+    change from the same model's SFT stage in the same decoding."""
+    for (model, stage, mode), row in table.items():
+        findings.value(f"{model} {stage} {mode}: exact match", row["accuracy"], row["accuracy_se"], fmt=".3f")
+    for (model, stage, mode), row in table.items():
+        if stage != "sft":
+            ref = table[model, "sft", mode]
+            findings.diff(f"{model} {stage} minus sft, {mode}: exact match", *paired(row["correct"], ref["correct"]),
+                          fmt="+.3f")
+            findings.diff(f"{model} {stage} minus sft, {mode}: reply tokens", *paired(row["lengths"], ref["lengths"]),
+                          up="longer", down="shorter", fmt="+.1f")
 
 
 def _study(ckpt: Path, data_file: Path, prompts: int, tokens: int, out: Path) -> list[dict]:
@@ -268,4 +283,4 @@ def _figure(table: dict, out: Path) -> None:
     save_figure(fig, out)
 
 
-EXPERIMENT = Experiment("rl", runs, report)
+EXPERIMENT = Experiment("rl", runs, report, seeds=2)  # about 100 min a seed on 2 cores

@@ -4,7 +4,6 @@ finished ones reused, interrupted ones resumed), its registry entry, the setting
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from fullband.files import replace_file, save_figure
 from fullband.machine import hardware  # noqa: F401 (the reports' machine line, re-exported)
+from fullband.reproduce.seeds import Findings, shown  # noqa: F401 (shown: re-exported for the reports)
 
 BASE = "configs/tiny.toml"
 
@@ -34,15 +34,24 @@ class Experiment:
     runs: Callable[[], list[Run]]
     report: Callable[..., list[str]]
     check: Callable[..., None] | None = None  # the options checked before anything is written (InputError)
+    seeds: int = 3  # training seeds `fullband reproduce` runs by default (--seeds)
+    seeds_option: bool = False  # True: the report takes the seeds itself (report(..., seeds=N)), run once
 
 
 @dataclass(frozen=True)
 class Settings:
     """What every run of an experiment starts from: the base recipe and overrides applied after each run's own
-    (tests shrink the runs with them)."""
+    (tests shrink the runs with them), the training seed of this pass over the runs (0: the recipes as written;
+    N: train.seed / rl.seed = N, after everything else) and the findings the report records for it."""
 
     base: str = BASE
     extra: tuple[str, ...] = ()
+    seed: int = 0
+    findings: Findings = field(default_factory=Findings, compare=False)
+
+    def seeded(self, table: str = "train") -> list[str]:
+        """The override that sets this pass's seed in a recipe's `table` (train, or rl for `fullband rl`)."""
+        return [f"{table}.seed={self.seed}"] if self.seed else []
 
 
 def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None = None,
@@ -53,7 +62,7 @@ def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None 
     from fullband.train.trainer import train
 
     run_dir = root / run.name
-    overrides = [*run.overrides, *(extra or []), *settings.extra, f'log.run_dir="{run_dir}"',
+    overrides = [*run.overrides, *(extra or []), *settings.extra, *settings.seeded(), f'log.run_dir="{run_dir}"',
                  f"log.eval_every={eval_every}"]
     cfg = load_run_config(run.config or settings.base, overrides)
     return _reused(run, run_dir, cfg.train.steps, lambda resume: train(cfg, resume=resume))
@@ -101,13 +110,15 @@ def held_out_chat(root: Path, cfg, n: int) -> Path:
     return data_file
 
 
-def rl_run(root: Path, run: Run, extra: list[str] | None = None) -> tuple[Path, float]:
+def rl_run(root: Path, run: Run, extra: list[str] | None = None, settings: Settings | None = None
+           ) -> tuple[Path, float]:
     """`fullband rl` (or reuse / resume) for a run whose config is an [rl] recipe, under root/<name>; returns the
-    final checkpoint and the wall time spent."""
+    final checkpoint and the wall time spent. `settings` gives its seed (rl.seed)."""
     from fullband.rl.run import load_rl_recipe, rl_train
 
     run_dir = root / run.name
-    recipe = load_rl_recipe(run.config, [*run.overrides, *(extra or []), f'rl.run_dir="{run_dir}"'])
+    seeded = settings.seeded("rl") if settings is not None else []
+    recipe = load_rl_recipe(run.config, [*run.overrides, *(extra or []), *seeded, f'rl.run_dir="{run_dir}"'])
     return _reused(run, run_dir, recipe.rl.steps, lambda resume: rl_train(recipe, resume=resume))
 
 
@@ -178,11 +189,6 @@ def paired(a, b) -> tuple[float, float]:
     from fullband.eval.chat import _mean_se
 
     return _mean_se(np.subtract(a, b, dtype=np.float64))
-
-
-def shown(diff: float, se: float) -> bool:
-    """Whether a paired difference is 2 standard errors or more from zero (never with a nan or infinite s.e.)."""
-    return not (diff == 0 or abs(diff) < 2 * se or not math.isfinite(se))
 
 
 def verdict(diff: float, se: float, up: str = "higher", down: str = "lower") -> str:

@@ -130,7 +130,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
         rows = [v for k, v in results.items() if _setting(v[0]) == setting]
         if rows:
             lines += _setting_lines(setting, rows)
-    lines += _findings(results)
+    lines += _findings(results, settings.findings)
     lines += _figures(results, figs)
     lines += [f"Evaluation in this invocation: {(time.perf_counter() - t0) / 60:.1f} min ({hardware()}).", "",
               COMMANDS, ""]
@@ -228,7 +228,8 @@ def _claim(b25: tuple[str, float], b223: tuple[str, float]) -> str:
             f"{b223[1]:+.3f} for 75/22/3)")
 
 
-def _findings(results: dict) -> list[str]:
+def _findings(results: dict, findings) -> list[str]:
+    """The report's findings, each also recorded in `findings` (the spread across seeds)."""
     lines = ["## Findings", ""]
     for setting in SETTINGS:
         got = {run.name.removeprefix(f"{setting}-"): ev for run, _, ev, _ in results.values()
@@ -237,18 +238,28 @@ def _findings(results: dict) -> list[str]:
             continue
         b25, b223 = _behaviour(got["75-25"], 2), _behaviour(got["75-22-3"], 3)
         g = {k: dict(zip(v["contraction"]["horizons"], v["contraction"]["growth"]))[32] for k, v in got.items()}
+        for name, (_, rise) in (("75/25", b25), ("75/22/3", b223)):
+            findings.value(f"{setting}: {name}, loss at k = 1000 minus at its trained depth (nats/token)", rise,
+                           fmt="+.3f")
+        findings.claim(f"{setting}: no schedule diverges past its trained depth",
+                       all(_behaviour(ev, 3 if k != "75-25" else 2)[0] != "diverges" for k, ev in got.items()))
+        findings.claim(f"{setting}: 75/25 rises more past its depth than 75/22/3 (by 0.02+)", b25[1] > b223[1] + 0.02)
         lines.append(f"- **{setting}**: the paper's stability finding is {_claim(b25, b223)}. Past the trained depth "
                      f"75/25 {b25[0]}, 75/22/3 {b223[0]}; growth per pass over 32 passes 75/25 {g['75-25']:.3f}, "
                      f"75/22/3 {g['75-22-3']:.3f}.")
         for sched in SCHEDULES:
             if f"{sched}-latent" in got and sched in got:
                 a, b = got[f"{sched}-latent"]["sweep"]["loss"], got[sched]["sweep"]["loss"]
+                findings.value(f"{setting}: {sched}, latent supervision's change at k = 2 (nats/token)", a[1] - b[1],
+                               fmt="+.3f")
                 lines.append(f"  - {sched}: latent supervision changes the held-out loss by "
                              + ", ".join(f"{x - y:+.3f} at k={k}" for k, x, y in zip(KS, a, b) if k in (1, 2, 1000))
                              + f" (FLOPs {got[f'{sched}-latent']['flops'] / got[sched]['flops']:.3f}x).")
         for sched in ("adaptive", "adaptive-low"):
             if sched in got:
                 a, b = got[sched], got["75-22-3"]
+                findings.value(f"{setting}: {sched} minus 75/22/3 at k = 2 (nats/token)",
+                               a["sweep"]["loss"][1] - b["sweep"]["loss"][1], fmt="+.3f")
                 lines.append(f"  - {sched} vs 75/22/3: held-out loss "
                              f"{a['sweep']['loss'][0] - b['sweep']['loss'][0]:+.3f} at k=1, "
                              f"{a['sweep']['loss'][1] - b['sweep']['loss'][1]:+.3f} at k=2, at "

@@ -51,7 +51,8 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, held_
               ""]
     params = sum(p.numel() for p in model.parameters())
     lines += _outcome(results[sft.name], results[std_sft.name], trained[sft.name], trained[std_sft.name], params)
-    lines += ["![chat accuracy and reply length per mode](sft/fbt/chat.png)", "", COMMANDS, "",
+    _record(settings.findings, results[sft.name], results[std_sft.name], val_losses)
+    lines += [f"![chat accuracy and reply length per mode]({figs.name}/fbt/chat.png)", "", COMMANDS, "",
               *(f"- {config_line(r)}" for r in runs), *commands]
     return lines
 
@@ -75,6 +76,24 @@ def _table(n: int, rows: list[tuple[str, dict]]) -> list[str]:
         lines.append(f"| {name} | {r['mode']} | {r['accuracy']:.3f} ± {r['accuracy_se']:.3f} | {acc_diff} | "
                      f"{r['tokens']:.1f} ± {r['tokens_se']:.1f} | {tok_diff} | {r['ended']:.0%} |")
     return lines
+
+
+def _record(findings, fbt: dict, standard: dict, val_losses: dict) -> None:
+    """The findings across seeds: every row's exact match and reply length, each mode against STANDARD decoding of
+    the same model and against the standard model (paired over the items), the tuned model's loss per pass."""
+    std = standard["rows"][0]
+    for model, rows in (("sft", fbt["rows"]), ("standard-sft", standard["rows"])):
+        for r in rows:
+            findings.value(f"{model} {r['mode']}: exact match", r["accuracy"], r["accuracy_se"], fmt=".3f")
+    for r in fbt["rows"][1:]:
+        findings.diff(f"sft {r['mode']} minus STANDARD: exact match", r["accuracy_diff"], r["accuracy_diff_se"],
+                      fmt="+.3f")
+        findings.diff(f"sft {r['mode']} minus STANDARD: reply tokens", r["tokens_diff"], r["tokens_diff_se"],
+                      up="longer", down="shorter", fmt="+.1f")
+    for r in fbt["rows"]:
+        findings.diff(f"sft {r['mode']} minus standard-sft: exact match", *paired(r["correct"], std["correct"]), fmt="+.3f")
+    for k, v in val_losses.items():
+        findings.value(f"sft held-out loss, {k} pass{'es' if k > 1 else ''} (nats/token)", v.nats, v.stderr)
 
 
 def _outcome(fbt: dict, standard: dict, fbt_run: Tuned, std_run: Tuned, params: int) -> list[str]:

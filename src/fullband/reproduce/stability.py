@@ -40,6 +40,11 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings) -> list[
         loss = dict(zip(sweep.ks, sweep.loss))
         depth = 2 if name == "one-two" else 3
         trend = "rises" if loss[30] > loss[depth] + 0.01 else ("falls" if loss[30] < loss[depth] - 0.01 else "stays flat")
+        for k in (depth, 30, 1000):
+            settings.findings.value(f"{name}: held-out loss at k = {k} (nats/token)", loss[k], fmt=".3f")
+        settings.findings.value(f"{name}: growth per pass over 32 passes", con.growth[-1], fmt=".3f")
+        settings.findings.claim(f"{name}: loss at k = 30 within 0.01 of its trained depth's or lower",
+                                trend != "rises")
         lines += ["", f"**{name}** (trained up to {depth} passes): loss {loss[depth]:.3f} at k = {depth}, "
                   f"{loss[30]:.3f} at k = 30 ({trend}), {loss[1000]:.3f} at k = 1000 (the exact recurrence); "
                   f"perturbation growth per pass over 32 passes {con.growth[-1]:.3f} "

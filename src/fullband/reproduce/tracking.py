@@ -3,11 +3,12 @@ full-bandwidth models of one size trained on inputs up to L, scored at L, 2L, 4L
 
 from __future__ import annotations
 
+import math
 import time
 from itertools import takewhile
 from pathlib import Path
 
-from fullband.reproduce.runner import COMMANDS, Experiment, Run, Settings, config_line, kept, train_run
+from fullband.reproduce.runner import COMMANDS, Experiment, Run, Settings, config_line, kept, shown, train_run
 
 TRACKING = "configs/tracking-tiny.toml"
 TRACKING_TASKS = {"parity": 16, "counter": 16, "s5": 16, "registers": 8}  # task: L, the longest training input
@@ -49,7 +50,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, n: in
             by_task.setdefault(task, []).append((run, ckpt, wall))
     for task, trained in by_task.items():
         results = [(run, _scored(figs, run, task, ckpt, n, counts), wall) for run, ckpt, wall in trained]
-        task_lines, line = _task_lines(task, results, figs)
+        task_lines, line = _task_lines(task, results, figs, settings.findings)
         lines += task_lines
         summary.append(line)
     lines += ["**Outcome.** " + "; ".join(summary) + ".", "",
@@ -114,8 +115,9 @@ def _scored(figs: Path, run: Run, task: str, ckpt: Path, n: int, counts: dict) -
     return kept(saved, {"checkpoint": str(ckpt), "n": n}, ckpt, score, valid=complete, save=False)
 
 
-def _task_lines(task: str, results: list[tuple[Run, dict, float]], figs: Path) -> tuple[list[str], str]:
-    """A task's table and its finding; -> (its lines, the finding for the outcome)."""
+def _task_lines(task: str, results: list[tuple[Run, dict, float]], figs: Path, findings) -> tuple[list[str], str]:
+    """A task's table and its finding (recorded in `findings` for the spread across seeds); -> (its lines, the
+    finding for the outcome)."""
     lengths = results[0][1]["lengths"]
     lines = [f"## {task}", "", "| model | train time | mode | " + " | ".join(f"length {k}" for k in lengths) + " |",
              "|---|---|---|" + "---|" * len(lengths)]
@@ -146,6 +148,14 @@ def _task_lines(task: str, results: list[tuple[Run, dict, float]], figs: Path) -
             f"best full-bandwidth ({best_fbt[0].name}, {best_fbt[1]['mode']}) {by_length(best_fbt[1])}")
     lines += [f"**{task}.** {line[len(task) + 1:]}. Accuracy ≥ {SOLVED} up to: standard {solved(best_std[1])}, "
               f"full-bandwidth {solved(best_fbt[1])}.", ""]
+    for who, (_, row) in (("standard", best_std), ("full-bandwidth", best_fbt)):
+        for k, a, e in zip(lengths, row["accuracy"], row["stderr"]):
+            findings.value(f"{task}, best {who}: accuracy at length {k}", a, e, fmt=".3f")
+    findings.claim(f"{task}: best full-bandwidth ≥ {SOLVED} at every length up to {lengths[-1]}",
+                   min(best_fbt[1]["accuracy"]) >= SOLVED)
+    gain = best_fbt[1]["accuracy"][1] - best_std[1]["accuracy"][1]
+    findings.claim(f"{task}: best full-bandwidth above best standard at {lengths[1]} by 2 s.e.",
+                   gain > 0 and shown(gain, math.hypot(best_fbt[1]["stderr"][1], best_std[1]["stderr"][1])))
     return lines, line
 
 

@@ -111,6 +111,13 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     # each model's evaluation, kept in figs/eval/<name>.json under its checkpoint: a rerun reuses it
     evaluated = {name: kept(figs / "eval" / f"{name}.json", {"checkpoint": str(c)}, c, lambda: _evaluated(c, held, sc))
                  for name, c in ckpts.items()}
+    for name in ["pretrained", *(r.name for r in runs)]:  # the findings across seeds: each model's read gaps
+        for row in evaluated[name]["text"]:
+            if row["mode"] == "STANDARD":
+                settings.findings.value(f"{name}: STANDARD (nats/token)", row["nats_per_token"])
+            else:
+                settings.findings.diff(f"{name}: {row['mode']} minus STANDARD (nats/token)", row["minus_first"],
+                                       row["minus_first_stderr"])
     return _write(runs, trained, evaluated, sc, scale, model, figs)
 
 
@@ -421,4 +428,4 @@ def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list
     return lines + [""]
 
 
-EXPERIMENT = Experiment("warmstart", runs, report, check)
+EXPERIMENT = Experiment("warmstart", runs, report, check, seeds=2)  # about 2 h a seed on 2 cores

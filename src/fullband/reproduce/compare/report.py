@@ -86,7 +86,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     if uncurved:
         lines += ["Drawn as one marker at the end of training (their best read over the final evaluation's windows), "
                   f"reused from records that kept no held-out curve: {', '.join(uncurved)}.", ""]
-    lines += _implications(planned, results, tracking, costs, curves)
+    lines += _implications(planned, results, tracking, costs, curves, settings.findings)
     total = sum(w for _, w, _ in done.values())
     other = sum(map(_other_threads, done.values()))
     lines += ["", f"Training the {len(done)} finished runs took {total / 60:.1f} min (their own wall times, summed; "
@@ -278,7 +278,9 @@ def _figures(planned: list[Planned], curves: dict, tracking: dict, figs: Path, r
     return lines
 
 
-def _implications(planned: list[Planned], results: dict, tracking: dict, costs: dict, curves: dict) -> list[str]:
+def _implications(planned: list[Planned], results: dict, tracking: dict, costs: dict, curves: dict,
+                  findings) -> list[str]:
+    """The summary table and its verdicts, each also recorded in `findings` (the spread across seeds)."""
     lines = ["## Summary", "",
              "Each rival against the standard model of the same width and depth trained for N steps (per token), "
              "against the standard model trained for the rival's training FLOPs (per training FLOP), and in its "
@@ -307,8 +309,10 @@ def _implications(planned: list[Planned], results: dict, tracking: dict, costs: 
                          + (f"{d_flop[0]:+.4f} ± {d_flop[1]:.4f} ({matched.name})" if d_flop else "pending")
                          + f" | {cheap_label} ({cheap['flops'] / base['flops']:.2f}) | "
                            f"{d_cheap[0]:+.4f} ± {d_cheap[1]:.4f} |")
+            findings.diff(f"{regime}: {key}, best read minus std-N (nats/token)", *d_tok)
             if d_flop:
                 verdicts.append((regime, key, d_tok, d_flop))
+                findings.diff(f"{regime}: {key}, best read minus std at its FLOPs (nats/token)", *d_flop)
         n2 = results.get(f"{regime}-standard-2n", {}).get("STANDARD")
         if n2 is not None:
             g = _paired(n2, base)
@@ -335,6 +339,8 @@ def _implications(planned: list[Planned], results: dict, tracking: dict, costs: 
         parts = []
         for key, res in got.items():
             row = max(res["rows"], key=lambda r: sum(r["accuracy"]))
+            for k, a, e in zip(("L", "2L", "4L", "8L"), row["accuracy"], row["stderr"]):
+                findings.value(f"{task}: {key}, best read's accuracy at {k}", a, e, fmt=".3f")
             parts.append(f"{key} {row['mode']} " + "/".join(f"{a:.2f}" for a in row["accuracy"]))
         lines.append(f"- **{task}** (best read per method, accuracy at L/2L/4L/8L): " + "; ".join(parts) + ".")
     return lines + [""]
