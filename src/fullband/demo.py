@@ -99,6 +99,11 @@ def racer_overrides(name: str, config: str | Path, extra: list[str]) -> list[str
     return [*(o for o in overrides if o != EQUAL_COMPUTE), *extra, f"train.steps={steps}", f"log.ckpt_every={steps}"]
 
 
+def race_title(length: int) -> str:
+    return (f"Running parity, trained on inputs of up to {length} bits: standard transformers (the same tokens; the "
+            "same compute) and a full-bandwidth one of the same size")
+
+
 def _race(out: Path, config: str | Path, quick: bool) -> dict:
     n, runs, rows = 16 if quick else 200, {}, []
     for name, (_, modes, label) in RACERS.items():
@@ -109,8 +114,7 @@ def _race(out: Path, config: str | Path, quick: bool) -> dict:
         replace_file(ckpt / "eval" / "tracking_parity.json", json.dumps(result, indent=2) + "\n")
         rows += [{**r, "model": name, "mode": f"{label}, read {r['mode']}"} for r in result["rows"]]
     race = {**{k: result[k] for k in ("task", "train_length", "lengths", "chance", "n")}, "rows": rows, "runs": runs,
-            "title": f"Running parity, trained on inputs of up to {result['train_length']} bits: standard transformers "
-                     "(the same tokens; the same compute) and a full-bandwidth one of the same size"}
+            "title": race_title(result["train_length"])}
     save_figure(tracking_figure(race), out / "race.png")
     replace_file(out / "race.json", json.dumps(race, indent=2) + "\n")
     return race

@@ -99,7 +99,7 @@ def tracking_figure(result: dict):
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: lines meet at chance
     ckpt = Path(result.get("checkpoint", ""))  # run/step_N: the run's name says which model it is
     label = f"{ckpt.parent.name}/{ckpt.name}" if ckpt.name.startswith("step_") else ckpt.name
-    # wrapped to the axes' width: a long title (the demo's race) is not clipped by the figure's edge
-    ax.set_title(textwrap.fill(result.get("title") or f"{result['task']}: {label}", 70), fontsize=10)
+    # over the whole figure (the legend takes the right of it), wrapped: a long title (the demo's race) is not clipped
+    fig.suptitle(textwrap.fill(result.get("title") or f"{result['task']}: {label}", 90), fontsize=10)
     fig.tight_layout()
     return fig
