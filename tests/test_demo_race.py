@@ -31,7 +31,8 @@ def test_the_race_recipe_learns_the_recurrence_at_every_seed_and_thread_count(se
 
 
 def _race(std: list[float], exact: list[float], fb_std: list[float] | None = None) -> dict:
-    rows = [("standard model, read standard", std), ("full-bandwidth model, read standard", fb_std or [0.99, .5, .5, .5]),
+    rows = [("standard model, read standard", std),
+            ("full-bandwidth model, read standard", fb_std or [0.99, .5, .5, .5]),
             ("full-bandwidth model, read fused k=1", [0.7, .5, .5, .5]), ("full-bandwidth model, read exact", exact)]
     return {"train_length": 8, "lengths": [8, 16, 32, 64], "chance": 0.5, "rows": [
         {"mode": mode, "accuracy": acc} for mode, acc in rows]}
@@ -100,7 +101,9 @@ def test_reproduce_robustness_counts_the_race_and_reads_each_report_s_seeds(tmp_
     assert counts["recipe_sha256"] == demo.recipe_key(demo.RACE) and counts["trainings"] == 4
     assert f"**{counts['learned']} of 4 trainings learn the recurrence**" in text
     assert counts["more_seeds"] == 1 and f"Further seeds 2-2 at 1 thread: **{counts['more_seeds_learned']} of 1" in text
-    for part in ("## The standard racers", "| seed | same tokens, 1 thread | same tokens, 2 threads | same compute, 1 thread |", "## The recipe before, and what changed", "## The demo's code LM across seeds",
+    for part in ("## The standard racers",
+                 "| seed | same tokens, 1 thread | same tokens, 2 threads | same compute, 1 thread |",
+                 "## The recipe before, and what changed", "## The demo's code LM across seeds",
                  "| [sft](sft.md) | 2 | sft FUSED k=1 minus STANDARD: exact match | +0.025 | +0.010 - +0.040 | mixed",
                  "| [probe](probe.md) | - | not rerun since seeds were recorded |"):
         assert part in text, part

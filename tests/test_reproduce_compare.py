@@ -10,8 +10,8 @@ import pytest
 
 
 def _options(tmp_path, corpus, cache, **kw):
-    return dict(root=tmp_path / "runs", docs=tmp_path / "docs", extra=[f'data.cache_dir="{cache}"'], scale="micro", seeds=1,
-                lm_extra=(f'data.corpus="{corpus}"',), tasks=("parity",), **kw)
+    return dict(root=tmp_path / "runs", docs=tmp_path / "docs", extra=[f'data.cache_dir="{cache}"'], scale="micro",
+                seeds=1, lm_extra=(f'data.corpus="{corpus}"',), tasks=("parity",), **kw)
 
 
 def test_the_plan_matches_each_rival_s_training_flops():

@@ -465,7 +465,8 @@ def test_demo_races_trains_evaluates_summarises_and_reuses_every_phase(tmp_path,
         race["runs"]["full-bandwidth"]["parameters"]  # the standard model has no fusion weights
     # the second standard model trains as many steps as the full-bandwidth model's passes cost
     std, same, fb = (race["runs"][k] for k in ("standard", "standard-compute", "full-bandwidth"))
-    assert std["steps"] == fb["steps"] == 12 and same["steps"] == demo.equal_compute_steps(demo.RACE, demo.QUICK["race"])
+    assert std["steps"] == fb["steps"] == 12
+    assert same["steps"] == demo.equal_compute_steps(demo.RACE, demo.QUICK["race"])
     assert same["compute_tokens"] == pytest.approx(fb["compute_tokens"], rel=0.1) and same["steps"] > 5 * std["steps"]
     again = eval_tracking(race["runs"]["full-bandwidth"]["checkpoint"], n=16,
                           modes=["standard", "fused:1", "fused:4", "exact"], out=tmp_path / "eval", progress=False)

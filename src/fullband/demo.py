@@ -156,7 +156,7 @@ def _verdict(diff: float, se: float) -> str:
 ABOVE_CHANCE = 0.15  # a standard model this far above chance beyond L is not at chance (4 s.e. at 200 examples)
 SOLVED = 0.9  # accuracy at which a length counts as solved (the robustness report's bar)
 ROBUSTNESS = "docs/results/robustness.md"  # how often the race's recipe learns the recurrence, across seeds and threads
-COUNTS = Path("docs/results/robustness/race.json")  # its counts (fullband reproduce robustness), which the summary quotes
+COUNTS = Path("docs/results/robustness/race.json")  # its counts (reproduce robustness), which the summary quotes
 
 
 def recipe_key(config: str | Path) -> str:

@@ -149,7 +149,8 @@ def _race_lines(race: dict, learned: dict, counts: dict, seeds: int, threads: tu
              "torch threads (this machine has the cores in the Hardware line: more threads than cores still split "
              "the reductions differently, so every step's last bits differ), each scored with the exact read "
              f"(the recurrence over the input) on {len(lengths)} lengths. Cells: accuracy at "
-             f"{' / '.join(map(str, lengths[1:]))} bits (trained up to {lengths[0]}); ✓ when all are ≥ {SOLVED}.", "",
+             f"{' / '.join(map(str, lengths[1:]))} bits (trained up to {lengths[0]}); ✓ when all are ≥ {SOLVED}.",
+             "",
              "| seed | " + " | ".join(f"{t} thread{'s' * (t > 1)}" for t in threads) + " |",
              "|---|" + "---|" * len(threads)]
     for seed in range(seeds):
@@ -227,7 +228,8 @@ def _screen_lines(path: Path) -> list[str]:
     if not screen:
         return []
     lines = ["### The screen", "", f"Recorded in `{path.name}` beside this report ({screen['note']}; "
-             f"{screen['hardware']}, {screen['date']}), not rerun by this command. Learned: the exact read ≥ {SOLVED} "
+             f"{screen['hardware']}, {screen['date']}), not rerun by this command. Learned: the exact read ≥ "
+             f"{SOLVED} "
              "at 16, 32 and 64 bits.", "",
              "| recipe | learned | seeds | worst exact read beyond L (16 / 32 / 64) | train time (1 thread) |",
              "|---|---|---|---|---|"]
@@ -246,7 +248,7 @@ def _code_lines(scored: dict, walls: dict) -> list[str]:
 
     code = {n: r for n, r in scored.items() if n.startswith("code")}
     lines = ["## The demo's code LM across seeds", "",
-             "`configs/tiny.toml` shortened to the demo's steps, seeds 0-" f"{len(code) - 1} at 2 threads; held-out loss "
+             f"`configs/tiny.toml` shortened to the demo's steps, seeds 0-{len(code) - 1} at 2 threads; held-out loss "
              "on 256 windows, FUSED k=1 against STANDARD of the same model (paired over the windows).", "",
              "| seed | train time | STANDARD | FUSED k=1 minus STANDARD | FUSED k=2 minus STANDARD | verdict (k=1) |",
              "|---|---|---|---|---|---|"]

@@ -91,7 +91,8 @@ def _record(findings, fbt: dict, standard: dict, val_losses: dict) -> None:
         findings.diff(f"sft {r['mode']} minus STANDARD: reply tokens", r["tokens_diff"], r["tokens_diff_se"],
                       up="longer", down="shorter", fmt="+.1f")
     for r in fbt["rows"]:
-        findings.diff(f"sft {r['mode']} minus standard-sft: exact match", *paired(r["correct"], std["correct"]), fmt="+.3f")
+        findings.diff(f"sft {r['mode']} minus standard-sft: exact match", *paired(r["correct"], std["correct"]),
+                      fmt="+.3f")
     for k, v in val_losses.items():
         findings.value(f"sft held-out loss, {k} pass{'es' if k > 1 else ''} (nats/token)", v.nats, v.stderr)
 
