@@ -13,19 +13,32 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 
-def write_gguf(path, arch: str = "llama") -> None:
-    """A tiny GGUF file: an architecture, a few tensors (F32 and Q8_0), no tokenizer."""
+LAYOUT = {"attn_norm": (32,), "ffn_norm": (32,), "attn_q": (32, 32), "attn_k": (32, 32), "attn_v": (32, 32),
+          "attn_output": (32, 32), "ffn_gate": (64, 32), "ffn_down": (32, 64)}  # numpy order (outer first)
+
+
+def write_gguf(path, arch: str = "llama", *, header: dict | None = None, skip: tuple[str, ...] = (),
+               nan: str | None = None) -> None:
+    """A tiny GGUF file: an architecture, one block of the llama layout (F32, and Q8_0 for ffn_up), no tokenizer;
+    `header` replaces header sizes ({"block_count": 10**6}), `skip` leaves tensors out, `nan` puts a NaN in one."""
+    sizes = {"block_count": 1, "context_length": 64, "embedding_length": 32, "feed_forward_length": 64,
+             "attention.head_count": 2, "vocab_size": 16, **(header or {})}
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(32)
-    w.add_feed_forward_length(64)
-    w.add_head_count(2)
+    for key, value in sizes.items():
+        w.add_uint32(f"{arch}.{key}", value)
     rng = np.random.default_rng(0)
-    w.add_tensor("token_embd.weight", rng.standard_normal((16, 32), dtype=np.float32))
-    w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
-    q8 = gguf.quants.quantize(rng.standard_normal((4, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("blk.0.ffn_up.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    tensors = {"token_embd.weight": rng.standard_normal((16, 32), dtype=np.float32),
+               "output_norm.weight": np.ones(32, dtype=np.float32),
+               **{f"blk.0.{name}.weight": rng.standard_normal(shape, dtype=np.float32) * 0.1
+                  for name, shape in LAYOUT.items()}}
+    if nan is not None:
+        tensors[nan].flat[3] = np.nan
+    for name, data in tensors.items():
+        if name not in skip:
+            w.add_tensor(name, data)
+    if "blk.0.ffn_up.weight" not in skip:
+        q8 = gguf.quants.quantize(rng.standard_normal((64, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor("blk.0.ffn_up.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -53,7 +66,8 @@ def test_a_readable_gguf_header_is_described(tmp_path):
 
     write_gguf(tmp_path / "m.gguf")
     info = inspect_gguf(tmp_path / "m.gguf")
-    assert info["architecture"] == "llama" and info["tensor_types"] == {"F32": 2, "Q8_0": 1}
+    assert info["architecture"] == "llama" and info["tensor_types"] == {"F32": 10, "Q8_0": 1}
+    assert info["sizes"] == {"blocks": 1, "width": 32, "ffn": 64, "heads": 2, "kv_heads": 2, "vocab": 16}
 
 
 def test_another_architecture_is_refused_by_name(tmp_path, capsys):
@@ -86,3 +100,49 @@ def test_not_a_gguf_file_and_a_missing_one(tmp_path, capsys):
     (tmp_path / "x.gguf").write_text("hello, not a model")
     assert "GGUF magic" in refused(capsys, tmp_path / "x.gguf", tmp_path / "out")
     assert "does not exist" in refused(capsys, tmp_path / "none.gguf", tmp_path / "out")
+
+
+def test_a_gguf_missing_a_tensor_or_with_a_nan_is_refused_not_started_fresh(tmp_path, capsys):
+    """transformers would start a missing weight fresh, and read a NaN as it is: convert refuses both in one line,
+    as train.init_from does (the same readers), and writes nothing."""
+    write_gguf(tmp_path / "hole.gguf", skip=("blk.0.ffn_down.weight",))
+    err = refused(capsys, tmp_path / "hole.gguf", tmp_path / "out")
+    assert "lacks tensor blk.0.ffn_down.weight that its header implies" in err
+    write_gguf(tmp_path / "nan.gguf", nan="blk.0.attn_q.weight")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "nan.gguf"), str(tmp_path / "out")]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after transformers' own progress bars: the file was read
+    assert last.endswith("weight model.layers.0.self_attn.q_proj.weight holds 1 non-finite value (NaN or infinity); "
+                         "accepted: finite weights") and "fullband convert: error: " in last
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("header, said", [
+    ({"block_count": 10**6}, "llama.block_count=1000000; accepted: an integer 1 <= llama.block_count <= 512"),
+    ({"block_count": 2}, "lacks tensors blk.1.attn_norm.weight, blk.1.ffn_norm.weight, blk.1.attn_q.weight and 6 "
+                         "more that its header implies (llama.block_count=2"),
+    ({"embedding_length": 2**20}, "llama.embedding_length=1048576; accepted: an integer 1 <= "
+                                  "llama.embedding_length <= 65,536"),
+    ({"vocab_size": 100}, "tensor token_embd.weight has shape [32, 16] (GGUF order, innermost first), the header "
+                          "implies [32, 100]"),
+    ({"attention.head_count": 3}, "head_count dividing embedding_length"),
+    ({"embedding_length": 16}, "tensor token_embd.weight has shape [32, 16]"),
+])
+def test_a_header_that_does_not_describe_its_tensors_is_refused_before_allocating(header, said, tmp_path, capsys):
+    import time
+
+    write_gguf(tmp_path / "bad.gguf", header=header)
+    t0 = time.perf_counter()
+    err = refused(capsys, tmp_path / "bad.gguf", tmp_path / "out")
+    assert said in err and time.perf_counter() - t0 < 30
+
+
+def test_train_init_from_refuses_a_gguf_the_converter_refuses(tmp_path):
+    from fullband.errors import ConfigError
+    from fullband.train.build import warm_start
+    from fullband.model.decoder import FullbandLM
+    from conftest import tiny_config
+
+    write_gguf(tmp_path / "hole.gguf", skip=("blk.0.attn_v.weight",))
+    with pytest.raises(ConfigError, match="lacks tensor blk.0.attn_v.weight"):
+        warm_start(FullbandLM(tiny_config()), str(tmp_path / "hole.gguf"))

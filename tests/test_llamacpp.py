@@ -146,3 +146,21 @@ def test_fullband_convert_writes_and_reads_gguf_files(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "native"), str(tmp_path / "n.gguf"), "--dtype", "float16"]) == 2
     assert "a GGUF file's precision is gguf_type (--gguf-type)" in capsys.readouterr().err
     assert not (tmp_path / "n.gguf").exists()
+
+
+def test_llama_cpp_errors_reach_our_messages_and_its_info_lines_do_not():
+    """ggml's log levels (ggml.h): INFO 2, WARN 3, ERROR 4, CONT 5 (continues the line before). The engine's
+    messages quote the warnings and errors, never the INFO chatter a load prints before failing."""
+    from collections import deque
+
+    from fullband.llamacpp.model import LogKeeper
+
+    kept = deque(maxlen=8)
+    keep = LogKeeper(kept)
+    for level, text in ((2, b"llama_model_loader: loaded meta data with 30 key-value pairs\n"), (5, b"  and more\n"),
+                        (4, b"llama_model_load: error loading model: missing tensor 'blk.0.attn_q.weight'\n"),
+                        (5, b"  while loading block 0\n"), (3, b"llama_init: warning: n_ctx is small\n"),
+                        (1, b"debug\n"), (4, b"\n")):
+        keep(level, text)
+    assert list(kept) == ["llama_model_load: error loading model: missing tensor 'blk.0.attn_q.weight'",
+                          "while loading block 0", "llama_init: warning: n_ctx is small"]

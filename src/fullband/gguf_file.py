@@ -76,8 +76,76 @@ def _inspect(path: Path, size: int, mtime: int) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise ConfigError(f"{path} names no general.architecture; accepted: a GGUF file of a language model")
+    sizes = llama_sizes(reader, path) if arch == "llama" else None
     return {"architecture": arch, "name": _field(reader, "general.name"), "tensor_types": types,
-            "tensors": len(reader.tensors), "bytes": size, "sidecar": _field(reader, SIDECAR_KEY)}
+            "tensors": len(reader.tensors), "bytes": size, "sidecar": _field(reader, SIDECAR_KEY), "sizes": sizes}
+
+
+# Bounds on a Llama header's sizes, checked before anything is allocated: llama.cpp's own layer cap
+# (LLAMA_MAX_LAYERS), and widths far past any released model's (a hostile header must not ask for terabytes).
+MAX_BLOCKS = 512
+MAX_WIDTH = 2**16
+MAX_VOCAB = 2**22
+MAX_CONTEXT = 2**24
+
+
+def llama_sizes(reader, path: Path) -> dict[str, int]:
+    """The sizes a Llama GGUF header states, checked against its tensors: each within its bound, the heads dividing
+    the width, and every tensor of the llama layout present with the shape the sizes imply (the output matrix
+    may be absent: tied to the embedding), and no block beyond block_count. ConfigError naming the file, the
+    field or tensor, what it holds and what is accepted."""
+    def size(key: str, high: int, default: int | None = None) -> int:
+        value = _field(reader, f"llama.{key}")
+        if value is None and default is not None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise ConfigError(f"{path}: llama.{key}={value!r}; accepted: an integer 1 <= llama.{key} <= {high:,}")
+        return value
+
+    tensors = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    embd = tensors.get("token_embd.weight")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab_default = len(tokens) if isinstance(tokens, list) and tokens else (embd[1] if embd and len(embd) == 2
+                                                                             else None)
+    blocks = size("block_count", MAX_BLOCKS)
+    d, ff = size("embedding_length", MAX_WIDTH), size("feed_forward_length", 4 * MAX_WIDTH)
+    heads = size("attention.head_count", d)
+    kv = size("attention.head_count_kv", heads, heads)
+    vocab = size("vocab_size", MAX_VOCAB, vocab_default)
+    size("context_length", MAX_CONTEXT, 1)
+    if d % heads or heads % kv:
+        raise ConfigError(f"{path}: llama.embedding_length={d}, llama.attention.head_count={heads}, "
+                          f"llama.attention.head_count_kv={kv}; accepted: head_count dividing embedding_length and "
+                          "head_count_kv dividing head_count")
+    d_kv = d // heads * kv
+    # GGUF gives each tensor's dimensions innermost first: a D_out x D_in matrix is [D_in, D_out]
+    want = {"token_embd.weight": [d, vocab], "output_norm.weight": [d]}
+    for i in range(blocks):
+        want |= {f"blk.{i}.attn_norm.weight": [d], f"blk.{i}.ffn_norm.weight": [d],
+                 f"blk.{i}.attn_q.weight": [d, d], f"blk.{i}.attn_k.weight": [d, d_kv],
+                 f"blk.{i}.attn_v.weight": [d, d_kv], f"blk.{i}.attn_output.weight": [d, d],
+                 f"blk.{i}.ffn_gate.weight": [d, ff], f"blk.{i}.ffn_up.weight": [d, ff],
+                 f"blk.{i}.ffn_down.weight": [ff, d]}
+    if "output.weight" in tensors:
+        want["output.weight"] = [d, vocab]
+    stated = (f"(llama.block_count={blocks}, embedding_length={d}, feed_forward_length={ff}, head_count={heads}, "
+              f"head_count_kv={kv}, vocab {vocab})")
+    missing = [name for name in want if name not in tensors]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"{path} lacks tensor{'s' * (len(missing) > 1)} {', '.join(missing[:3])}{more} that its "
+                          f"header implies {stated}; accepted: a complete Llama GGUF file")
+    for name, shape in want.items():
+        if tensors[name] != shape:
+            raise ConfigError(f"{path}: tensor {name} has shape {tensors[name]} (GGUF order, innermost first), the "
+                              f"header implies {shape} {stated}; accepted: a GGUF file whose header describes its "
+                              "tensors")
+    extra = sorted(n for n in tensors if n.startswith("blk.") and n not in want)
+    if extra:
+        raise ConfigError(f"{path} holds {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, which "
+                          f"its header does not describe {stated}; accepted: a GGUF file whose header describes its "
+                          "tensors")
+    return {"blocks": blocks, "width": d, "ffn": ff, "heads": heads, "kv_heads": kv, "vocab": vocab}
 
 
 def _reason(err: Exception) -> str:

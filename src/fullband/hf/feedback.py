@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from fullband.folder import CONFIG_FILE, HF_CONFIG_KEY, check_shapes, read_header, read_tensors, save_model
 from fullband.errors import CheckpointError, ConfigError
 from fullband.hf.gguf import pretrained_args, unquantized
-from fullband.hf.llama import _transformers, dtype_kwarg
+from fullband.hf.llama import _transformers, dtype_kwarg, load_checked
 from fullband.model.config import ModelConfig, require_default_layers
 from fullband.decode.generate import generate as generate_ids
 from fullband.model.core import FeedbackModel
@@ -201,7 +201,8 @@ def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torc
     tf = _transformers()
     try:
         name, extra = pretrained_args(path, config="config" not in kwargs)
-        model = tf.AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype), **extra, **kwargs)
+        model = load_checked(tf.AutoModelForCausalLM, name, f"model.hf_path={path!r}", **dtype_kwarg(dtype), **extra,
+                             **kwargs)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.hf_path={path!r} could not be loaded as a causal LM: {err}") from None
     return LatentFeedback(unquantized(model), config=config)

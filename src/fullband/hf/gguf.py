@@ -16,7 +16,7 @@ import torch
 
 from fullband.errors import ConfigError
 from fullband.gguf_file import gguf_args, gguf_path, inspect_gguf
-from fullband.hf.llama import _transformers, dtype_kwarg
+from fullband.hf.llama import _transformers, dtype_kwarg, load_checked
 
 # general.architecture values fullband converts into its native model (the Llama family: Llama 1-3, SmolLM, ...);
 # other architectures transformers reads can still be wrapped with latent feedback (model.hf_path)
@@ -76,8 +76,8 @@ def load_causal_lm(path: str | Path, dtype=None):
     """The transformers causal LM of a folder or GGUF file (dequantized to float32 by default), unquantized."""
     try:
         name, extra = pretrained_args(path, config=True)
-        model = _transformers().AutoModelForCausalLM.from_pretrained(name, **dtype_kwarg(dtype or torch.float32),
-                                                                     **extra)
+        model = load_checked(_transformers().AutoModelForCausalLM, name, str(path),
+                             **dtype_kwarg(dtype or torch.float32), **extra)
     except (OSError, ValueError, ImportError) as err:  # a missing reader package, an architecture it does not map
         raise ConfigError(f"{path} could not be loaded by transformers: {err}") from None
     return unquantized(model)

@@ -97,6 +97,28 @@ def check_llama_files(folder: Path, cfg: ModelConfig) -> None:
                                   "describe these weights")
 
 
+def load_checked(cls, name: str, what: str, **kwargs: Any):
+    """`cls.from_pretrained(name, **kwargs)` (a transformers model class), refused in one line when transformers
+    reports weights it did not find in the files (it would initialise them fresh), weights of another shape, or
+    files it could not read, and when a weight it read is not finite. `what` names the source in the message."""
+    model, info = cls.from_pretrained(name, output_loading_info=True, **kwargs)
+    for key, said in (("missing_keys", "has no weight for"), ("mismatched_keys", "has weights of another shape for"),
+                      ("error_msgs", "could not be read:")):
+        found = [k if isinstance(k, str) else k[0] for k in info.get(key) or []]
+        if found:
+            more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            raise ConfigError(f"{what} {said} {', '.join(map(str, found[:3]))}{more} (transformers' loading report: "
+                              "it would start them fresh); accepted: a model whose files hold every weight its config "
+                              "describes")
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise ConfigError(f"{what}: weight {key} holds {bad:,} non-finite value{'s' * (bad > 1)} (NaN or "
+                                  "infinity); accepted: finite weights")
+    return model
+
+
 @torch.no_grad()
 def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = None, **overrides: Any) -> FullbandLM:
     """A FullbandLM holding the weights of `model`: a LlamaForCausalLM instance or a local folder / hub id for
@@ -107,7 +129,7 @@ def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = N
             cfg = config_from_llama(tf.AutoConfig.from_pretrained(model), fusion=fusion, max_seq_len=max_seq_len,
                                     **overrides)
             check_llama_files(Path(model), cfg)
-        model = tf.LlamaForCausalLM.from_pretrained(model, **dtype_kwarg(torch.float32))
+        model = load_checked(tf.LlamaForCausalLM, model, repr(model), **dtype_kwarg(torch.float32))
     if not isinstance(model, tf.PreTrainedModel) or not hasattr(model, "config"):
         raise FullbandError(f"from_llama expects a LlamaForCausalLM or a path to one; got {type(model).__name__}")
     cfg = config_from_llama(model.config, fusion=fusion, max_seq_len=max_seq_len, **overrides)

@@ -33,12 +33,13 @@ from fullband.version import check_tested
 
 
 _LOG: collections.deque = collections.deque(maxlen=20)  # llama.cpp's last warnings and errors, for our messages
+LOGGED, CONT = (3, 4), 5  # ggml_log_level (ggml.h): WARN, ERROR; CONT continues the line before; INFO is 2
 _QUIET = None  # the log callback installed (kept alive here: llama.cpp holds a pointer to it)
 
 
 def _llama_cpp(verbose: bool = False):
-    """llama_cpp, its log sent to stderr (verbose) or kept: the last warnings and errors (level >= 2) for the
-    message of a failure."""
+    """llama_cpp, its log sent to stderr (verbose) or kept: the last warnings and errors (LOGGED) for the message
+    of a failure."""
     global _QUIET
     try:
         import llama_cpp
@@ -47,15 +48,30 @@ def _llama_cpp(verbose: bool = False):
                           "or pip install 'fullband[llamacpp]'") from None
     check_tested("llama-cpp-python", llama_cpp.__version__, "fullband's llama.cpp engine")
 
+    keep = LogKeeper(_LOG)
+
     def log(level: int, text: bytes, _) -> None:
         if verbose:
             sys.stderr.write(text.decode("utf-8", "replace"))
-        elif level in (2, 3):
-            _LOG.append(text.decode("utf-8", "replace").strip())
+        else:
+            keep(level, text)
 
     _QUIET = llama_cpp.llama_log_callback(log)
     llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p(0))
     return llama_cpp
+
+
+class LogKeeper:
+    """llama.cpp's log lines at the LOGGED levels into `lines` (a CONT line counts at the level of the one before)."""
+
+    def __init__(self, lines: collections.deque) -> None:
+        self.lines, self.last = lines, 0
+
+    def __call__(self, level: int, text: bytes) -> None:
+        self.last = level = self.last if level == CONT else level
+        line = text.decode("utf-8", "replace").strip()
+        if level in LOGGED and line:
+            self.lines.append(line)
 
 
 def _said() -> str:
