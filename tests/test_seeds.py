@@ -92,3 +92,16 @@ def test_reproduce_with_two_seeds_trains_each_reports_the_spread_and_reuses_the_
     with pytest.raises(ValueError, match=r"--seeds=0 is invalid; accepted: an integer 1 <= --seeds < 101"):
         reproduce("data-efficiency", **{**options, "seeds": 0})
     assert rp.REGISTRY["compare"].seeds >= 2 and rp.REGISTRY["tracking"].seeds >= 3
+
+
+def test_a_finished_run_of_another_recipe_is_not_reused_as_this_one(tmp_path, corpus, cache):
+    """A reproduction reuses a finished run only when it was trained with the recipe the experiment asks for now:
+    a recipe changed since (here the base's learning rate) is refused, naming the run and the setting."""
+    from fullband.reproduce import reproduce
+
+    base = write_config(tmp_path, corpus, cache, "base", steps=3, ckpt_every=0)
+    options = dict(root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base), extra=SMALL, seeds=1)
+    reproduce("data-efficiency", **options)
+    with pytest.raises(ValueError, match=r"fbt-N was trained with another recipe than this experiment's \(optim: run "
+                                         r"has lr=0\.\d+, config has lr=0\.5\)"):
+        reproduce("data-efficiency", **{**options, "extra": [*SMALL, "optim.lr=0.5"]})

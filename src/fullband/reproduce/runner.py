@@ -65,7 +65,29 @@ def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None 
     overrides = [*run.overrides, *(extra or []), *settings.extra, *settings.seeded(), f'log.run_dir="{run_dir}"',
                  f"log.eval_every={eval_every}"]
     cfg = load_run_config(run.config or settings.base, overrides)
+    _same_recipe(run_dir, cfg)
     return _reused(run, run_dir, cfg.train.steps, lambda resume: train(cfg, resume=resume))
+
+
+def _same_recipe(run_dir: Path, cfg) -> None:
+    """Refuse to reuse or resume a run trained with another recipe (the settings a resume must keep, resolved as
+    the trainer resolves them, against run.json's; a setting one side does not have, from another version of
+    fullband, is not a difference): its results would be reported as this recipe's."""
+    from fullband.errors import ConfigError
+    from fullband.files import read_json
+    from fullband.train.build import resolve
+    from fullband.train.parallel import Dist
+    from fullband.train.rundir import MUST_MATCH, RUN_FILE, resume_differences
+
+    saved = read_json(run_dir / RUN_FILE)
+    if not isinstance(saved, dict):
+        return
+    now = resolve(cfg, Dist(), run_dir=run_dir)[0].to_dict()
+    diffs = [d for d in resume_differences(saved, now, MUST_MATCH) if "(not set)" not in d]
+    if diffs:
+        raise ConfigError(f"{run_dir} was trained with another recipe than this experiment's ({'; '.join(diffs[:3])}"
+                          f"{f'; and {len(diffs) - 3} more' if len(diffs) > 3 else ''}): its results would be "
+                          "reported as this recipe's; move it away to train it again, or pass another --root")
 
 
 @dataclass
