@@ -164,3 +164,49 @@ def test_llama_cpp_errors_reach_our_messages_and_its_info_lines_do_not():
         keep(level, text)
     assert list(kept) == ["llama_model_load: error loading model: missing tensor 'blk.0.attn_q.weight'",
                           "while loading block 0", "llama_init: warning: n_ctx is small"]
+
+
+def test_a_sidecar_is_bound_to_its_gguf_file(tmp_path, capsys):
+    """Each export writes one identity into the GGUF file and its sidecar: a sidecar another export wrote (the
+    same sizes, or another width), put beside the file under its name, is refused in one line naming both files,
+    by convert as by every reader of the pair (read_sidecar: convert, the llama.cpp engine, doctor)."""
+    import shutil
+
+    from fullband.cli import main
+    from fullband.hf.gguf_out import export_gguf, read_sidecar
+
+    export_gguf(llama_style(seed=0), tmp_path / "a.gguf", tokenizer=ByteTokenizer())
+    export_gguf(llama_style(seed=1), tmp_path / "b.gguf", tokenizer=ByteTokenizer())
+    export_gguf(llama_style(d_model=128), tmp_path / "wide.gguf", tokenizer=ByteTokenizer())
+    assert read_sidecar(tmp_path / "a.gguf")[1]["pair"] == gguf.GGUFReader(str(tmp_path / "a.gguf")).fields[
+        "fullband.pair"].contents()
+    for other in ("b", "wide"):
+        shutil.copy(sidecar_path(tmp_path / f"{other}.gguf"), sidecar_path(tmp_path / "a.gguf"))
+        capsys.readouterr()
+        assert main(["convert", str(tmp_path / "a.gguf"), str(tmp_path / "back")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "a.gguf' and its sidecar" in err and "are not one pair" in err, err
+        assert f"which names '{other}.gguf'" in err and not (tmp_path / "back").exists()
+        assert main(["doctor", str(tmp_path / "a.gguf")]) == 1
+        out = capsys.readouterr().out
+        assert "FAIL  a.feedback.safetensors:" in out and "are not one pair" in out and "verdict: damaged" in out
+    assert main(["doctor", str(tmp_path / "b.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "ok    b.gguf: llama header, 21 tensors" in out and "the file's own feedback sidecar" in out, out
+
+
+def test_a_user_s_file_at_any_temporary_name_survives_an_export(tmp_path):
+    """Writers go through temporary files whose names no other file has: a user's `.OUT.gguf.tmp` (the name an
+    export once used) and `.race.png.tmp` are left as they were."""
+    from fullband.files import save_figure, plt
+    from fullband.hf.gguf_out import export_gguf
+
+    mine = {tmp_path / ".m.gguf.tmp": b"mine", tmp_path / ".m.feedback.safetensors.tmp": b"also mine",
+            tmp_path / ".race.png.tmp": b"my figure"}
+    for path, data in mine.items():
+        path.write_bytes(data)
+    export_gguf(llama_style(), tmp_path / "m.gguf", tokenizer=ByteTokenizer())
+    save_figure(plt().subplots()[0], tmp_path / "race.png")
+    assert {p: p.read_bytes() for p in mine} == mine
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*(p.name for p in mine), "m.gguf", "m.feedback.safetensors", "race.png"])

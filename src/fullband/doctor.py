@@ -54,6 +54,8 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
     from fullband.train.rundir import RUN_FILE
 
     path = Path(path)
+    if path.is_file() and path.name.lower().endswith(".gguf"):
+        return _gguf(path)
     if not path.is_dir():
         report = Report(path, "unknown", verdict="nothing to check")
         report.add(FAIL, ".", "does not exist" if not path.exists() else "is a file, not a folder")
@@ -78,6 +80,38 @@ def diagnose(path: str | Path, *, hashes: bool = True) -> Report:
         report.add(FAIL, ".", f"not a fullband folder: {why}")
         return report
     report.verdict = "healthy" if ok else "damaged: see the FAIL lines"
+    return report
+
+
+def _gguf(path: Path) -> Report:
+    """A GGUF file: its header against its tensors, and for a file fullband wrote, whether the sidecar beside it is
+    its own (the pair's identity, the sizes) and readable."""
+    from fullband.errors import CheckpointError, ConfigError
+    from fullband.gguf_file import inspect_gguf
+    from fullband.hf.gguf_out import read_sidecar
+
+    report = Report(path, "GGUF file")
+    try:
+        info = inspect_gguf(path)
+    except (ConfigError, FullbandError) as err:
+        report.add(FAIL, path.name, str(err))
+        report.verdict = "damaged: see the FAIL lines"
+        return report
+    sizes = info["sizes"]
+    report.add(OK, path.name, f"{info['architecture']} header, {info['tensors']} tensors "
+               f"({', '.join(f'{n} {t}' for t, n in sorted(info['tensor_types'].items()))})"
+               + (f"; {sizes['blocks']} blocks, width {sizes['width']}, vocabulary {sizes['vocab']:,}, every tensor "
+                  "the header implies" if sizes else ""))
+    if not info["sidecar"]:
+        report.add(OK, path.name, "no feedback sidecar: a standard model (llama.cpp decodes it STANDARD)")
+    else:
+        try:
+            side, _ = read_sidecar(path)
+            report.add(OK, info["sidecar"], f"the file's own feedback sidecar ({len(side)} tensors)"
+                       + ("" if info.get("pair") else "; written before pairs carried an identity: sizes checked"))
+        except (CheckpointError, ConfigError) as err:
+            report.add(FAIL, info["sidecar"], str(err))
+    report.verdict = "damaged: see the FAIL lines" if report.failed else "healthy"
     return report
 
 

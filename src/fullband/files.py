@@ -463,10 +463,23 @@ def plt():
     return pyplot
 
 
+def temp_sibling(path: str | Path) -> Path:
+    """A new empty file beside `path` to write it through (`.NAME.XXXXXXXX.tmp`: a name no other file has, so a
+    user's file is never written over or removed), with the mode a plain open would give."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~umask())
+    finally:
+        os.close(fd)
+    return Path(tmp)
+
+
 def save_figure(fig, path: Path) -> None:
     """A figure as PNG through a temporary file and a rename (a failure leaves neither); the figure is closed."""
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
+    with writing(path, f"write {path.name}"):
+        tmp = temp_sibling(path)
     try:
         with writing(path, f"write {path.name}"):
             fig.savefig(tmp, dpi=120, format="png")

@@ -14,6 +14,7 @@ SHIPPED = "shipped:smollm2"  # the spelling of the real model the project instal
 
 
 SIDECAR_KEY = "fullband.sidecar"  # the key under which a GGUF file fullband wrote names its feedback sidecar
+PAIR_KEY = "fullband.pair"  # the identity a GGUF file fullband wrote shares with its sidecar
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -78,7 +79,8 @@ def _inspect(path: Path, size: int, mtime: int) -> dict[str, Any]:
         raise ConfigError(f"{path} names no general.architecture; accepted: a GGUF file of a language model")
     sizes = llama_sizes(reader, path) if arch == "llama" else None
     return {"architecture": arch, "name": _field(reader, "general.name"), "tensor_types": types,
-            "tensors": len(reader.tensors), "bytes": size, "sidecar": _field(reader, SIDECAR_KEY), "sizes": sizes}
+            "tensors": len(reader.tensors), "bytes": size, "sidecar": _field(reader, SIDECAR_KEY),
+            "pair": _field(reader, PAIR_KEY), "sizes": sizes}
 
 
 # Bounds on a Llama header's sizes, checked before anything is allocated: llama.cpp's own layer cap

@@ -214,8 +214,9 @@ SERVE = Command("serve", "vLLM's OpenAI-compatible server on a transformers fold
     opt("folder", help="a transformers fullband folder (fullband convert ... --to hf, save_pretrained)"),
     opt("options", nargs=argparse.REMAINDER, help="passed to vLLM's server (--port, --dtype, ...)"),
 ))
-DOCTOR = Command("doctor", "check a model folder, training checkpoint or run directory (read only)", cmd_doctor, (
-    opt("path", help="a run directory, a step_NNNNNN checkpoint, a model folder or a transformers folder"),
+DOCTOR = Command("doctor", "check a model folder, training checkpoint, run directory or GGUF file (read only)", cmd_doctor, (
+    opt("path", help="a run directory, a step_NNNNNN checkpoint, a model folder, a transformers folder or a GGUF "
+        "file (its header against its tensors, and whether its feedback sidecar is its own)"),
     opt("--quick", action="store_true", help="compare file sizes only, not the sha256 of every file"),
     opt("--json", help="also write the findings to this JSON file"),
 ))

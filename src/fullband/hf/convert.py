@@ -146,12 +146,12 @@ def _read(src: Path, kind: str, fusion: str):
     elif kind == "hf":
         native = load_transformers_folder(src)
     else:
+        side, meta = read_sidecar(src) if kind == "gguf" else ({}, {})  # a sidecar not the file's own: refused first
         if kind == "gguf":
             hf = load_causal_lm(src)
             stops = hf_stop_ids(hf.generation_config) or hf_stop_ids(hf.config)
         else:
             hf, stops = str(src), source_stop_ids(src)
-        side, meta = read_sidecar(src) if kind == "gguf" else ({}, {})
         if meta:  # a file fullband wrote: the config and feedback weights as they were, the trunk from the file
             native = from_llama(hf, **json.loads(meta["config"]))
             native.load_state_dict(side, strict=False)

@@ -13,19 +13,22 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fullband.errors import CheckpointError, ConfigError, InputError
-from fullband.gguf_file import SIDECAR_KEY, gguf_path, inspect_gguf
+from fullband.files import temp_sibling, writing
+from fullband.gguf_file import PAIR_KEY, SIDECAR_KEY, gguf_path, inspect_gguf
 from fullband.model.weights import lookup, named, split
 
 GGUF_TYPES = ("F32", "F16", "Q8_0")
 SIDECAR_SUFFIX = ".feedback.safetensors"
 SIDECAR_FORMAT = "fullband-gguf-sidecar"
 METHOD_KEY = "fullband.method"
+PAIR = "pair"  # the sidecar's copy of the pair's identity (the GGUF file's under PAIR_KEY)
 METHOD = "latent feedback (Full-bandwidth Transformer): fuse(e_t, h_{t-1}) fed back into block 0"
 
 
@@ -38,7 +41,8 @@ def read_sidecar(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     names (fullband.sidecar, read with the checked header); ({}, {}) for a file without one."""
     from safetensors import SafetensorError, safe_open
 
-    name = inspect_gguf(path)["sidecar"]
+    info = inspect_gguf(path)
+    name = info["sidecar"]
     if not name:
         return {}, {}
     name = Path(name).name
@@ -54,7 +58,30 @@ def read_sidecar(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
         raise CheckpointError(f"{str(file)!r}: not a readable safetensors file ({err})") from None
     if meta.get("format") != SIDECAR_FORMAT or "config" not in meta:
         raise CheckpointError(f"{str(file)!r} is not a fullband GGUF sidecar (format={meta.get('format')!r})")
+    _check_pair(path, file, info, meta)
     return tensors, meta
+
+
+def _check_pair(path, file: Path, info: dict, meta: dict[str, str]) -> None:
+    """Refuse a sidecar that is not the GGUF file's own: another identity (PAIR_KEY: a sidecar written beside
+    another file, put here), or, for a pair written before the identity existed, sizes that disagree."""
+    said = f"{str(path)!r} and its sidecar {str(file)!r}"
+    own = info.get("pair")
+    if (own or meta.get(PAIR)) and own != meta.get(PAIR):
+        raise CheckpointError(f"{said} are not one pair: the sidecar was written with another GGUF file "
+                              f"({PAIR_KEY} {own!r} in the file, {meta.get(PAIR)!r} in the sidecar, which names "
+                              f"{meta.get('gguf')!r}); accepted: the two files `fullband convert` wrote together")
+    try:
+        cfg = json.loads(meta["config"])
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{str(file)!r}: its config is not JSON; accepted: a sidecar fullband convert wrote") \
+            from None
+    sizes = info.get("sizes") or {}
+    got = {"width": cfg.get("d_model"), "blocks": cfg.get("n_layers"), "vocab": cfg.get("vocab_size")}
+    wrong = [f"{k} {v} in the sidecar, {sizes[k]} in the file" for k, v in got.items() if k in sizes and v != sizes[k]]
+    if wrong:
+        raise CheckpointError(f"{said} disagree: {'; '.join(wrong)}; accepted: the two files `fullband convert` "
+                              "wrote together")
 
 
 def sidecar_tokenizer(meta: dict[str, str]):
@@ -172,6 +199,40 @@ def _tokenizer_files(tokenizer) -> dict[str, str]:
         return {f.name: f.read_text(encoding="utf-8") for f in Path(tmp).iterdir() if f.is_file()}
 
 
+def _write_gguf(gguf, path: Path, out: Path, side: Path, cfg, trunk, dtype: str, tokenizer, pair: str) -> None:
+    """The trunk as a llama-layout GGUF file at `path` (published later as `out`), naming its sidecar `side` and
+    carrying `pair`, the identity its sidecar carries too."""
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(out.stem)
+    writer.add_file_type(int(file_type))
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_embedding_length(cfg.d_model)
+    writer.add_block_count(cfg.n_layers)
+    writer.add_feed_forward_length(cfg.d_ff)
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(cfg.n_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_string(METHOD_KEY, METHOD if cfg.has_feedback else "none (a standard model)")
+    writer.add_string(SIDECAR_KEY, side.name)
+    writer.add_string(PAIR_KEY, pair)
+    if tokenizer is not None:
+        _tokenizer_keys(writer, tokenizer, cfg.vocab_size)
+    for name, array in trunk:
+        data, raw = _stored(gguf, array, dtype)
+        writer.add_tensor(name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def export_gguf(model, out: str | Path, *, tokenizer=None, dtype: str = "F32", overwrite: bool = False) -> Path:
     """Write `model` (a FullbandLM) as OUT.gguf (the trunk, `dtype` F32 / F16 / Q8_0) and OUT.feedback.safetensors
     beside it (its feedback weights, config and tokenizer). Refuses what llama.cpp cannot run (check_exportable) and an
@@ -193,41 +254,18 @@ def export_gguf(model, out: str | Path, *, tokenizer=None, dtype: str = "F32", o
         if path.exists() and not overwrite:
             raise InputError(f"{str(path)!r} exists; pass --overwrite (overwrite=True) to replace it")
     trunk, rest = _trunk(model)
-    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
-    tmp_gguf, tmp_side = out.with_name(f".{out.name}.tmp"), side.with_name(f".{side.name}.tmp")
+    action = f"write {out.name} and {side.name}"
+    with writing(out, action):
+        tmp_gguf, tmp_side = temp_sibling(out), temp_sibling(side)
+    pair = uuid.uuid4().hex  # the identity both files carry: a reader refuses a sidecar that is not this file's
     try:
-        writer = gguf.GGUFWriter(str(tmp_gguf), "llama")
-        writer.add_name(out.stem)
-        writer.add_file_type(int(file_type))
-        writer.add_context_length(cfg.max_seq_len)
-        writer.add_embedding_length(cfg.d_model)
-        writer.add_block_count(cfg.n_layers)
-        writer.add_feed_forward_length(cfg.d_ff)
-        writer.add_head_count(cfg.n_heads)
-        writer.add_head_count_kv(cfg.n_kv_heads)
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
-        writer.add_rope_dimension_count(cfg.head_dim)
-        writer.add_rope_freq_base(cfg.rope_theta)
-        writer.add_layer_norm_rms_eps(cfg.norm_eps)
-        writer.add_vocab_size(cfg.vocab_size)
-        writer.add_string(METHOD_KEY, METHOD if cfg.has_feedback else "none (a standard model)")
-        writer.add_string(SIDECAR_KEY, side.name)
-        if tokenizer is not None:
-            _tokenizer_keys(writer, tokenizer, cfg.vocab_size)
-        for name, array in trunk:
-            data, raw = _stored(gguf, array, dtype)
-            writer.add_tensor(name, data, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        save_file(rest, str(tmp_side), metadata={"format": SIDECAR_FORMAT, "config": json.dumps(cfg.to_dict()),
-                                                 "gguf": out.name, "method": METHOD,
-                                                 "tokenizer": json.dumps(_tokenizer_files(tokenizer))})
-        os.replace(tmp_side, side)
-        os.replace(tmp_gguf, out)
+        with writing(out, action):  # a full disk names the file asked for, not a temporary (or stdout)
+            _write_gguf(gguf, tmp_gguf, out, side, cfg, trunk, dtype, tokenizer, pair)
+            save_file(rest, str(tmp_side), metadata={
+                "format": SIDECAR_FORMAT, "config": json.dumps(cfg.to_dict()), "gguf": out.name, PAIR: pair,
+                "method": METHOD, "tokenizer": json.dumps(_tokenizer_files(tokenizer))})
+            os.replace(tmp_side, side)
+            os.replace(tmp_gguf, out)
     finally:
         for tmp in (tmp_gguf, tmp_side):
             tmp.unlink(missing_ok=True)
