@@ -102,6 +102,33 @@ def test_generate_is_transformers_greedy_continuation(smollm2, capsys):
         assert "feedback weights are untrained" in out.err and "12 tokens, standard" in out.err
 
 
+CHATML = "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_prompt_s_control_tokens_are_read_as_the_model_s_tokenizer_reads_them(smollm2, capsys):
+    """SmolLM2's ChatML prompt written as text: fullband reads `<|im_start|>` as the one control token, as
+    transformers (and vLLM and llama.cpp) do, and answers what transformers answers; --special-as-text reads the
+    markers as plain text (untrusted input), as before."""
+    from fullband.data.tokenizer import load_tokenizer
+
+    want_ids = smollm2.tokenizer(CHATML, add_special_tokens=False)["input_ids"]
+    tok = load_tokenizer(smollm2.native)
+    assert tok.encode(CHATML) == want_ids and want_ids[0] == smollm2.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    plain = tok.encode(CHATML, special=False)
+    assert len(plain) > len(want_ids) and smollm2.tokenizer.convert_tokens_to_ids("<|im_start|>") not in plain
+    im_end = smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    greedy = reference_greedy(smollm2, want_ids, 16)
+    want = smollm2.tokenizer.decode(greedy[:greedy.index(im_end)] if im_end in greedy else greedy)
+    assert "red" in want.lower()  # an answer to the question (transformers': "1. Red: The most common ...")
+    for folder in (smollm2.native, smollm2.hf):
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", str(folder), "--prompt", CHATML, "--max-new-tokens", "16"]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == want
+    assert main(["generate", "--checkpoint", str(smollm2.native), "--prompt", CHATML, "--max-new-tokens", "16",
+                 "--special-as-text"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") != want
+
+
 def test_every_mode_runs_and_standard_equals_transformers(smollm2):
     model = fullband.load_model(smollm2.native)
     chat = reference_ids(smollm2, CHAT)

@@ -28,7 +28,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise FullbandError(f"the checkpoint's tokenizer has {tokenizer.vocab_size} ids but the model only "
                             f"{model.config.vocab_size}")
     mode = _model_mode(asked, model.config)
-    prompt = tokenizer.encode(prompt_text)  # with a BOS where the model's tokenizer adds one (its add_bos)
+    # with a BOS where the model's tokenizer adds one (its add_bos), its special tokens read as its tokenizer reads them
+    prompt = tokenizer.encode(prompt_text, special=not args.special_as_text)
     stops = [] if args.ignore_eos else [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
     t0 = time.perf_counter()
     steps = stream(model, [prompt], args.max_new_tokens, mode=mode, sampling=sampling, stop_tokens=stops,
@@ -211,6 +212,9 @@ GENERATE = Command("generate", "stream a continuation of a prompt", cmd_generate
     opt("--echo", action="store_true", help="print the prompt before the continuation"),
     opt("--ignore-eos", action="store_true", help="keep generating past the EOS token(s) (by default the tokenizer's "
         "EOS, or a converted model's own EOS ids, end the generation)"),
+    opt("--special-as-text", action="store_true", help="read a pretrained model's special tokens written in the "
+        "prompt (e.g. <|im_start|>) as plain text, for untrusted input (by default they are those tokens, as "
+        "transformers, vLLM and llama.cpp read them)"),
 ))
 CHAT = Command("chat", "talk to a chat model in the terminal (/mode, /reset, /exit; Ctrl-C stops)", cmd_chat, (
     *SAMPLING,

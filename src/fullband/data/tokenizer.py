@@ -68,10 +68,11 @@ class ByteTokenizer:
 
     add_bos = True  # a prompt starts with BOS (fullband's own vocabularies; a pretrained model's says)
 
-    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
-        """Ids of `text` (special-token text read as text), with BOS in front when `bos` is true (default: the
-        vocabulary's add_bos: always for fullband's own vocabularies, as the model's tokenizer does for a pretrained
-        one)."""
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False, special: bool = False) -> list[int]:
+        """Ids of `text`, with BOS in front when `bos` is true (default: the vocabulary's add_bos: always for
+        fullband's own vocabularies, as the model's tokenizer does for a pretrained one). Special-token text is read
+        as text in fullband's own vocabularies whatever `special` says (their BOS is a document start); a pretrained
+        model's tokenizer reads its special tokens (PretrainedTokenizer.encode)."""
         bos = self.add_bos if bos is None else bos
         return ([self.bos_id] if bos else []) + self._ids(_check_text(text)) + ([self.eos_id] if eos else [])
 
@@ -231,6 +232,7 @@ class PretrainedTokenizer(BPETokenizer):
                  special_ids: tuple[int, int, int] | None = None, stop_ids: tuple[int, ...] = (),
                  chat_template: str | None = None, add_bos: bool = True) -> None:
         super().__init__(hf_tokenizer, source=source, special_ids=special_ids)
+        self._parsing = None  # the backend encode() reads special tokens with, made on first use
         self._stop_ids = tuple(stop_ids) or (self.eos_id,)
         self.add_bos = bool(add_bos)  # whether the model's own tokenizer starts a text with BOS (SmolLM2's: no)
         self.chat_template = chat_template or None
@@ -246,6 +248,20 @@ class PretrainedTokenizer(BPETokenizer):
     def stop_ids(self) -> tuple[int, ...]:
         """The ids that end a generation by default: the model's own EOS id(s) (a Llama 3 has several)."""
         return self._stop_ids
+
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False, special: bool = True) -> list[int]:
+        """Ids of a prompt `text`, read as the model's own tokenizer reads it (transformers, vLLM and llama.cpp
+        alike): its special tokens written as text (`<|im_start|>`) become those tokens; `special=False` reads them
+        as plain text (untrusted input). BOS / EOS as in ByteTokenizer.encode. Corpora (encode_batch) and the
+        contents of chat messages are always read as plain text."""
+        if not special:
+            return super().encode(text, bos=bos, eos=eos)
+        if self._parsing is None:  # a second backend that parses special tokens (the first one never does)
+            self._parsing = _hf_tokenizers().Tokenizer.from_str(self._tok.to_str())
+            self._parsing.encode_special_tokens = False
+        bos = self.add_bos if bos is None else bos
+        ids = self._parsing.encode(_check_text(text), add_special_tokens=False).ids
+        return ([self.bos_id] if bos else []) + list(ids) + ([self.eos_id] if eos else [])
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, stop_ids: tuple[int, ...] = ()) -> "PretrainedTokenizer":
