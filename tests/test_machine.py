@@ -3,6 +3,7 @@ caller's count."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fullband import machine as threads
@@ -79,3 +80,46 @@ def test_a_heavy_command_restarts_once_keeping_freed_memory(tmp_path, model):
                         "--batch", "1", "--seq-len", "8", "--rounds", "1", "--json", str(out)], env=env, check=True,
                        capture_output=True, timeout=120)
         assert json.loads(out.read_text())["freed_memory_kept"] is kept
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1000000", "two", "1.5"])
+def test_a_thread_count_that_is_not_one_is_refused_in_one_line_everywhere(value, monkeypatch, capsys):
+    """FULLBAND_THREADS, train.threads / rl.threads and the --threads flags take one rule: an integer 1..1024 (0
+    in a recipe: chosen at the start); 0 and negatives were silently 1, a million crashed torch's thread pool."""
+    from fullband.cli import main
+
+    monkeypatch.setenv("FULLBAND_THREADS", value)
+    assert main(["generate", "--checkpoint", "nowhere", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"FULLBAND_THREADS={value!r}; accepted: an integer 1 <= FULLBAND_THREADS <= " \
+        "1024" in err, err
+
+
+def test_thread_counts_are_read_one_way(monkeypatch, capsys):
+    import torch
+
+    from fullband.cli import main
+    from fullband.errors import ConfigError
+    from fullband.machine import run_threads
+    from fullband.rl.run import RLConfig
+    from fullband.train.config import TrainConfig
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("FULLBAND_THREADS", "01")  # the same count as 1
+        assert run_threads(0, "train.threads", resume=True, recorded=1)[0] == 1
+        monkeypatch.setenv("FULLBAND_THREADS", "2")
+        with pytest.raises(ConfigError, match="FULLBAND_THREADS=2, but the run started with 1 thread"):
+            run_threads(0, "train.threads", resume=True, recorded=1)
+    finally:
+        torch.set_num_threads(before)
+    for make, key in ((lambda n: TrainConfig(threads=n), "train.threads"),
+                      (lambda n: RLConfig(init_from="x", threads=n), "rl.threads")):
+        with pytest.raises(ConfigError, match=rf"{key}=4096 is invalid; accepted: .*{key} < 1025"):
+            make(4096)
+        assert make(1024).threads == 1024
+    for args in (["bench", "decode", "--model", "shipped:smollm2", "--threads", "1000000"],
+                 ["generate", "--checkpoint", "x", "--prompt", "y", "--engine", "llamacpp", "--threads", "0"]):
+        with pytest.raises(SystemExit):
+            main(args)
+        assert "accepted: an integer 1 <= threads <= 1024" in capsys.readouterr().err

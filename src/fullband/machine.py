@@ -59,17 +59,36 @@ def choose(cores: int, busy: float | None, current: int) -> int:
     return max(1, min(current, cores, round(cores - busy)))
 
 
+# The most threads any setting may ask for: torch's thread pool fails to allocate far beyond it (MemoryError at 4096)
+# and llama.cpp crashes; far more than any machine's cores (the rounding of more threads than cores is still tested).
+MAX_THREADS = 1024
+
+
+def env_threads(var: str) -> int | None:
+    """The thread count environment variable `var` sets: None when unset or empty; ConfigError naming it for
+    anything but an integer 1 <= N <= MAX_THREADS ("01" is 1: read as a number, as everywhere)."""
+    from fullband.errors import ConfigError
+    from fullband.validate import ascii_int
+
+    text = os.environ.get(var, "").strip()
+    if not text:
+        return None
+    value = ascii_int(text)
+    if value is None or not 1 <= value <= MAX_THREADS:
+        raise ConfigError(f"{var}={text!r}; accepted: an integer 1 <= {var} <= {MAX_THREADS} (torch's threads), or "
+                          "unset it to let fullband choose")
+    return value
+
+
 def fit_threads() -> str | None:
     """Set torch's threads to the free cores (FULLBAND_THREADS or OMP_NUM_THREADS, when set, win; a torchrun process
-    keeps its own). -> a line saying what was done and why, or None when nothing changed."""
+    keeps its own). -> a line saying what was done and why, or None when nothing changed. ConfigError for a
+    FULLBAND_THREADS that is not a count (env_threads)."""
     import torch
 
-    env = os.environ.get(OVERRIDE)
-    if env:
-        try:
-            torch.set_num_threads(max(1, int(env)))
-        except ValueError:
-            return f"{OVERRIDE}={env!r} is not an integer; torch's {torch.get_num_threads()} threads are kept"
+    env = env_threads(OVERRIDE)
+    if env is not None:
+        torch.set_num_threads(env)
         return None
     if "OMP_NUM_THREADS" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
@@ -107,8 +126,8 @@ def run_threads(asked: int, key: str, *, resume: bool = False, recorded: int | N
     if asked and asked != recorded:
         raise ConfigError(f"{key}={asked}, but the run started with {key}={recorded} (its run.json): {fix}")
     for var in (OVERRIDE, "OMP_NUM_THREADS"):
-        value = os.environ.get(var)
-        if value and value.strip() != str(recorded):
+        value = env_threads(var)
+        if value is not None and value != recorded:
             raise ConfigError(f"{var}={value}, but the run started with {recorded} thread(s) ({key} in its "
                               f"run.json): {fix}")
     torch.set_num_threads(recorded)

@@ -74,15 +74,16 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.showwarning = show
     threads = None
-    if args.command in (*HEAVY, "generate", "chat"):  # torch's threads to the free cores, said once; restored after
-        import torch
-
-        from fullband.machine import fit_threads
-
-        threads, message = torch.get_num_threads(), fit_threads()
-        if message:
-            print(f"fullband {args.command}: {message}", file=sys.stderr)
     try:
+        if args.command in (*HEAVY, "generate", "chat"):  # torch's threads to the free cores, said once; restored
+            import torch
+
+            from fullband.machine import fit_threads
+
+            threads = torch.get_num_threads()
+            message = fit_threads()
+            if message:
+                print(f"fullband {args.command}: {message}", file=sys.stderr)
         return args.func(args)
     except FullbandError as err:
         print(f"fullband {args.command}: error: {err}", file=sys.stderr)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.errors import InputError
+from fullband.machine import MAX_THREADS
 from fullband.validate import ascii_int, available_device, dtype as _dtype_of
 
 
@@ -97,6 +98,7 @@ def count(minimum: int, below: int | None = None, accepted: str | None = None):
 
 
 SEED = count(0, 2**63, "an integer 0 <= seed < 2**63")
+THREADS = count(1, MAX_THREADS + 1, f"an integer 1 <= threads <= {MAX_THREADS}")
 
 
 def unescape(text: str, flag: str) -> str:

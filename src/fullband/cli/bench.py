@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from fullband.cli.args import JSON, SET_MODEL, SET_RECIPE, Command, check_json_out, count, device, opt
+from fullband.cli.args import JSON, SET_MODEL, SET_RECIPE, THREADS, Command, check_json_out, count, device, opt
 from fullband.validate import DTYPES
 
 
@@ -81,7 +81,7 @@ DECODE = Command("decode", "STANDARD vs SOFT vs FUSED decode tokens/s, matmul bo
     opt("--config", default="bench-91m"), SET_MODEL,
     opt("--model", help="a real model instead of --config: a .gguf file (shipped:smollm2), a transformers Llama folder "
         "or a fullband folder; float32, against transformers and the machine's bounds"),
-    opt("--threads", type=count(1), nargs="+", default=[1, 2], help="with --model: torch threads"),
+    opt("--threads", type=THREADS, nargs="+", default=[1, 2], help="with --model: torch threads"),
     opt("--pairs", type=count(2), default=400, help="with --model: paired STANDARD / SOFT decode steps that measure "
         "SOFT's overhead (per threads x batch)"),
     opt("--batch-sizes", type=count(1), nargs="+", default=[1, 8]),

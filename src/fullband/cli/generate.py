@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from fullband.cli.args import SEED, Command, count, device, dtype, opt, tolerance, utf8
+from fullband.cli.args import SEED, THREADS, Command, count, device, dtype, opt, tolerance, utf8
 from fullband.errors import FullbandError, InputError
 from fullband.model.mode import AUTO, DecodeMode, default_mode, default_note
 from fullband.validate import DTYPES, ascii_int
@@ -193,7 +193,7 @@ SAMPLING = (  # what generate and chat share
     opt("--engine", choices=("torch", "llamacpp"), default="torch",
         help="torch (default), or llamacpp: --checkpoint FILE.gguf (fullband convert CKPT FILE.gguf) decoded by "
              "llama.cpp, batch 1, on the CPU (needs llama-cpp-python: make llama-env)"),
-    opt("--threads", type=count(1), default=None, help="llama.cpp's threads (--engine llamacpp; default: torch's)"),
+    opt("--threads", type=THREADS, default=None, help="llama.cpp's threads (--engine llamacpp; default: torch's)"),
     opt("--n-ctx", type=count(1), default=None, help="llama.cpp's context, the longest sequence (--engine llamacpp; "
         "default: the model's max_seq_len, at most 4096)"),
 )

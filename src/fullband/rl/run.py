@@ -26,6 +26,7 @@ from fullband.train.metrics import METRICS_FILE, MetricsLog, metric_rows
 from fullband.train.parallel import Dist
 from fullband.train.rundir import RunDir, stop_after_step
 from fullband.rl.step import RLSettings
+from fullband.machine import MAX_THREADS
 from fullband.validate import MAX_LR, available_device, integer, number
 
 # settings a resumed run may change (how often it logs and evaluates); every other one must match run.json
@@ -63,7 +64,7 @@ class RLConfig(RLSettings):
             integer(f"rl.{name}", getattr(self, name), 1)
         for name in ("eval_every", "ckpt_every", "seed"):
             integer(f"rl.{name}", getattr(self, name), 0)
-        integer("rl.threads", self.threads, 0, below=4097)
+        integer("rl.threads", self.threads, 0, below=MAX_THREADS + 1)
         number("rl.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
         number("rl.lr", self.lr, low=0, high=MAX_LR, low_open=True)
         number("rl.reward_timeout", self.reward_timeout, low=0, high=86400)

@@ -9,6 +9,7 @@ from typing import Any
 
 from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
 from fullband.errors import ConfigError
+from fullband.machine import MAX_THREADS
 from fullband.validate import choice, integer, number
 from fullband.model.config import ModelConfig
 from fullband.presets import recipe_path
@@ -89,7 +90,7 @@ class TrainConfig:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
             integer(f"train.{name}", getattr(self, name), 1)
         integer("train.seed", self.seed, 0, below=MAX_SEED)
-        integer("train.threads", self.threads, 0, below=4097)
+        integer("train.threads", self.threads, 0, below=MAX_THREADS + 1)
         if not isinstance(self.trainable, list) or not self.trainable or not all(
                 isinstance(p, str) and p.strip() for p in self.trainable):
             raise ConfigError(f"train.trainable={self.trainable!r} is invalid; accepted: a non-empty list of weight "
