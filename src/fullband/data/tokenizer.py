@@ -252,8 +252,8 @@ class PretrainedTokenizer(BPETokenizer):
     def encode(self, text: str, *, bos: bool | None = None, eos: bool = False, special: bool = True) -> list[int]:
         """Ids of a prompt `text`, read as the model's own tokenizer reads it (transformers, vLLM and llama.cpp
         alike): its special tokens written as text (`<|im_start|>`) become those tokens; `special=False` reads them
-        as plain text (untrusted input). BOS / EOS as in ByteTokenizer.encode. Corpora (encode_batch) and the
-        contents of chat messages are always read as plain text."""
+        as plain text (untrusted input). BOS / EOS as in ByteTokenizer.encode. Corpora (encode_batch) are read as
+        plain text; a conversation is read through the model's chat template, as transformers reads it."""
         if not special:
             return super().encode(text, bos=bos, eos=eos)
         if self._parsing is None:  # a second backend that parses special tokens (the first one never does)

@@ -89,7 +89,7 @@ def build(cfg: RunConfig, d: Dist, *, warm: bool = True) -> Built:
     resuming: the checkpoint's weights replace everything)."""
     torch.manual_seed(cfg.train.seed)
     model, warm_started = build_model(cfg, warm=warm)
-    trained, total = freeze(model, cfg.train.trainable)
+    trained, total = freeze(model, cfg.train.trainable, passes=cfg.train.schedule.max_passes)
     if d.main and trained < total:
         print(f"training {trained:,} of {total:,} weights (train.trainable = {cfg.train.trainable}); the rest are "
               "frozen", flush=True)
@@ -99,16 +99,26 @@ def build(cfg: RunConfig, d: Dist, *, warm: bool = True) -> Built:
     return Built(model, build_optimizer(unwrap(model), cfg.optim, routes=routes), warm_started)
 
 
-def freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
+def freeze(model: torch.nn.Module, patterns: list[str], *, passes: int = 2) -> tuple[int, int]:
     """Train only the weights whose names match one of `patterns` (train.trainable, fnmatch); the rest get no
     gradient (and so no optimizer state). A pattern that matches no weight is a ConfigError naming the model's
-    weights. -> (weights trained, weights in all)."""
+    weights; so is a selection that only fed passes read when no step runs more than one pass (`passes`: the
+    schedule's most): nothing would train. -> (weights trained, weights in all)."""
     trained = total = 0
+    kept = []
     for name, p in _matched(model, patterns):
         keep = name is not None
         p.requires_grad_(keep)
         trained += p.numel() if keep else 0
         total += p.numel()
+        kept += [name] if keep else []
+    config = getattr(model, "config", None)
+    fed_only = ("fusion.", "latent_head.") + (("norm_in.",) if not getattr(config, "input_norm", True) else ())
+    if passes < 2 and kept and all(name.startswith(fed_only) for name in kept):
+        raise ConfigError(f"train.trainable = {patterns} trains only weights a fed pass reads ({', '.join(kept[:3])}"
+                          f"{' ...' if len(kept) > 3 else ''}), but train.passes never runs more than one pass: nothing "
+                          "would train; accepted: a schedule with several passes (e.g. \"two-pass\"), or trainable "
+                          "weights of the stack")
     return trained, total
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from fullband.configio import apply_overrides, from_dict, read_settings_file, to_dict
 from fullband.errors import ConfigError
 from fullband.machine import MAX_THREADS
-from fullband.validate import choice, integer, number
+from fullband.validate import boolean, choice, integer, number
 from fullband.model.config import ModelConfig
 from fullband.presets import recipe_path
 from fullband.train.optim import OptimConfig
@@ -85,12 +85,15 @@ class TrainConfig:
     latent_loss: float = 0.0
     trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
+    # refuse to start when the largest step's memory estimate exceeds what is available (false: warn and go on)
+    memory_check: bool = True
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
             integer(f"train.{name}", getattr(self, name), 1)
         integer("train.seed", self.seed, 0, below=MAX_SEED)
         integer("train.threads", self.threads, 0, below=MAX_THREADS + 1)
+        boolean("train.memory_check", self.memory_check)
         if not isinstance(self.trainable, list) or not self.trainable or not all(
                 isinstance(p, str) and p.strip() for p in self.trainable):
             raise ConfigError(f"train.trainable={self.trainable!r} is invalid; accepted: a non-empty list of weight "
@@ -182,6 +185,14 @@ class RunConfig:
             raise ConfigError(f"train.latent_loss={self.train.latent_loss} trains a next-latent head, but "
                               'model.latent_head = "none"; accepted: model.latent_head = "linear", or '
                               "train.latent_loss = 0")
+        deepest = self.train.schedule.max_passes
+        horizon = getattr(self.train.schedule, "horizon", 0)
+        if max(deepest, horizon) > self.train.seq_len + 1:
+            what = (f"draws up to {deepest} passes" if deepest >= horizon else
+                    f"measures the pass map over horizon = {horizon} passes")
+            raise ConfigError(f"train.passes {what}, but a window of train.seq_len={self.train.seq_len} positions "
+                              f"reaches its fixed point after {self.train.seq_len + 1}: passes beyond it compute "
+                              f"nothing new; accepted: at most {self.train.seq_len + 1}")
         if self.train.micro_batch > self.train.global_windows:
             raise ConfigError(f"train.micro_batch={self.train.micro_batch} windows exceeds the global batch of "
                               f"{self.train.global_windows} windows (global_batch_tokens / seq_len)")

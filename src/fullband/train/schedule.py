@@ -269,6 +269,11 @@ class PassMix(NamedTuple):
     top: int
 
 
+# bounds on what one measurement of the adaptive schedule reads (each is a forward-mode pass over held-out windows):
+# a measurement must stay a fraction of a step's cost; the pass counts are bounded by the window (RunConfig)
+MEASURE_BOUNDS = {"windows": 257, "vectors": 65}
+
+
 @dataclass(frozen=True)
 class AdaptiveSchedule:
     """train.passes = "adaptive" (or a table {schedule = "adaptive", every = 25, ...}): the mix of pass counts is
@@ -302,7 +307,7 @@ class AdaptiveSchedule:
     def __post_init__(self) -> None:
         for name, low in (("every", 1), ("horizon", 2), ("windows", 1), ("vectors", 1), ("top", 2), ("min_top", 2),
                           ("cap", 2)):
-            integer(f"train.passes.{name}", getattr(self, name), low)
+            integer(f"train.passes.{name}", getattr(self, name), low, below=MEASURE_BOUNDS.get(name))
         for name in ("share", "deep_share", "min_share", "max_share"):
             number(f"train.passes.{name}", getattr(self, name), low=0, high=1)
         number("train.passes.step", self.step, low=0, high=1, low_open=True)

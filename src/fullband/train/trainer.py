@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fullband.errors import TrainingDiverged
+from fullband.errors import ConfigError, TrainingDiverged
 from fullband.files import writing
 from fullband.eval.gate import gate_windows, stability_gate
 from fullband.eval.loss import validation_loss
@@ -346,9 +346,12 @@ def say_memory(cfg: RunConfig, device) -> None:
     print(f"memory: {est.describe(cfg.optim.name)}"
           + (f"; {free / GB:.1f} GB available" if free is not None else ""), flush=True)
     if free is not None and est.total > free:
-        warnings.warn(f"the largest step may not fit: about {est.total / GB:.1f} GB against {free / GB:.1f} GB "
-                      f"available; lower train.micro_batch (gradient accumulation keeps the global batch) or set "
-                      "train.activation_checkpointing = true", FullbandWarning, stacklevel=2)
+        said = (f"the largest step may not fit: about {est.total / GB:.1f} GB against {free / GB:.1f} GB available; "
+                "lower train.micro_batch (gradient accumulation keeps the global batch) or set "
+                "train.activation_checkpointing = true")
+        if cfg.train.memory_check:
+            raise ConfigError(f"{said} (train.memory_check = false goes on anyway)")
+        warnings.warn(said, FullbandWarning, stacklevel=2)
 
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:

@@ -92,7 +92,7 @@ class MarkerTemplate:
         out: Segments = []
         prompt: list[int] = []
         for m in messages:
-            text = self.tokenizer.encode(m.content, bos=False, special=False)  # a message's text is text
+            text = self.tokenizer.encode(m.content, bos=False)
             if m.role == "assistant":
                 out.append(("prompt", prompt + [self.marker["assistant"]]))
                 out.append(("response", text + [self.end]))
