@@ -319,3 +319,27 @@ def test_bench_decode_and_train_take_a_real_model(smollm2, capsys):
     assert main(["bench", "train", "--model", folder, "--batch", "1", "--seq-len", "16", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert all(f"k={k}" in out for k in (1, 2, 3)) and "transformers" in out
+
+
+@pytest.mark.parametrize("args, said", [
+    (["decode", "--prompt-len", "1000000000"], "--prompt-len + --new-tokens = 1,000,000,064 exceeds the model's "
+                                               "context (max_seq_len=8,192)"),
+    (["decode", "--batch-sizes", "1000000"], "bench decode --model needs about"),
+    (["train", "--seq-len", "1000000000"], "--seq-len = 1,000,000,000 exceeds the model's context"),
+    (["train", "--batch", "1000000"], "bench train --model needs about"),
+])
+def test_real_model_benchmarks_refuse_sizes_before_loading(smollm2_gguf, args, said, capsys):
+    """bench decode / train --model check the sizes bench cost checks, before any weight is loaded."""
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["bench", *args[:1], "--model", "shipped:smollm2", *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err and time.perf_counter() - t0 < 60, err
+
+
+def test_benchmark_rounds_are_counted_at_parse_time(capsys):
+    for args in (["train", "--rounds", "0"], ["train", "--rounds", "-1"], ["decode", "--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            main(["bench", *args])
+        assert "is out of range; accepted: an integer >= 1" in capsys.readouterr().err

@@ -38,6 +38,37 @@ def load_pair(spec: str | Path):
     return load_model(spec).eval(), None, f"{spec} ({kind} folder)"
 
 
+def model_config(spec: str | Path):
+    """The ModelConfig a real-model benchmark will build, read without loading any weight: a fullband folder's own,
+    or the one `fullband convert` gives a GGUF file or Llama folder (its header checked first)."""
+    from fullband.folder import read_config
+    from fullband.hf.convert import detect
+    from fullband.hf.gguf import pretrained_config
+    from fullband.hf.llama import config_from_llama
+
+    if detect(spec) in ("gguf", "llama"):
+        return config_from_llama(pretrained_config(spec))
+    return read_config(spec)
+
+
+def check_model_sizes(spec: str | Path, *, what: str, batches=(1,), prompt_len: int = 0, new_tokens: int = 0,
+                      seq_len: int = 0, passes=(1,)) -> None:
+    """Refuse, before the model is loaded, a benchmark of `spec` whose sequences exceed its context or whose
+    largest step or decode batch would not fit in memory (as bench cost refuses them): one line naming the flag."""
+    from fullband.bench.cost import cost_memory
+    from fullband.errors import InputError
+    from fullband.train.memory import check_fits
+
+    cfg = model_config(spec)
+    for name, value in (("--seq-len", seq_len), ("--prompt-len + --new-tokens", prompt_len + new_tokens)):
+        if value > cfg.max_seq_len:
+            raise InputError(f"{name} = {value:,} exceeds the model's context (max_seq_len={cfg.max_seq_len:,}); "
+                             f"accepted: at most {cfg.max_seq_len:,}")
+    check_fits(cost_memory(cfg, passes=passes, batch=max(batches), seq_len=max(seq_len, 1), prompt_len=prompt_len,
+                           new_tokens=new_tokens, decode_batches=batches, dtype="float32"), what,
+               smaller="--batch-sizes, --batch, --seq-len, --prompt-len, --new-tokens")
+
+
 def stream_read(weights: list[torch.Tensor]) -> Callable[[], float]:
     """Seconds to read every byte of `weights` once (a sum per tensor: the memory system's streaming read)."""
 
@@ -54,6 +85,8 @@ def run_model_decode(spec: str, *, batches=(1, 8), threads=(1, 2), prompt_len: i
     """The decode table of a real model (module docstring). Tokens/s are decode steps only (prefill excluded) for
     fullband, end to end for transformers' generate (its prefill is one forward of a short prompt); SOFT's overhead
     over STANDARD from `pairs` paired decode steps per cell (bench.decode.paired_soft_overhead)."""
+    check_model_sizes(spec, what="bench decode --model", batches=batches, prompt_len=prompt_len,
+                      new_tokens=new_tokens)
     model, hf_model, what = load_pair(spec)
     if hf and hf_model is None:
         hf_model = same_shape_llama(model.config, tie=model.config.tie_embeddings)
@@ -126,6 +159,7 @@ def run_model_steps(spec: str, *, batch: int = 4, seq_len: int = 256, passes=(1,
     folder; a same-shape random Llama for a fullband folder), interleaved, medians; no optimizer step."""
     from fullband.model.objective import objective
 
+    check_model_sizes(spec, what="bench train --model", batches=(batch,), seq_len=seq_len, passes=passes)
     model, hf, what = load_pair(spec)
     hf = hf if hf is not None else same_shape_llama(model.config, tie=model.config.tie_embeddings)
     model.train()

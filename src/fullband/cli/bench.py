@@ -82,20 +82,20 @@ DECODE = Command("decode", "STANDARD vs SOFT vs FUSED decode tokens/s, matmul bo
     opt("--model", help="a real model instead of --config: a .gguf file (shipped:smollm2), a transformers Llama folder "
         "or a fullband folder; float32, against transformers and the machine's bounds"),
     opt("--threads", type=THREADS, nargs="+", default=[1, 2], help="with --model: torch threads"),
-    opt("--pairs", type=count(2), default=400, help="with --model: paired STANDARD / SOFT decode steps that measure "
-        "SOFT's overhead (per threads x batch)"),
+    opt("--pairs", type=count(2, 10**6 + 1), default=400, help="with --model: paired STANDARD / SOFT decode steps that "
+        "measure SOFT's overhead (per threads x batch)"),
     opt("--batch-sizes", type=count(1), nargs="+", default=[1, 8]),
     opt("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"]),
     opt("--prompt-len", type=count(1), default=32), opt("--new-tokens", type=count(2), default=64),
-    opt("--prefill-passes", type=count(0), default=1), opt("--repeats", type=count(1), default=5),
+    opt("--prefill-passes", type=count(0), default=1), opt("--repeats", type=count(1, 1001), default=5),
     opt("--no-hf", action="store_true", help="skip the Hugging Face generate comparison"),
     opt("--compile", action="store_true", help="also time the torch.compile'd decode step"),
     opt("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N"), JSON,
 ))
 TRAIN = Command("train", "training step tokens/s and peak memory for k = 1, 2, 3 and 75/22/3", cmd_bench_train, (
     opt("--config", default="configs/tiny.toml"), SET_RECIPE,
-    opt("--steps", type=int, default=6, help="timed steps per variant and round"),
-    opt("--warmup", type=int, default=2), opt("--rounds", type=int, default=3),
+    opt("--steps", type=count(1, 10**5), default=6, help="timed steps per variant and round"),
+    opt("--warmup", type=count(0, 10**5), default=2), opt("--rounds", type=count(1, 1001), default=3),
     opt("--model", help="instead of a recipe: forward + backward of k = 1, 2, 3 passes on this model (a .gguf file, a "
         "Llama folder or a fullband folder) against transformers' own step, in one process"),
     opt("--batch", type=count(1), default=4, help="with --model: sequences per step"),
@@ -113,7 +113,7 @@ COST = Command("cost", "a method vs its standard counterpart: parameters, FLOPs 
     opt("--batch-sizes", type=count(1), nargs="+", default=[1, 8], help="decode batch sizes"),
     opt("--prompt-len", type=count(1), default=32), opt("--new-tokens", type=count(2), default=32),
     opt("--prefill-passes", type=count(1), default=1, help="k of the FUSED mode timed"),
-    opt("--repeats", type=count(1), default=7, help="alternated repetitions of every variant"),
+    opt("--repeats", type=count(1, 1001), default=7, help="alternated repetitions of every variant"),
     opt("--dtype", choices=["float32", "bfloat16"], default="float32"), opt("--no-progress", action="store_true"), JSON,
 ))
 BENCH = Command("bench", "benchmarks", (DECODE, TRAIN, COST), sub=("bench", "BENCH"))
