@@ -334,3 +334,67 @@ def test_output_into_a_full_device_names_the_device(tmp_path):
                                "4"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     one_line_error(done, "could not write the output: no space left on '/dev/full'")
+
+
+# ---------------------------------------------------------------------- issue 46: the real-model surfaces' messages
+@pytest.mark.parametrize("spec", ["shipped:nope", "SHIPPED:smollm2", "shipped:"])
+def test_a_shipped_name_that_is_not_one_lists_the_shipped_models(spec, tmp_path, capsys):
+    from fullband.cli import main
+
+    for args in (["convert", spec, str(tmp_path / "out")],
+                 ["train", "configs/warmstart-smollm2.toml", "--set", f'train.init_from="{spec}"', "--set",
+                  f'log.run_dir="{tmp_path / "run"}"'],
+                 ["bench", "decode", "--model", spec]):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert f"{spec!r} names no shipped model; accepted: shipped:smollm2" in err[-1], (args, err)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run" / "run.json").exists()
+
+
+def test_a_gguf_type_for_a_folder_destination_is_refused(ckpt, tmp_path, capsys):
+    from fullband.cli import main
+
+    assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--gguf-type", "F16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gguf-type) is a GGUF file's tensor type, but" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_chat_with_standard_input_closed_is_one_line():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "fullband.cli", "chat", "--checkpoint", "nowhere"],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: __import__("os").close(0))
+    assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(
+        "fullband chat: error: fullband chat reads your turns from standard input, which is closed"), run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_reward_module_that_exits_on_import_is_one_line(tmp_path):
+    from fullband.errors import ConfigError
+    from fullband.rl.rewards import load_reward
+
+    (tmp_path / "bad.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ConfigError, match=r"importing '.*bad\.py' called sys\.exit\(3\); accepted: a module"):
+        load_reward(f"{tmp_path / 'bad.py'}:score")
+
+
+def test_the_llama_cpp_engine_without_llama_cpp_python_is_one_line(capsys, monkeypatch):
+    import builtins
+
+    from fullband.cli import main
+
+    real = builtins.__import__
+
+    def no_llama(name, *a, **k):
+        if name == "llama_cpp":
+            raise ImportError("No module named 'llama_cpp'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama)
+    assert main(["generate", "--checkpoint", "m.gguf", "--engine", "llamacpp", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("fullband generate: error: the llama.cpp engine needs "
+                                                   "llama-cpp-python") and "Traceback" not in err

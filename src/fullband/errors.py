@@ -26,6 +26,10 @@ class CheckpointError(FullbandError, OSError):
     """A checkpoint folder is missing, incomplete, corrupted or does not match its config."""
 
 
+class MissingPackage(FullbandError, ImportError):
+    """An optional package a feature needs is not installed; the message says how to install it."""
+
+
 class TrainingDiverged(FullbandError):
     """A loss, gradient or weight became NaN or infinite (training or RL); the run stopped before writing it."""
 

@@ -17,14 +17,22 @@ SIDECAR_KEY = "fullband.sidecar"  # the key under which a GGUF file fullband wro
 PAIR_KEY = "fullband.pair"  # the identity a GGUF file fullband wrote shares with its sidecar
 
 
+SHIPPED_PREFIX = "shipped:"
+
+
 def is_gguf(path: str | Path) -> bool:
-    """Whether `path` names a GGUF file (by its suffix: a folder is never one), or is SHIPPED."""
-    return str(path) == SHIPPED or (str(path).lower().endswith(".gguf") and not Path(path).is_dir())
+    """Whether `path` names a GGUF file (by its suffix: a folder is never one), or a shipped model (`shipped:NAME`,
+    any spelling: gguf_path says which names there are)."""
+    return (str(path).lower().startswith(SHIPPED_PREFIX)
+            or (str(path).lower().endswith(".gguf") and not Path(path).is_dir()))
 
 
 def gguf_path(path: str | Path) -> Path:
     """The file a GGUF spelling names: a path, or SHIPPED (the installed real model; ConfigError when it is not
-    installed, with how to install it)."""
+    installed, with how to install it). Another `shipped:` name is refused, listing the shipped models."""
+    if str(path).lower().startswith(SHIPPED_PREFIX) and str(path) != SHIPPED:
+        raise ConfigError(f"{str(path)!r} names no shipped model; accepted: {SHIPPED} (SmolLM2-135M-Instruct, "
+                          "installed by `make install`), or a path to a .gguf file")
     if str(path) != SHIPPED:
         return Path(path)
     found = shipped_gguf()

@@ -121,6 +121,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from fullband.chat import ChatSession, check_chat_model
 
     asked = _mode_arg(args.mode, args.prefill_passes)
+    if sys.stdin is None or sys.stdin.closed:  # started with standard input closed (`<&-`): no turn can be read
+        raise InputError("fullband chat reads your turns from standard input, which is closed; accepted: a terminal, "
+                         "or a pipe or file (e.g. `echo 'Hello' | fullband chat ...`)")
     model, tokenizer = _load(args)
     check_chat_model(model, tokenizer)
     mode = _model_mode(asked, model.config)
@@ -132,7 +135,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     while True:
         try:
             line = input("you> ")
-        except EOFError:
+        except (EOFError, OSError, ValueError, RuntimeError):  # the end of input, or input gone mid-session
             print()
             return 0
         except KeyboardInterrupt:  # at the prompt: a fresh line, the session goes on

@@ -205,8 +205,8 @@ CONVERT = Command("convert", "native checkpoint <-> transformers folder <-> GGUF
     opt("--to", choices=Registry("fullband.hf.convert", "TARGETS"),
         help="target layout (default: gguf for a .gguf dst, else the other one; native for a Llama)"),
     opt("--dtype", choices=DTYPES, help="cast the weights (default: keep)"),
-    opt("--gguf-type", default="F32", choices=Registry("fullband.hf.gguf_out", "GGUF_TYPES"),
-        help="a GGUF file's tensor type (default F32; norms stay F32)"),
+    opt("--gguf-type", default=None, choices=Registry("fullband.hf.gguf_out", "GGUF_TYPES"),
+        help="a GGUF file's tensor type (default F32; norms stay F32; a GGUF destination only)"),
     opt("--fusion", default="gated", help="fusion of the new feedback weights when converting a Llama"),
     opt("--overwrite", action="store_true", help="replace a non-empty destination"),
 ))

@@ -75,10 +75,10 @@ def pretrained_source(path: str | Path) -> bool:
 
 
 def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: torch.dtype | None = None,
-            fusion: str = "gated", overwrite: bool = False, gguf_type: str = "F32") -> tuple[str, str]:
+            fusion: str = "gated", overwrite: bool = False, gguf_type: str | None = None) -> tuple[str, str]:
     """Convert folder `src` into `dst` (format `to`: 'hf', 'native' or 'gguf'; default 'gguf' for a dst ending in
     .gguf, else the other one, 'native' for a Llama). A GGUF file is written as fullband.hf.gguf_out writes it
-    (`gguf_type` F32 / F16 / Q8_0). Returns (source kind, target kind)."""
+    (`gguf_type` F32 / F16 / Q8_0, default F32; refused for a folder). Returns (source kind, target kind)."""
     src, dst = Path(src), Path(dst)
     kind = detect(src)
     if kind == "gguf":  # refused by name before anything is written or loaded
@@ -90,10 +90,13 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: t
         if dtype is not None:
             raise ConfigError("dtype applies to folders; a GGUF file's precision is gguf_type (--gguf-type): "
                               f"{', '.join(GGUF_TYPES)}")
-        check_exportable_type(gguf_type)
+        check_exportable_type(gguf_type or "F32")
         native, tokenizer = _read(src, kind, fusion)
-        export_gguf(native, dst, tokenizer=tokenizer, dtype=gguf_type, overwrite=overwrite)
+        export_gguf(native, dst, tokenizer=tokenizer, dtype=gguf_type or "F32", overwrite=overwrite)
         return kind, "gguf"
+    if gguf_type is not None:
+        raise ConfigError(f"gguf_type={gguf_type!r} (--gguf-type) is a GGUF file's tensor type, but {str(dst)!r} is "
+                          "written as a folder; accepted: a destination FILE.gguf (or --to gguf), or drop it")
     target = to if to is not None else ("hf" if kind == "native" else "native")
     if target not in TARGETS:
         raise ConfigError(f"to={target!r} is not a target format; accepted: {', '.join(TARGETS)}")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fullband.errors import CheckpointError, InputError
+from fullband.errors import CheckpointError, InputError, MissingPackage
 from fullband.gguf_file import gguf_path, inspect_gguf
 from fullband.hf.gguf_out import read_sidecar, sidecar_tokenizer
 from fullband.model.config import ModelConfig
@@ -44,8 +44,9 @@ def _llama_cpp(verbose: bool = False):
     try:
         import llama_cpp
     except ImportError:
-        raise ImportError("the llama.cpp engine needs llama-cpp-python: make llama-env (builds it in .venv-llama), "
-                          "or pip install 'fullband[llamacpp]'") from None
+        raise MissingPackage("the llama.cpp engine needs llama-cpp-python, which this Python does not have "
+                             f"({sys.executable}): run it from .venv-llama (make llama-env builds it), or pip install "
+                             "'fullband[llamacpp]'") from None
     check_tested("llama-cpp-python", llama_cpp.__version__, "fullband's llama.cpp engine")
 
     keep = LogKeeper(_LOG)

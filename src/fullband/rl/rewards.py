@@ -57,6 +57,9 @@ def load_reward(spec: str, *, timeout: float = 0.0) -> Reward:
             loader.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
+    except SystemExit as err:  # sys.exit() while the module is imported would end the run without a word
+        raise ConfigError(f"rl.reward={spec!r}: importing {module_name!r} called sys.exit({err.code!r}); accepted: a "
+                          "module that defines the reward function when imported") from None
     except Exception as err:  # noqa: BLE001 -- whatever the user's module raises on import, said in one line
         raise ConfigError(f"rl.reward={spec!r}: cannot import {module_name!r} ({type(err).__name__}: {err})") from None
     fn = getattr(module, name, None)
