@@ -398,3 +398,16 @@ def test_the_llama_cpp_engine_without_llama_cpp_python_is_one_line(capsys, monke
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("fullband generate: error: the llama.cpp engine needs "
                                                    "llama-cpp-python") and "Traceback" not in err
+
+
+def test_under_torchrun_a_refusal_is_the_failure_report_s_root_cause(tmp_path, monkeypatch, capsys):
+    """torchrun prints each failed worker's error file as its report's root cause; fullband writes its one line
+    there (as torch's `record` would write a traceback), so an FSDP refusal is not buried above the report."""
+    from fullband.cli import main
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert main(["train", "configs/tiny.toml", "--set", 'train.passes="adaptive"', "--set",
+                 'train.parallel="fsdp"', "--set", f'log.run_dir="{tmp_path / "run"}"']) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    said = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert said["message"] == line and "FSDP's sharded weights do not support" in line

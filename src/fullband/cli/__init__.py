@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except FullbandError as err:
         print(f"fullband {args.command}: error: {err}", file=sys.stderr)
+        _tell_torchrun(args.command, err)
         return 2
     except BrokenPipeError:  # the reader went away (`fullband generate ... | head`): stop quietly, as cat does
         with contextlib.suppress(OSError):
@@ -115,6 +116,21 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(threads)
+
+
+def _tell_torchrun(command: str, err: FullbandError) -> None:
+    """Under torchrun, the error for its failure report (TORCHELASTIC_ERROR_FILE, as torch's own `record` writes
+    it): the report then shows fullband's one line as the root cause instead of burying it above."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": {"message": f"fullband {command}: error: {err}",
+                                   "extraInfo": {"py_callstack": f"fullband {command}: error: {err}",
+                                                 "timestamp": str(int(__import__("time").time()))}}}, f)
 
 
 # commands whose steps take and free gigabytes: they run with glibc keeping freed memory (fullband.machine)
