@@ -210,3 +210,17 @@ def test_a_user_s_file_at_any_temporary_name_survives_an_export(tmp_path):
     assert {p: p.read_bytes() for p in mine} == mine
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [*(p.name for p in mine), "m.gguf", "m.feedback.safetensors", "race.png"])
+
+
+def test_llama_cpp_thread_counts_it_would_crash_on_are_refused_first(tmp_path, capsys):
+    """ggml holds at most GGML_MAX_N_THREADS = 512 threads (more crashed the process): refused in one line before
+    llama.cpp is touched, whatever engine is installed."""
+    from fullband.cli import main
+    from fullband.llamacpp.model import LlamaCppModel
+
+    for n in (513, 10**6):
+        with pytest.raises(InputError, match=r"threads=\d+ for llama.cpp; accepted: 1 <= threads <= 512"):
+            LlamaCppModel(tmp_path / "m.gguf", threads=n)
+    assert main(["generate", "--checkpoint", str(tmp_path / "m.gguf"), "--engine", "llamacpp", "--threads", "600",
+                 "--prompt", "x"]) == 2
+    assert "accepted: 1 <= threads <= 512" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from fullband.version import check_tested
 
 
 _LOG: collections.deque = collections.deque(maxlen=20)  # llama.cpp's last warnings and errors, for our messages
+LLAMA_MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: llama.cpp's thread arrays hold no more
 LOGGED, CONT = (3, 4), 5  # ggml_log_level (ggml.h): WARN, ERROR; CONT continues the line before; INFO is 2
 _QUIET = None  # the log callback installed (kept alive here: llama.cpp holds a pointer to it)
 
@@ -100,6 +101,9 @@ class LlamaCppModel(FeedbackModel):
     def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None,
                  exact_kernels: bool = True, verbose: bool = False) -> None:
         super().__init__()
+        if threads is not None and not 1 <= threads <= LLAMA_MAX_THREADS:
+            raise InputError(f"threads={threads} for llama.cpp; accepted: 1 <= threads <= {LLAMA_MAX_THREADS} "
+                             "(GGML_MAX_N_THREADS: more crash it)")
         L = _llama_cpp(verbose)
         self.path = gguf_path(path)
         inspect_gguf(self.path)  # the header checked, with errors naming the file
@@ -114,7 +118,7 @@ class LlamaCppModel(FeedbackModel):
             self.load_state_dict(side, strict=False)
         self.embed, self._output = self._tensor("token_embd.weight"), None
         self.n_ctx = min(n_ctx or min(cfg.max_seq_len, 4096), cfg.max_seq_len)
-        threads = threads or torch.get_num_threads()
+        threads = threads or min(torch.get_num_threads(), LLAMA_MAX_THREADS)
         L.llama_backend_init()
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
