@@ -289,3 +289,26 @@ def test_a_damaged_token_cache_says_so(tmp_path, corpus):
     with pytest.raises(DataError, match=r"token cache .*train-\w+ is damaged: tokens \d+\.\.\d+ hold id 65535, but "
                                         r"its tokenizer has 259 ids; delete .* and it is rebuilt"):
         train(load_run_config(again))
+
+
+def test_a_full_disk_while_exporting_a_gguf_file_names_it_and_leaves_nothing(tmp_path):
+    """The GGUF file and its sidecar written on a full disk (a 1 MB tmpfs): one line naming the file asked for
+    (not stdout's pipe, nor a temporary), no traceback, nothing left beside it."""
+    pytest.importorskip("gguf")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert run("init", "--config", "tiny", "--set", "qk_norm=false", "--set", "input_norm=false", "--out",
+               str(tmp_path / "small")).returncode == 0  # a Llama-style model of 3.6 MB > 1 MB
+    cli = " ".join(CLI)
+    script = f"""
+mount -t tmpfs -o size=1m tmpfs {disk} || exit 90
+{cli} convert {tmp_path / 'small'} {disk / 'm.gguf'} 2> {tmp_path / 'gguf.txt'} | cat; echo "gguf_rc=$?"
+ls -a {disk}
+"""
+    out = subprocess.run(["unshare", "-rm", "bash", "-c", "set -o pipefail; " + script], capture_output=True,
+                         text=True, timeout=300, env=child_env()).stdout
+    assert "gguf_rc=2" in out, out
+    err = (tmp_path / "gguf.txt").read_text()
+    assert "the disk is full" in err and f"{disk / 'm.gguf'}'" in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and "pipe:" not in err, err
+    assert out.split("gguf_rc=2")[1].split() == [".", ".."], out

@@ -157,13 +157,16 @@ def _errno_in_chain(err: BaseException) -> int | None:
 
 def is_disk_full(err: BaseException, path: str | Path) -> bool:
     """ENOSPC / EDQUOT anywhere in the chain, or a writer that hides the errno (torch.save: 'unexpected pos',
-    safetensors: 'StorageFull') while the disk has next to no space left."""
+    numpy's tofile: 'N requested and M written', safetensors: 'StorageFull') while the disk has next to no space
+    left."""
     if _errno_in_chain(err) in _FULL_DISK_ERRNOS:
         return True
     text = str(err)
     if "No space left" in text or "StorageFull" in text or "os error 28" in text:
         return True
-    if isinstance(err, RuntimeError | OSError) and any(s in text for s in ("unexpected pos", "write failed")):
+    # torch.save's "unexpected pos", numpy's tofile "N requested and M written" (the gguf package writes with it)
+    if isinstance(err, RuntimeError | OSError) and any(s in text for s in ("unexpected pos", "write failed",
+                                                                           "requested and")):
         free = free_bytes(path)
         return free is not None and free < _LOW_SPACE
     return False

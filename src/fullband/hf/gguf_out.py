@@ -165,13 +165,21 @@ def _tokenizer_keys(writer, tokenizer, vocab_size: int) -> None:
     vocab_size with unused tokens. A tokenizer without merges (fullband's byte tokenizer) is written as no
     vocabulary (tokenizer.ggml.model = "none": llama.cpp's BPE reader requires merges): ids in, logits out, the
     text read and written by fullband's tokenizer (fullband.llamacpp does)."""
+    import logging
+
     import gguf
 
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = tokenizer.to_hf() if hasattr(tokenizer, "to_hf") else tokenizer.hf_tokenizer
-        hf.save(str(Path(tmp) / "tokenizer.json"))
-        vocab = gguf.vocab.BpeVocab(Path(tmp))
-        special = gguf.SpecialVocab(Path(tmp), load_merges=True, n_vocab=vocab_size)
+    quiet = logging.getLogger("gguf.vocab")  # its remarks on a pair template (fullband never encodes pairs)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = tokenizer.to_hf() if hasattr(tokenizer, "to_hf") else tokenizer.hf_tokenizer
+            hf.save(str(Path(tmp) / "tokenizer.json"))
+            vocab = gguf.vocab.BpeVocab(Path(tmp))
+            special = gguf.SpecialVocab(Path(tmp), load_merges=True, n_vocab=vocab_size)
+    finally:
+        quiet.setLevel(level)
     if not special.merges:
         writer.add_tokenizer_model("none")
         return
