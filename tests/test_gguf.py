@@ -146,3 +146,12 @@ def test_train_init_from_refuses_a_gguf_the_converter_refuses(tmp_path):
     write_gguf(tmp_path / "hole.gguf", skip=("blk.0.attn_v.weight",))
     with pytest.raises(ConfigError, match="lacks tensor blk.0.attn_v.weight"):
         warm_start(FullbandLM(tiny_config()), str(tmp_path / "hole.gguf"))
+
+
+def test_a_benchmark_of_another_architecture_is_refused_by_name(tmp_path, capsys):
+    write_gguf(tmp_path / "g.gguf", arch="gpt2")
+    for args in (["decode", "--model", str(tmp_path / "g.gguf")], ["train", "--model", str(tmp_path / "g.gguf")]):
+        capsys.readouterr()
+        assert main(["bench", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "general.architecture='gpt2'; bench --model reads llama GGUF files" in err, err

@@ -43,10 +43,13 @@ def model_config(spec: str | Path):
     or the one `fullband convert` gives a GGUF file or Llama folder (its header checked first)."""
     from fullband.folder import read_config
     from fullband.hf.convert import detect
-    from fullband.hf.gguf import pretrained_config
+    from fullband.hf.gguf import pretrained_config, require_native
     from fullband.hf.llama import config_from_llama
 
-    if detect(spec) in ("gguf", "llama"):
+    kind = detect(spec)
+    if kind == "gguf":  # another architecture is refused by name, before transformers reads it
+        require_native(spec, use="bench --model")
+    if kind in ("gguf", "llama"):
         return config_from_llama(pretrained_config(spec))
     return read_config(spec)
 
