@@ -312,3 +312,29 @@ ls -a {disk}
     assert "the disk is full" in err and f"{disk / 'm.gguf'}'" in err and "Traceback" not in err, err
     assert err.count("\n") == 1 and "pipe:" not in err, err
     assert out.split("gguf_rc=2")[1].split() == [".", ".."], out
+
+
+def test_a_disk_that_fills_while_the_sidecar_is_written_names_the_pair_and_leaves_nothing(tmp_path):
+    """A disk with room for the GGUF file but not its sidecar (safetensors hides the errno in a SafetensorError):
+    one line naming both files, no traceback, neither file nor a temporary left."""
+    pytest.importorskip("gguf")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert run("init", "--config", "tiny", "--set", "qk_norm=false", "--set", "input_norm=false", "--out",
+               str(tmp_path / "small")).returncode == 0
+    assert run("convert", str(tmp_path / "small"), str(tmp_path / "ref.gguf")).returncode == 0
+    room = -(-(tmp_path / "ref.gguf").stat().st_size // 4096) * 4096 + 4096  # the GGUF file and one page more
+    assert (tmp_path / "ref.feedback.safetensors").stat().st_size > 2 * 4096  # 130 KB: the sidecar cannot fit
+    cli = " ".join(CLI)
+    script = f"""
+mount -t tmpfs -o size={room} tmpfs {disk} || exit 90
+{cli} convert {tmp_path / 'small'} {disk / 'm.gguf'} 2> {tmp_path / 'side.txt'}; echo "side_rc=$?"
+ls -a {disk}
+"""
+    out = subprocess.run(["unshare", "-rm", "bash", "-c", script], capture_output=True, text=True, timeout=300,
+                         env=child_env()).stdout
+    assert "side_rc=2" in out, out
+    err = (tmp_path / "side.txt").read_text()
+    assert "the disk is full" in err and "m.gguf and m.feedback.safetensors" in err and "Traceback" not in err, err
+    assert err.count("\n") == 1, err
+    assert out.split("side_rc=2")[1].split() == [".", ".."], out

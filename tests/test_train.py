@@ -571,8 +571,8 @@ def _ctrl_c_then_resume(tmp_path, corpus, cache, monkeypatch, capsys, Trainer) -
 
 def test_the_memory_estimate_and_a_warning_when_it_does_not_fit(monkeypatch):
     """The estimate (weights, gradients, optimizer state, activations per pass) and the warning when a step may
-    not fit what is available."""
-    from fullband.errors import FullbandWarning
+    not fit what is available: a warning under train.memory_check = false, a refusal by default."""
+    from fullband.errors import ConfigError, FullbandWarning
     from fullband.model.config import ModelConfig
     from fullband.train import memory, trainer
     from fullband.train.config import RunConfig, TrainConfig
@@ -583,11 +583,15 @@ def test_the_memory_estimate_and_a_warning_when_it_does_not_fit(monkeypatch):
     assert three.activations == 3 * one.activations and 1.8e9 < one.activations < 2.4e9  # measured: 1.9 GB
     assert one.optimizer == 2 * one.weights == 2 * one.gradients
     cfg = RunConfig(model=smol, train=TrainConfig(seq_len=256, global_batch_tokens=1024, micro_batch=4,
-                                                   passes="three-pass", warmup_steps=0))
+                                                   passes="three-pass", warmup_steps=0, memory_check=False))
     monkeypatch.setattr(memory, "available_memory", lambda device: 4e9)
     with pytest.warns(FullbandWarning, match=r"may not fit: about \d+\.\d GB against 4\.0 GB available; lower "
                                              "train.micro_batch"):
         trainer.say_memory(cfg, torch.device("cpu"))
+    checked = RunConfig(model=smol, train=TrainConfig(seq_len=256, global_batch_tokens=1024, micro_batch=4,
+                                                       passes="three-pass", warmup_steps=0))
+    with pytest.raises(ConfigError, match=r"may not fit: .*\(train\.memory_check = false goes on anyway\)"):
+        trainer.say_memory(checked, torch.device("cpu"))
 
 
 WIDE_MODEL = "vocab_size = 259\nd_model = 256\nn_layers = 2\nn_heads = 4\nmax_seq_len = 128"  # threads change its bits
