@@ -224,3 +224,16 @@ def test_llama_cpp_thread_counts_it_would_crash_on_are_refused_first(tmp_path, c
     assert main(["generate", "--checkpoint", str(tmp_path / "m.gguf"), "--engine", "llamacpp", "--threads", "600",
                  "--prompt", "x"]) == 2
     assert "accepted: 1 <= threads <= 512" in capsys.readouterr().err
+
+
+def test_a_header_llama_cpp_would_assert_on_is_refused_before_it_loads(tmp_path, monkeypatch):
+    """A Llama header of 10**6 blocks (llama.cpp aborts the process on its LLAMA_MAX_LAYERS assert): the engine
+    checks the header first and refuses it in one line, llama.cpp never reading the file."""
+    from fullband.llamacpp import model as engine
+    from test_gguf import write_gguf
+
+    write_gguf(tmp_path / "deep.gguf", header={"block_count": 10**6})
+    monkeypatch.setattr(engine, "_llama_cpp", lambda verbose: object())  # no llama.cpp: it must not be needed
+    with pytest.raises(ConfigError, match=r"llama\.block_count=1000000; accepted: an integer 1 <= "
+                                          r"llama\.block_count <= 512"):
+        engine.LlamaCppModel(tmp_path / "deep.gguf")
