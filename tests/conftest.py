@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Before torch loads OpenMP (which reads it once): a thread waiting at a barrier sleeps instead of spinning. Tests that
+# train at 2 threads beside the suite's other processes otherwise wait for a descheduled partner on a shared core
+# (the demo race's 200 steps at 2 threads: 720 s, once past the 900 s timeout, against 90 s passive, measured beside
+# one busy process on 2 cores). Waiting does not change a result's bits.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from fullband import FullbandLM, ModelConfig
 

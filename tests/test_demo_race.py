@@ -1,6 +1,8 @@
 """The demo's race: its recipe learns the recurrence whatever the seed and thread count (two seeds at 1 and 2 threads
-here; docs/results/robustness.md has ten seeds at four counts), the summary says what a run showed, and `fullband
-reproduce robustness` end to end on micro runs."""
+here; docs/results/robustness.md has ten seeds at 1, 2, 4 and 8 threads and twenty more at 1), the summary says what a
+run showed, and `fullband reproduce robustness` end to end on micro runs. The trainings at 2 threads share the cores
+with the suite's other processes: conftest.py makes OpenMP's waiting threads sleep, without which they ran ten times
+slower."""
 
 from __future__ import annotations
 

@@ -183,3 +183,26 @@ def test_every_tool_loads_a_wrapped_checkpoint(tmp_path, corpus, cache, hf_folde
     context, continuation = tok.encode("def f(x):", bos=True), tok.encode(" return x", bos=False)
     want = score(model, [context], [continuation], mode="fused", prefill_passes=1)[0]
     assert harness._score([(context, continuation)])[0] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("damage, said", [("drop", "has no weight for"), ("nan", "holds 1 non-finite value")])
+def test_model_hf_path_refuses_a_folder_transformers_would_start_partly_fresh(tmp_path, corpus, cache, hf_folders,
+                                                                               damage, said):
+    """A pretrained folder missing a weight (transformers would initialise it fresh and say so in its loading report)
+    or holding a NaN: model.hf_path refuses it in one line before the first step, as convert and init_from do."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(hf_folders / "gpt2", folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("h.1.mlp.c_proj.weight"))
+    if damage == "drop":
+        del weights[name]
+    else:
+        weights[name][0, 0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=said):
+        Trainer(load_run_config(recipe(tmp_path, corpus, cache, folder)))
+    assert not (tmp_path / "run").exists()
