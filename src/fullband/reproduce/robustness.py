@@ -239,9 +239,11 @@ def _screen_lines(path: Path) -> list[str]:
         runs_ = c["runs"].values()
         ok = sum(min(r["exact"][1:]) >= SOLVED for r in runs_)
         worst = min(runs_, key=lambda r: min(r["exact"][1:]))
-        secs = sum(r["train_seconds"] for r in runs_) / len(c["runs"])
+        timed = [r["train_seconds"] for r in runs_ if r.get("train_seconds") is not None]  # some went unrecorded
+        secs = f"{sum(timed) / len(timed):.0f} s" + ("" if len(timed) == len(c["runs"]) else
+                                                     f" ({len(timed)} of {len(c['runs'])} timed)") if timed else "-"
         lines.append(f"| {c['what']} | {ok} of {len(c['runs'])} | {', '.join(c['runs'])} | "
-                     f"{' / '.join(f'{a:.2f}' for a in worst['exact'][1:])} | {secs:.0f} s |")
+                     f"{' / '.join(f'{a:.2f}' for a in worst['exact'][1:])} | {secs} |")
     return lines + [""]
 
 
