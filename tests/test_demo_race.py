@@ -1,5 +1,5 @@
 """The demo's race: its recipe learns the recurrence whatever the seed and thread count (here seed 0 at 2 threads, the
-demo's own run on a 2-core machine, and seed 1 at 1 thread: each training is 70-150 s of the suite's time;
+demo's own run on a 2-core machine: a training is 70-150 s of the suite's time, which is at its 15-minute budget;
 docs/results/robustness.md has ten seeds at 1, 2, 4 and 8 threads and twenty more at 1), the summary says what a run
 showed, and `fullband reproduce robustness` end to end on micro runs. The training at 2 threads shares the cores with
 the suite's other processes: conftest.py makes OpenMP's waiting threads sleep, without which it ran ten times
@@ -16,7 +16,7 @@ from conftest import write_config
 from fullband import demo
 
 
-@pytest.mark.parametrize("seed,threads", [(0, 2), (1, 1)])
+@pytest.mark.parametrize("seed,threads", [(0, 2)])
 def test_the_race_recipe_learns_the_recurrence_at_every_seed_and_thread_count(seed, threads, tmp_path):
     """The demo's full-bandwidth racer as `make demo` trains it (configs/demo-parity.toml, as written), with another
     seed and thread count: its exact read scores >= 0.9 at 2L, 4L and 8L (the demo's claim)."""
