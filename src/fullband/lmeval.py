@@ -18,14 +18,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fullband.errors import ConfigError, DataError, FullbandError, closest
+from fullband.errors import ConfigError, DataError, FullbandError, MissingPackage, closest
 from fullband.validate import ascii_int
 
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise FullbandError("the lm-evaluation-harness model needs lm-eval: pip install 'fullband[eval]'") from exc
+    raise MissingPackage("the lm-evaluation-harness model needs lm-eval: pip install 'fullband[eval]'") from exc
 
 ARGS = ("checkpoint", "mode", "prefill_passes", "batch_size", "device", "max_gen_toks", "dtype")
 IGNORED = ("max_batch_size",)  # passed by the harness; fullband batches by batch_size alone

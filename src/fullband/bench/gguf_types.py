@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fullband.errors import MissingPackage
 from fullband.files import umask
 
 DTYPES = {"F32": np.float32, "F16": np.float16}
@@ -44,7 +45,7 @@ def retype_gguf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "F3
         import gguf
         import gguf.quants  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"retype_gguf needs the gguf package ({e}); pip install 'fullband[gguf]'") from e
+        raise MissingPackage(f"retype_gguf needs the gguf package ({e}); pip install 'fullband[gguf]'") from e
     src, dst = Path(src), Path(dst)
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True to replace it")

@@ -122,15 +122,16 @@ def _tell_torchrun(command: str, err: FullbandError) -> None:
     """Under torchrun, the error for its failure report (TORCHELASTIC_ERROR_FILE, as torch's own `record` writes
     it): the report then shows fullband's one line as the root cause instead of burying it above."""
     import json
+    import time
 
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    line = f"fullband {command}: error: {err}"
     with contextlib.suppress(OSError):
         with open(path, "w") as f:
-            json.dump({"message": {"message": f"fullband {command}: error: {err}",
-                                   "extraInfo": {"py_callstack": f"fullband {command}: error: {err}",
-                                                 "timestamp": str(int(__import__("time").time()))}}}, f)
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
 
 
 # commands whose steps take and free gigabytes: they run with glibc keeping freed memory (fullband.machine)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fullband.data.corpus import _short_hash, resolve_corpus
-from fullband.errors import CheckpointError, InputError
+from fullband.errors import CheckpointError, InputError, MissingPackage
 from fullband.files import Kind, atomic_folder, check_destination, parse_json, read_json_file, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -270,7 +270,7 @@ class PretrainedTokenizer(BPETokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise InputError("a pretrained model's tokenizer needs transformers: pip install 'fullband[hf]'") from None
+            raise MissingPackage("a pretrained model's tokenizer needs transformers: pip install 'fullband[hf]'") from None
         from fullband.gguf_file import gguf_args
 
         name, extra = gguf_args(path)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fullband.errors import ConfigError, FullbandError
+from fullband.errors import ConfigError, FullbandError, MissingPackage
 from fullband.model.config import ModelConfig
 from fullband.model.decoder import FullbandLM
 from fullband.model.fusion import embedding_rms
@@ -27,7 +27,7 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise FullbandError("Hugging Face support needs transformers: pip install 'fullband[hf]'") from None
+        raise MissingPackage("Hugging Face support needs transformers: pip install 'fullband[hf]'") from None
     return transformers
 
 

@@ -22,11 +22,11 @@ from fullband.configio import apply_overrides, from_dict, read_settings_file, to
 from fullband.errors import ConfigError, DataError, InputError, TrainingDiverged
 from fullband.presets import recipe_path
 from fullband.train import checkpoint as ckpt
+from fullband.machine import MAX_THREADS
 from fullband.train.metrics import METRICS_FILE, MetricsLog, metric_rows
 from fullband.train.parallel import Dist
 from fullband.train.rundir import RunDir, stop_after_step
 from fullband.rl.step import RLSettings
-from fullband.machine import MAX_THREADS
 from fullband.validate import MAX_LR, available_device, integer, number
 
 # settings a resumed run may change (how often it logs and evaluates); every other one must match run.json

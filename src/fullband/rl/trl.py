@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fullband.errors import FullbandError, InputError
+from fullband.errors import InputError, MissingPackage
 # importing fullband.hf registers FullbandForCausalLM: TRL loads folders by path
 from fullband.hf.modeling import FullbandForCausalLM, check_pretrained
 from fullband.rl.logprob import Rollout, parse_path, rl_mode, scores
@@ -21,7 +21,7 @@ from fullband.version import check_tested
 try:
     from trl import GRPOTrainer
 except ImportError:
-    raise FullbandError("GRPO through TRL needs trl: pip install 'fullband[trl]'") from None
+    raise MissingPackage("GRPO through TRL needs trl: pip install 'fullband[trl]'") from None
 
 
 class FeedbackGRPOTrainer(GRPOTrainer):

