@@ -69,8 +69,9 @@ def test_training_run_writes_metrics_checkpoints_and_plot(tmp_path, corpus, cach
 ADAPTIVE = '{schedule = "adaptive", every = 3, horizon = 4, windows = 2, cap = 4}'
 
 
-@pytest.mark.parametrize("passes", [MICRO_PASSES, ADAPTIVE], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("passes", [MICRO_PASSES + "\ndistill = 0.3", ADAPTIVE], ids=["fixed-distill", "adaptive"])
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache, passes):
+    """The fixed schedule runs with self-distillation (train.distill, its weight a function of the step)."""
     # long enough (a few seconds) that the kill, 0-0.3 s after the second checkpoint, lands mid-run
     whole = write_config(tmp_path, corpus, cache, "whole", steps=150, ckpt_every=0, keep_last=3,  # saves at the end
                          passes=passes)
@@ -95,6 +96,9 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache, pass
     assert adapt_rows(tmp_path / "part") == adapt_rows(tmp_path / "whole")
     if passes == ADAPTIVE:
         assert len(adapt_rows(tmp_path / "whole")) == 49  # steps 3, 6, ..., 147 (none at the last step)
+    else:
+        rows = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+        assert sum(r.get("distill", 0) > 0 for r in rows) > 50  # the term ran in the resumed run's fed steps
     a = load_file(str(tmp_path / "whole" / "step_000150" / "model.safetensors"))
     b = load_file(str(tmp_path / "part" / "step_000150" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -282,13 +282,15 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
                     model=str(tiny_llama / "llama"), extra=extra)
     text = out.read_text()
     assert out.name == "warmstart-micro.md"
-    for part in ("## Held-out loss by mode", "| feedback-only-blend |", "| continued-2x |", "SOFT-like (exact)",
+    for part in ("## Held-out loss by mode", "| feedback-only-blend |", "| everything-distill |",
+                 "- self-distillation (every weight trained): FUSED k=1 - STANDARD", "| continued-2x |",
+                 "SOFT-like (exact)",
                  "## Chat kept?", "## Does the warm-started pass map contract?", "## Outcome", "curves.png",
                  "fullband train configs/warmstart-smollm2.toml"):
         assert part in text, part
     assert (tmp_path / "docs" / "warmstart-micro" / "curves.png").is_file()
     first = capsys.readouterr().out
-    assert first.count("== training ") == 7
+    assert first.count("== training ") == 9
     again = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
                       model=str(tiny_llama / "llama"), extra=extra)
     assert "== training " not in capsys.readouterr().out  # every run reused, every evaluation cached

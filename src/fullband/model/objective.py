@@ -1,7 +1,9 @@
 """The multi-pass training objective, outside the model: NTP(pass 1) + pass_loss_weight * mean(NTP(passes 2..k))
 (a ponder model: NTP(pass k) alone, as PonderLM-2 trains),
 each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, plus latent_loss * the mean over passes of the
-next-latent error (latent_error) when latent_loss > 0, and the training-time inputs of the later passes
+next-latent error (latent_error) when latent_loss > 0, plus distill * the mean over passes 2..k of the KL divergence
+from pass 1's next-token distribution, not differentiated, to that pass's (distill_kl) when distill > 0, and the
+training-time inputs of the later passes
 (uniform jitter on the fed state, a random plain prefix per sequence, detaching between passes). Called by the
 trainer and the transformers class's labels path; eval.loss scores with the same `ntp`.
 
@@ -26,6 +28,7 @@ class Objective:
     state: Tensor  # (B, T, D) the last pass's fed-back state
     top: Tensor  # (B, T, D) the last pass's final-norm output
     latent: Tensor | None = None  # the mean over passes of latent_error (None unless latent_loss > 0)
+    distill: Tensor | None = None  # the mean over passes 2..k of distill_kl (None unless distill > 0 and k > 1)
 
 
 def ntp(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
@@ -44,6 +47,17 @@ def latent_error(head, state: Tensor, targets: Tensor) -> Tensor:
     scored = (targets[:, 1:] != -100).to(dtype)  # (B, T-1)
     err = ((pred - goal).pow(2).sum(-1) * scored).sum()
     return err / (goal.pow(2).sum(-1) * scored).sum().clamp_min(torch.finfo(dtype).tiny)
+
+
+def distill_kl(teacher: Tensor, logits: Tensor, targets: Tensor) -> Tensor:
+    """The self-distillation term of one fed pass: the mean over scored positions (targets != -100) of
+    KL(p_teacher || p_pass), `teacher` the first pass's log-probabilities over the scored positions (N, V), already
+    detached (the STANDARD read the fed passes are drawn towards), `logits` (B, T, V) the pass's. In float32 at least;
+    0 when nothing is scored."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logp = F.log_softmax(logits[targets != -100].to(dtype), -1)
+    kl = F.kl_div(logp, teacher.to(dtype), log_target=True, reduction="sum")
+    return kl / max(teacher.shape[0], 1)
 
 
 def prefix_mixin(B: int, T: int, prob: float, device: torch.device, generator: torch.Generator | None) -> Tensor:
@@ -77,13 +91,14 @@ def training_feed(cfg, *, noise: bool, generator: torch.Generator | None):
 
 def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_mask: Tensor | None = None,
               generator: torch.Generator | None = None, z_loss: float = 0.0, latent_loss: float = 0.0,
-              noise: bool | None = None, cache=None) -> Objective:
+              distill: float = 0.0, noise: bool | None = None, cache=None) -> Objective:
     """The objective of `passes` Jacobi passes over input_ids (B, T) against targets (B, T) (-100 = ignore).
     `model` is a FeedbackModel or its data-parallel wrapper (the loss is computed inside its forward). `noise`
     (default: the model's training mode) adds the jitter and prefix mixin; without it passes beyond T repeat the
     fixed point, so they are not run again and their terms are the last one's. `latent_loss` > 0 adds that weight
-    times the mean over passes of latent_error through the model's latent_head (model.latent_head). A `cache`
-    receives the last pass's keys and values."""
+    times the mean over passes of latent_error through the model's latent_head (model.latent_head); `distill` > 0
+    adds that weight times the mean over passes 2..k of distill_kl from pass 1's distribution (no extra forward: pass
+    1's logits are the teacher). A `cache` receives the last pass's keys and values."""
     net = getattr(model, "module", model)  # DDP: the model inside
     cfg = net.config
     head = getattr(net, "latent_head", None) if latent_loss > 0 else None
@@ -95,6 +110,8 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     run = passes if noise else DecodeMode.from_passes(passes).read(T, fixed_point=net.exact_passes(T)).passes
     ntps: list[Tensor] = []
     latents: list[Tensor] = []
+    kls: list[Tensor] = []
+    teacher: list[Tensor] = []  # pass 1's log-probabilities over the scored positions, when distill > 0
 
     def each_pass(j: int, state: Tensor, top: Tensor) -> Tensor:
         logits = net.head(top)
@@ -102,6 +119,12 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
         ntps.append(ce)
         if head is not None:
             latents.append(latent_error(head, state, targets))
+        if distill > 0 and passes > 1:
+            if j == 0:
+                dtype = torch.promote_types(logits.dtype, torch.float32)
+                teacher.append(F.log_softmax(logits.detach()[targets != -100].to(dtype), -1))
+            else:
+                kls.append(distill_kl(teacher[0], logits, targets))
         return ce + z_loss * logits.float().logsumexp(-1).pow(2).mean() if z_loss > 0 else ce
 
     out = model(input_ids, passes=run, plain_mask=plain_mask, cache=cache, return_logits=False,
@@ -117,4 +140,8 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     if head is not None:
         latent = torch.stack(latents + [latents[-1]] * (passes - run)).mean()
         loss = loss + latent_loss * latent
-    return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top, latent=latent)
+    kl = None
+    if kls:  # passes run beyond a noise-free fixed point repeat the last pass's term, as its NTP
+        kl = torch.stack(kls + [kls[-1]] * (passes - run)).mean()
+        loss = loss + distill * kl
+    return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top, latent=latent, distill=kl)

@@ -48,6 +48,7 @@ FEEDBACK_LR, TRUNK_LR, MULT = "3e-3", "1e-4", "30"
 PART = [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", "optim.feedback_lr_mult=1"]
 ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}"]
 PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"  # every key the recipe sets is pinned here
+DISTILL = "train.distill=1.0"
 RUNS = (
     ("feedback-only", "the fusion and norm_in alone, the trunk frozen", [*PART, PLAIN]),
     ("feedback-only-blend", "as feedback-only, with the blend curriculum (a: 0 -> 1 over the first half)",
@@ -56,6 +57,9 @@ RUNS = (
      [*PART, PLAIN, 'model.fusion_init="identity"', "model.fusion_gate_scale=0"]),
     ("everything", "every weight; the feedback weights at 30x the trunk's learning rate", [*ALL, PLAIN]),
     ("everything-blend", "as everything, with the blend curriculum", [*ALL, BLEND]),
+    ("everything-distill", "as everything, the fed pass drawn towards the STANDARD read (train.distill: 1 falling "
+     "to 0 over the run)", [*ALL, PLAIN, DISTILL]),
+    ("everything-blend-distill", "as everything-blend, with self-distillation", [*ALL, BLEND, DISTILL]),
 )
 CONTROLS = (
     ("continued", "control: the same tokens, one pass (continued pretraining, no state)", 1),
@@ -413,7 +417,10 @@ def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list
     for a, b, what in (("everything", "feedback-only", "training every weight against the feedback weights alone"),
                        ("everything-blend", "everything", "the blend curriculum (every weight trained)"),
                        ("feedback-only-blend", "feedback-only", "the blend curriculum (the feedback weights alone)"),
-                       ("feedback-only-identity", "feedback-only", "the identity start (the feedback weights alone)")):
+                       ("feedback-only-identity", "feedback-only", "the identity start (the feedback weights alone)"),
+                       ("everything-distill", "everything", "self-distillation (every weight trained)"),
+                       ("everything-blend-distill", "everything-blend",
+                        "self-distillation with the blend curriculum")):
         if a in gaps and b in gaps:
             lines.append(f"- {what}: FUSED k=1 - STANDARD {gaps[a]:+.3f} against {gaps[b]:+.3f} "
                          f"({'better' if gaps[a] < gaps[b] else 'worse'} by {abs(gaps[a] - gaps[b]):.3f}).")

@@ -83,6 +83,11 @@ class TrainConfig:
     # the next-latent term's weight (docs/method.md, section 6): latent_loss * the mean over passes of the normalised
     # error of model.latent_head predicting the next position's fed-back state; 0: off (nothing computed)
     latent_loss: float = 0.0
+    # self-distillation (docs/method.md, section 6): distill * the mean over passes 2..k of KL(pass 1's next-token
+    # distribution, not differentiated || the pass's), the weight falling linearly to 0 at distill_until x steps
+    # (the paper's pure next-token loss after); 0: off (nothing computed)
+    distill: float = 0.0
+    distill_until: float = 1.0
     trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
     # refuse to start when the largest step's memory estimate exceeds what is available (false: warn and go on)
@@ -103,6 +108,8 @@ class TrainConfig:
         number("train.z_loss", self.z_loss, low=0)
         number("train.blend_until", self.blend_until, low=0, high=1, high_open=True)
         number("train.latent_loss", self.latent_loss, low=0)
+        number("train.distill", self.distill, low=0)
+        number("train.distill_until", self.distill_until, low=0, high=1, low_open=True)
         if self.global_batch_tokens % self.seq_len:
             raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
                               f"train.seq_len={self.seq_len}; accepted: a whole number of windows (e.g. "
@@ -185,6 +192,14 @@ class RunConfig:
             raise ConfigError(f"train.latent_loss={self.train.latent_loss} trains a next-latent head, but "
                               'model.latent_head = "none"; accepted: model.latent_head = "linear", or '
                               "train.latent_loss = 0")
+        if self.train.distill > 0 and (not self.model.has_feedback or self.model.ponder
+                                       or self.train.schedule.max_passes < 2):
+            why = ("model.fusion='none' feeds nothing" if not self.model.has_feedback else
+                   "a ponder model trains its last pass alone" if self.model.ponder else
+                   f"train.passes={self.train.passes!r} runs one pass, the teacher itself")
+            raise ConfigError(f"train.distill={self.train.distill} draws fed passes towards the first pass's "
+                              f"distribution, but {why}; accepted: train.distill = 0, or a model with feedback "
+                              "trained with several passes")
         deepest = self.train.schedule.max_passes
         horizon = getattr(self.train.schedule, "horizon", 0)
         if max(deepest, horizon) > self.train.seq_len + 1:

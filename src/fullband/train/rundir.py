@@ -23,7 +23,7 @@ RUN_FILE = "run.json"
 MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tokens", "train.seed", "train.passes",
               "train.steps", "train.warmup_steps", "train.cooldown_fraction", "train.z_loss",
               "train.decay_wd_in_cooldown", "train.trainable", "train.blend_until",
-              "train.latent_loss")
+              "train.latent_loss", "train.distill", "train.distill_until")
 
 
 class RunDir:
@@ -175,10 +175,22 @@ def _run_kind(saved) -> str | None:
 _UNSET = object()
 
 
+# settings added after runs were recorded without them, with the value that trains as those runs did (its default)
+ADDED = {"train.blend_until": 0.0, "train.latent_loss": 0.0, "train.distill": 0.0, "train.distill_until": 1.0}
+
+
 def resume_differences(saved: dict, now: dict, keys: tuple[str, ...] = MUST_MATCH) -> list[str]:
     """'key: run has A, config has B' for every setting a resume needs equal (`keys`, dotted) that differs between two
-    resolved run configs (as dicts)."""
-    return [d for key in keys for d in _differences(_get(saved, key), _get(now, key), key)]
+    resolved run configs (as dicts); a run recorded before a setting existed (ADDED) holds its default."""
+    return [d for key in keys for d in _differences(_recorded(saved, key), _get(now, key), key)]
+
+
+def _recorded(saved: dict, dotted: str):
+    section, _, name = dotted.rpartition(".")
+    held = _get(saved, section) if section else saved
+    if dotted in ADDED and isinstance(held, dict) and name not in held:
+        return ADDED[dotted]
+    return _get(saved, dotted)
 
 
 def _differences(a, b, key: str, path: str = "") -> list[str]:

@@ -68,6 +68,13 @@ def blend_weight(step: int, total_steps: int, until: float) -> float:
     return 1.0 if end <= 0 else min(1.0, step / end)
 
 
+def distill_weight(step: int, total_steps: int, weight: float, until: float) -> float:
+    """The self-distillation weight at 0-based optimizer step `step` (train.distill, train.distill_until): `weight`
+    at step 0, falling linearly to 0 at round(until * total_steps), 0 after; a function of the step only."""
+    end = max(1, round(until * total_steps))
+    return weight * max(0.0, 1.0 - step / end)
+
+
 def sample_loops(model_cfg, step: int, seed: int) -> int:
     """r, the looped group's repetitions at `step` for a ModelConfig: loops under loop_train = "fixed", else
     r ~ U{1..loops}; a function of (seed, step) only, the same on every rank (they must run one graph)."""

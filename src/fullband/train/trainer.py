@@ -32,7 +32,8 @@ from fullband.train.rundir import MUST_MATCH, RunDir, stop_after_step
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync,
                                      shutdown, unwrap)
-from fullband.train.schedule import AdaptiveSchedule, PassMix, blend_weight, in_cooldown, sample_loops, wsd_factor
+from fullband.train.schedule import (AdaptiveSchedule, PassMix, blend_weight, distill_weight, in_cooldown,
+                                     sample_loops, wsd_factor)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class StepStats:
     loops: int = 1  # r, the looped group's repetitions in this step
     blend: float = 1.0  # the blend curriculum's weight a in this step (1: the paper's fed input)
     latent: float = 0.0  # the next-latent error (Objective.latent; 0 when train.latent_loss = 0)
+    distill: float = 0.0  # the self-distillation KL (Objective.distill; 0 when off or in a one-pass step)
+    distill_weight: float = 0.0  # its weight in this step (train.distill falling to 0 at train.distill_until)
 
 
 def noise_seed(seed: int, step: int, block: int) -> int:
@@ -137,8 +140,9 @@ class Trainer:
         model = self.model
         model.train()
         accum = sampler.accum_steps
-        sums = torch.zeros(k + 3, device=d.device)  # per-pass NTP, objective, state RMS, next-latent error
+        sums = torch.zeros(k + 4, device=d.device)  # per-pass NTP, objective, state RMS, next-latent error, KL
         blend = blend_weight(step, cfg.train.steps, cfg.train.blend_until)
+        distill = distill_weight(step, cfg.train.steps, cfg.train.distill, cfg.train.distill_until)
         net = unwrap(model)
         with (net.looping(r) if cfg.model.has_loop else contextlib.nullcontext()), \
                 (net.blended(blend) if blend < 1 else contextlib.nullcontext()):
@@ -149,7 +153,7 @@ class Trainer:
                 gen = torch.Generator(device=d.device).manual_seed(noise_seed(cfg.train.seed, step, block))
                 with no_sync(model, skip=micro < accum - 1), self.autocast:
                     out = objective(model, inputs, targets, k, plain_mask=plain[0] if plain else None, generator=gen,
-                                    z_loss=z_loss, latent_loss=cfg.train.latent_loss)
+                                    z_loss=z_loss, latent_loss=cfg.train.latent_loss, distill=distill)
                     (out.loss / accum).backward()
                 with torch.no_grad():
                     sums[:k] += torch.stack(out.pass_losses).detach().float()
@@ -157,6 +161,8 @@ class Trainer:
                     sums[k + 1] += out.state.detach().float().pow(2).mean().sqrt()
                     if out.latent is not None:
                         sums[k + 2] += out.latent.detach().float()
+                    if out.distill is not None:
+                        sums[k + 3] += out.distill.detach().float()
         sums = all_reduce_mean(sums / accum, d)
         values = sums.tolist()
         bad = [j + 1 for j, v in enumerate(values[:k]) if not math.isfinite(v)]
@@ -165,7 +171,8 @@ class Trainer:
         if bad:
             self.optimizer.zero_grad(set_to_none=True)
             where = f"pass {bad[0]}" if bad[0] else "the z-loss term" + (" or the next-latent term"
-                                                                          if cfg.train.latent_loss else "")
+                                                                          if cfg.train.latent_loss else "") + (
+                " or the self-distillation term" if distill else "")
             raise TrainingDiverged(f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); "
                                    f"stopped before applying it. {self.rundir.last_good()}. Try a lower learning rate "
                                    "(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
@@ -175,7 +182,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1],
-                         loops=r, blend=blend, latent=values[k + 2])
+                         loops=r, blend=blend, latent=values[k + 2], distill=values[k + 3], distill_weight=distill)
 
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> dict[str, float]:
@@ -292,6 +299,8 @@ class Trainer:
                     row["adapt"] = self.adapt()
             if cfg.train.latent_loss > 0:
                 row["latent_loss"] = stats.latent
+            if cfg.train.distill > 0:
+                row["distill"], row["distill_weight"] = stats.distill, stats.distill_weight
             if self.loggers:
                 self.loggers.log(row)
             if bar is not None:
