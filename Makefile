@@ -80,12 +80,13 @@ test: $(STAMP) $(VLLM_STAMP)
 	test $$main -eq 0 && test $$vllm -eq 0
 
 # The manual as a site (mkdocs.yml, pages in docs/; the `docs` extra, part of `dev`): built into site/ with
-# --strict, so a broken link, a page missing from the nav or a docstring that does not render fails it
+# --strict, so a broken link, a page missing from the nav or an API object that is not found fails it
+# (NO_MKDOCS_2_WARNING: Material's notice about its successor, printed on every build otherwise)
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 docs-serve: $(STAMP)
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 bench: $(STAMP)
 	$(BIN)/fullband bench decode --config bench-91m
