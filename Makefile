@@ -17,7 +17,7 @@ LLAMA_BIN := $(LLAMA_VENV)/bin
 LLAMA_STAMP := $(LLAMA_VENV)/.installed
 LLAMA_CPP := llama-cpp-python==0.3.36
 
-.PHONY: demo test install serve-env llama-env bench bench-vllm bench-real clean
+.PHONY: demo test install serve-env llama-env docs docs-serve bench bench-vllm bench-real clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,15 @@ test: $(STAMP) $(VLLM_STAMP)
 	echo "--- vLLM tests (.venv-vllm)"; cat .vllm-tests.log; rm -f .vllm-tests.log; \
 	test $$main -eq 0 && test $$vllm -eq 0
 
+# The manual as a site (mkdocs.yml, pages in docs/; the `docs` extra, part of `dev`): built into site/ with
+# --strict, so a broken link, a page missing from the nav or an API object that is not found fails it
+# (NO_MKDOCS_2_WARNING: Material's notice about its successor, printed on every build otherwise)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 bench: $(STAMP)
 	$(BIN)/fullband bench decode --config bench-91m
 
@@ -104,4 +113,4 @@ bench-real: $(STAMP) $(VLLM_STAMP) $(LLAMA_STAMP)
 	$(BIN)/python benchmarks/real_report.py $(REAL_OUT) > docs/benchmarks/real-smollm2.md
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) runs site .pytest_cache

@@ -1,6 +1,6 @@
 """The main job (`make demo`, `fullband demo`): latent feedback against a standard transformer, side by side, in a few
 minutes on a CPU, on data every machine has. Its phases (the parity race, the code LM, summary.md) and what they
-show: README.md, "Two commands". Each phase's results stay in the output folder and are reused when the demo runs
+show: docs/getting-started.md. Each phase's results stay in the output folder and are reused when the demo runs
 again (an interrupted training resumes)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """lm-evaluation-harness model `fullband` (the `eval` extra): score and generate with a checkpoint in any mode.
-Usage (`python -m fullband.lmeval`, the harness's CLI with this model registered): README.md, "lm-evaluation-harness".
+Usage (`python -m fullband.lmeval`, the harness's CLI with this model registered): docs/lm-eval.md.
 
 `loglikelihood` prefills the context in the mode and feeds the continuation through the decode step
 (fullband.decode.score), so a score is what decoding in that mode sees; `loglikelihood_rolling` scores a text in

@@ -25,7 +25,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def recipe_path(spec: str | Path) -> Path:
-    """`spec` as a path; when nothing is there and it is spelled configs/NAME (as the README, the experiments and
+    """`spec` as a path; when nothing is there and it is spelled configs/NAME (as the manual, the experiments and
     the demo name the recipes), the recipe NAME shipped with the package, so they are found from any folder."""
     path = Path(spec)
     if path.exists() or path.is_symlink() or path.parent != Path("configs"):

@@ -8,9 +8,9 @@ model's weights are not touched; the new ones are the fusion and `norm_in`, whos
 embedding RMS so fused inputs begin at the scale of plain ones.
 
 The wrapper is a FeedbackModel (fullband.model.core) whose stack is the HF model, so the Jacobi passes, the
-recurrence, every decoding mode and the training objective are the native model's own (README.md, "Hugging Face
-transformers"); its `config` is a ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks` are the HF
-model's layers (activation checkpointing, FSDP); a saved folder (the HF config inside config.json) loads back with
+recurrence, every decoding mode and the training objective are the native model's own (docs/transformers.md); its
+`config` is a ModelConfig (the multi-pass knobs, plus the HF model's sizes), `blocks` are the HF model's layers
+(activation checkpointing, FSDP); a saved folder (the HF config inside config.json) loads back with
 `fullband.load_model`."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hugging Face transformers classes for full-bandwidth models: FullbandConfig and FullbandForCausalLM.
 
 FullbandForCausalLM is a thin adapter: it holds a native FullbandLM (`.model`, the source of truth) and maps
-the transformers calling convention onto it, in every feedback mode (usage: README.md, "Hugging Face transformers").
+the transformers calling convention onto it, in every feedback mode (usage: docs/transformers.md).
 The fed-back state of each sequence lives in the cache (FeedbackCache) next to its keys and values, so beam
 search reordering and num_return_sequences expansion move both together. Prompts of different lengths are
 left-padded (transformers' convention, `attention_mask`); each row is run from its first real token, at its

@@ -39,7 +39,7 @@ class ModelConfig:
     `feedback_target` (default 0: the stack input) at position t. Blocks below the target never read the state:
     they run once per forward, and their output is the plain input the fusion reads. A source below the top feeds
     its residual-stream output (feedback = "residual"). Defaults: the paper's model; T2MLR-like and LRT-like
-    settings in README.md ("Where the state is taken and where it enters").
+    settings in docs/model.md ("Where the state is taken and where it enters").
 
     Looped depth (docs/method.md, section 4; a separate option, the Huginn / Ouro rival): blocks [`loop_start`,
     `loop_stop`) run `loops` times per token (r at inference), each repetition reusing the group's weights with its
@@ -63,51 +63,51 @@ class ModelConfig:
     position's fed-back state from this one's, for the training objective's next-latent term (train.latent_loss);
     decoding never reads it. Default "none": no such weights."""
 
-    vocab_size: int = 259
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    d_ff: int | None = None
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    qk_norm: bool = True
+    vocab_size: int = 259  # tokens in the vocabulary: the embedding's rows
+    d_model: int = 256  # D, the width of the residual stream
+    n_layers: int = 4  # L, transformer blocks
+    n_heads: int = 4  # attention heads (d_model / n_heads, the head size, must be even for RoPE)
+    n_kv_heads: int | None = None  # key / value heads (GQA, a divisor of n_heads); null: n_heads
+    d_ff: int | None = None  # SwiGLU's hidden width; null: 8/3 D rounded up to a multiple of 64
+    max_seq_len: int = 1024  # positions the RoPE tables cover (at most 2**20)
+    rope_theta: float = 10000.0  # RoPE's base
+    norm_eps: float = 1e-6  # RMSNorm's epsilon
+    qk_norm: bool = True  # RMSNorm on each head's queries and keys
     attn_gate: bool = False  # per-head output gate sigmoid(x W) on each head's attention output (paper 1B)
     sliding_window: int | None = None  # local attention span (positions) for layers that are not global
     global_every: int = 0  # with sliding_window: every Nth layer (N, 2N, ...) attends to everything
-    init_std: float = 0.02
-    fusion: str = "gated"
-    # The fresh fusion's initialisation (a warm start's new weights): "random" (every matrix Normal(0, 1/sqrt(D))) or
-    # "identity" (the state's value path W_U, or additive's W, starts at the identity: the fed input is the
-    # normalised previous state); fusion_gate_scale multiplies the gate matrix W_G's random start (0: every gate
-    # starts at sigmoid(0) = 1/2, the same for every token).
-    fusion_init: str = "random"
-    fusion_gate_scale: float = 1.0
-    feedback: str = "final"
+    init_std: float = 0.02  # initial weights' standard deviation; residual-branch outputs start at init_std / sqrt(2L)
+    fusion: str = "gated"  # how the fed state meets the token (docs/method.md, section 2): gated (the paper's),
+    # additive, concat, t2mlr (T2MLR's mixer) or none (a standard transformer, one pass only)
+    fusion_init: str = "random"  # the fresh fusion's initialisation (a warm start's new weights): "random" (every
+    # matrix Normal(0, 1/sqrt(D))) or "identity" (the state's value path W_U, or additive's W, starts at the identity:
+    # the fed input is the normalised previous state)
+    fusion_gate_scale: float = 1.0  # multiplies the gate matrix W_G's random start (0: every gate starts at
+    # sigmoid(0) = 1/2, the same for every token)
+    feedback: str = "final"  # the state fed back: "final" (after the final RMSNorm, what the LM head reads) or
+    # "residual" (the residual stream before it; required for a source below the top)
     feedback_source: int | None = None  # the block whose output is fed back; None: the top
     feedback_target: int = 0  # the block at whose input the state is fused
     loop_start: int | None = None  # the looped group [loop_start, loop_stop); None: no loop
-    loop_stop: int | None = None
+    loop_stop: int | None = None  # the looped group's end (exclusive); None: no loop
     loops: int = 1  # repetitions of the group per token at inference (r)
     loop_train: str = "fixed"  # r per training step: "fixed" (= loops) or "uniform" (U{1..loops})
     ponder: bool = False  # PonderLM-2: each token gets a second (ponder) slot whose input is its own top state
-    # Positions holding this token are document starts and always take the plain embedding.
-    bos_token_id: int | None = None
-    input_norm: bool = True
-    tie_embeddings: bool = True
-    # Warm start from a Hugging Face causal LM (a folder, or a hub id when online): `fullband train` wraps it with
-    # latent feedback (fullband.hf.add_latent_feedback); the sizes above then come from that model.
-    hf_path: str = ""
-    # Whether the feedback weights were trained: false for a model converted from a standard checkpoint (a Llama, a
-    # GGUF file) whose fusion is freshly initialised, so its decoders default to STANDARD (default_mode) until a
-    # multi-pass training run sets it.
-    feedback_trained: bool = True
-    # Training-time behaviour of the multi-pass forward (all inactive in eval mode).
-    jitter: float = 0.02
-    prefix_mixin_prob: float = 0.5
-    detach_between_passes: bool = False
-    pass_loss_weight: float = 1.0
+    bos_token_id: int | None = None  # positions holding this token are document starts and always take the plain
+    # embedding
+    input_norm: bool = True  # plain positions take norm_in(embedding), as in the paper; false: the raw embedding, as
+    # in Llama (fused inputs still pass through norm_in)
+    tie_embeddings: bool = True  # the LM head shares the embedding; false adds lm_head
+    hf_path: str = ""  # a Hugging Face causal LM (a folder, or a hub id when online) that `fullband train` wraps with
+    # latent feedback (fullband.hf.add_latent_feedback); the sizes above then come from that model
+    feedback_trained: bool = True  # whether the feedback weights were trained: false for a model converted from a
+    # standard checkpoint (a Llama, a GGUF file) whose fusion is freshly initialised, so its decoders default to
+    # STANDARD (default_mode) until a multi-pass training run sets it
+    jitter: float = 0.02  # training: uniform noise U(-jitter, jitter) on the fed state (inactive in eval mode)
+    prefix_mixin_prob: float = 0.5  # training: per sequence, the probability that passes after the first read a
+    # random prefix plainly (docs/method.md, section 7; inactive in eval mode)
+    detach_between_passes: bool = False  # training: cut the gradient between passes
+    pass_loss_weight: float = 1.0  # lambda in NTP(pass 1) + lambda * mean(NTP(passes 2..k))
     latent_head: str = "none"  # "linear": the next-latent predictor train.latent_loss trains (not read by decoding)
 
     def __post_init__(self) -> None:

@@ -40,19 +40,20 @@ class RLConfig(RLSettings):
 
     init_from: str = ""  # the starting model: a model folder or checkpoint holding a chat tokenizer
     data: str = "arithmetic"  # a chat corpus (as data.corpus for chat training); train / val split by hash
-    val_percent: float = 2.0
-    reward: str = "answer"  # "answer" (final 'Answer: ...' exact match) or "module:function" / "file.py:function"
+    val_percent: float = 2.0  # held-out share of the conversations (answered greedily every eval_every steps)
+    reward: str = "answer"  # "answer" (final 'Answer: ...' exact match), "contains" (the reference answer in the
+    # reply as a word) or "module:function" / "file.py:function"
     reward_timeout: float = 60.0  # seconds one reward call may take (0: no limit)
-    prompts_per_step: int = 8
-    steps: int = 100
+    prompts_per_step: int = 8  # prompts sampled per step (each gets `group` replies)
+    steps: int = 100  # optimizer steps
     lr: float = 1e-5  # AdamW, no weight decay
-    seed: int = 0
-    eval_every: int = 25
-    eval_prompts: int = 64
-    ckpt_every: int = 25
-    keep_last: int = 3
-    run_dir: str = "runs/rl"
-    device: str = "cpu"
+    seed: int = 0  # the run's seed: prompts, samples and every step are functions of (seed, step)
+    eval_every: int = 25  # answer the held-out prompts greedily every N steps (0: only at the end)
+    eval_prompts: int = 64  # held-out prompts per evaluation
+    ckpt_every: int = 25  # checkpoint every N steps (0: only at the end)
+    keep_last: int = 3  # checkpoints kept
+    run_dir: str = "runs/rl"  # the run directory: run.json, metrics.jsonl, checkpoints, rl.png
+    device: str = "cpu"  # cpu, cuda or cuda:N
     threads: int = 0  # torch's threads; 0: chosen at the run's start (the free cores), recorded, used by every resume
 
     def __post_init__(self) -> None:
@@ -290,8 +291,7 @@ def _nothing_learned(cfg: RLConfig, row: dict, groups: int) -> str | None:
     if cfg.algorithm == "grpo" and row["flat_groups"] == groups:
         return (f"step {row['step']}: every reply to each of the {groups} prompts scored the same (mean reward "
                 f"{row['reward']:.3g}), so every advantage is 0 and this step changed nothing; rl.reward "
-                f"{cfg.reward!r} needs replies that this model earns sometimes, not always or never (README, "
-                "'Reinforcement learning')")
+                f"{cfg.reward!r} needs replies that this model earns sometimes, not always or never (docs/rl.md)")
     if cfg.algorithm == "rejection-sft" and row.get("kept") == 0:
         return (f"step {row['step']}: no reply reached rl.accept={cfg.accept:g} (mean reward "
                 f"{row['reward']:.3g}), so this step trained on nothing")

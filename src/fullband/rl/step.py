@@ -35,12 +35,12 @@ class RLSettings:
     """How a step samples and what it optimises (the part of a recipe's [rl] table rl_step reads)."""
 
     mode: str = "soft"  # standard | soft | fused:K: how responses are sampled and scored
-    group: int = 8  # G: responses per prompt
-    max_new_tokens: int = 64
-    temperature: float = 1.0
+    group: int = 8  # G: responses per prompt (at least 2: advantages compare them)
+    max_new_tokens: int = 64  # the longest sampled reply, in tokens
+    temperature: float = 1.0  # the sampling temperature
     logprob: str = "exact"  # exact | jacobi:K | replay (fullband.rl.logprob)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = 0.2  # grpo: the ratio is clipped to [1 - clip_low, 1 + clip_high] (from the second update on)
+    clip_high: float = 0.28  # grpo: the upper clip (DAPO's clip-higher)
     kl_coef: float = 0.0  # > 0: a k3 KL penalty to the reference (the starting model)
     updates: int = 1  # optimiser steps per batch of samples (grpo)
     algorithm: str = "grpo"  # grpo | rejection-sft

@@ -25,7 +25,7 @@ except ImportError:
 
 
 class FeedbackGRPOTrainer(GRPOTrainer):
-    """trl.GRPOTrainer whose per-token log-probabilities are the fed ones (README.md, "Reinforcement learning").
+    """trl.GRPOTrainer whose per-token log-probabilities are the fed ones (docs/rl.md, "GRPO with TRL").
 
     `logprob`: "exact" (the decode engine, teacher-forced; the default) or "jacobi:K" (K parallel passes; equal to
     exact once K >= the completion length, + k for FUSED k). "replay" needs the states recorded while sampling,

@@ -28,7 +28,7 @@ class DataConfig:
     text_field: str = "text"  # JSONL / datasets column holding the text
     val_percent: float = 1.0  # held-out share, split by file (or row)
     tokenizer: str = "byte"  # "byte", "bpe" (trained on the corpus), or a folder holding a tokenizer.json
-    bpe_vocab_size: int = 8192
+    bpe_vocab_size: int = 8192  # tokenizer = "bpe": the vocabulary size it trains to
     cache_dir: str = ""  # token shards; default $FULLBAND_CACHE or ~/.cache/fullband
     format: str = "text"  # "text": packed documents; "chat": conversations (JSONL `messages`), loss on replies;
     #                       "tracking": a state-tracking task (corpus "TASK:L", fullband.data.tracking)
@@ -59,39 +59,37 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 1000  # optimizer steps
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per training window
     global_batch_tokens: int = 16384  # tokens per optimizer step across all ranks (seq_len x windows)
     micro_batch: int = 8  # windows per forward on one rank; gradient accumulation fills the global batch
-    seed: int = 0
+    seed: int = 0  # the run's seed: initialisation, data order, each step's pass count and noise
     passes: Any = "paper-200b"  # pass schedule: a preset name, a list of {until, probs} stages, or "adaptive" (or
     # a table {schedule = "adaptive", every = 25, ...}: the mix steered by the measured contraction)
-    warmup_steps: int = 200
+    warmup_steps: int = 200  # WSD: steps of linear warmup of the learning rate
     cooldown_fraction: float = 0.25  # WSD: the last fraction decays linearly to zero
     z_loss: float = 1e-5  # applied during the cooldown only, as the paper does
     decay_wd_in_cooldown: bool = True  # weight decay scaled with the LR during the cooldown (AdamC)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto: bfloat16 autocast on GPU, float32 on CPU
     compile: bool = False  # torch.compile each block (GPU)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
     parallel: str = "ddp"  # under torchrun: ddp or fsdp (FSDP2 fully_shard)
     init_from: str = ""  # warm start: a model folder whose matching weights replace the fresh initialisation
     threads: int = 0  # torch's threads per process; 0: chosen at the run's start (the free cores). run.json records
     # the count and every resume uses it (the last bits of a step depend on it)
-    # the blend curriculum (docs/method.md, section 6): fed inputs are (1 - a) * plain + a * fused, a rising from 0 to
-    # 1 over this fraction of the steps, so a warm start begins at the pretrained model; 0: off (the paper's input)
-    blend_until: float = 0.0
-    # the next-latent term's weight (docs/method.md, section 6): latent_loss * the mean over passes of the normalised
-    # error of model.latent_head predicting the next position's fed-back state; 0: off (nothing computed)
-    latent_loss: float = 0.0
-    # self-distillation (docs/method.md, section 6): distill * the mean over passes 2..k of KL(pass 1's next-token
-    # distribution, not differentiated || the pass's), the weight falling linearly to 0 at distill_until x steps
-    # (the paper's pure next-token loss after); 0: off (nothing computed)
-    distill: float = 0.0
-    distill_until: float = 1.0
+    blend_until: float = 0.0  # the blend curriculum (docs/method.md, section 6): fed inputs are (1 - a) * plain +
+    # a * fused, a rising from 0 to 1 over this fraction of the steps, so a warm start begins at the pretrained model;
+    # 0: off (the paper's input)
+    latent_loss: float = 0.0  # the next-latent term's weight (docs/method.md, section 6): latent_loss * the mean over
+    # passes of the normalised error of model.latent_head predicting the next position's fed-back state; 0: off
+    distill: float = 0.0  # self-distillation (docs/method.md, section 6): distill * the mean over passes 2..k of
+    # KL(pass 1's next-token distribution, not differentiated || the pass's), the weight falling linearly to 0 at
+    # distill_until x steps (the paper's pure next-token loss after); 0: off (nothing computed)
+    distill_until: float = 1.0  # the fraction of the steps at which train.distill's weight reaches 0 (0 < x <= 1)
     trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
-    # refuse to start when the largest step's memory estimate exceeds what is available (false: warn and go on)
-    memory_check: bool = True
+    memory_check: bool = True  # refuse to start when the largest step's memory estimate exceeds what is available
+    # (false: warn and go on)
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
@@ -131,18 +129,18 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
-    run_dir: str = "runs/run"
+    run_dir: str = "runs/run"  # the run directory: run.json, metrics.jsonl, checkpoints, loss.png
     log_every: int = 10  # metrics lines (every step is logged to metrics.jsonl; this is the console cadence)
     eval_every: int = 200  # validation loss every N steps (0: only at the end)
     eval_windows: int = 32  # validation windows per evaluation
-    eval_passes: list[int] = field(default_factory=lambda: [1, 2])
+    eval_passes: list[int] = field(default_factory=lambda: [1, 2])  # pass counts the validation loss is read at
     gate_windows: int = 4  # validation windows the stability gate reads at every eval (0: no gate)
     ckpt_every: int = 200  # checkpoint every N steps (0: only at the end)
     keep_last: int = 3  # checkpoints kept
-    progress: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "fullband"
+    progress: bool = True  # a progress bar on the console
+    tensorboard: bool = False  # also log to TensorBoard (the `log` extra)
+    wandb: bool = False  # also log to Weights & Biases (the `log` extra; WANDB_MODE=offline works without a network)
+    wandb_project: str = "fullband"  # the Weights & Biases project
 
     def __post_init__(self) -> None:
         for name in ("log_every", "eval_every", "eval_windows", "gate_windows", "ckpt_every"):

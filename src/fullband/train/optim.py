@@ -32,19 +32,20 @@ class OptimConfig:
     matrices; `adam_*` are for everything else. With name="adamw" every parameter uses AdamW at `adam_lr`,
     matrices keeping `weight_decay`. `grad_clip` (0 = off) is applied by the trainer."""
 
-    name: str = "normuon"
-    lr: float = 1e-2
-    weight_decay: float = 0.01
-    momentum: float = 0.95
-    nesterov: bool = True
-    beta2: float = 0.95
-    ns_steps: int = 5
-    eps: float = 1e-8
-    adam_lr: float = 5e-4
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    adam_eps: float = 1e-8
-    adam_weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    name: str = "normuon"  # "normuon": NorMuon for hidden matrices, Adam for the rest (the routing table); "adamw":
+    # AdamW everywhere at adam_lr
+    lr: float = 1e-2  # NorMuon's learning rate (hidden matrices)
+    weight_decay: float = 0.01  # NorMuon's decoupled weight decay (with adamw: the matrices')
+    momentum: float = 0.95  # NorMuon's momentum (beta1)
+    nesterov: bool = True  # NorMuon: Nesterov momentum
+    beta2: float = 0.95  # NorMuon's per-neuron second moment decay
+    ns_steps: int = 5  # NorMuon's Newton-Schulz iterations
+    eps: float = 1e-8  # NorMuon's epsilon
+    adam_lr: float = 5e-4  # Adam's learning rate (embeddings, gains; every weight with adamw)
+    adam_betas: tuple[float, float] = (0.9, 0.95)  # Adam's [beta1, beta2]
+    adam_eps: float = 1e-8  # Adam's epsilon
+    adam_weight_decay: float = 0.0  # Adam's weight decay
+    grad_clip: float = 1.0  # the gradient norm is clipped to this (0: off)
     feedback_lr_mult: float = 1.0  # the feedback weights' (fusion.*, norm_in) learning rate, times their route's
 
     def __post_init__(self) -> None:

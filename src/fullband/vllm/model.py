@@ -23,7 +23,7 @@ build cannot run, so V1 is the runner tested end to end here, and V2 only on a G
 tests/test_vllm.py on it: docs/vllm-v2.md).
 
 Where vLLM's machinery meets the state (modes, FUSED prompts, chunked prefill, prefix caching, preemption,
-n > 1, CUDA graphs, what is not served; each case is tested): README.md's "Serving" table."""
+n > 1, CUDA graphs, what is not served; each case is tested): docs/serving.md, "What it computes"."""
 
 from __future__ import annotations
 
