@@ -282,8 +282,9 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
                     model=str(tiny_llama / "llama"), extra=extra)
     text = out.read_text()
     assert out.name == "warmstart-micro.md"
-    for part in ("## Held-out loss by mode", "| feedback-only-blend |", "| everything-distill |",
-                 "- self-distillation (every weight trained): FUSED k=1 - STANDARD", "| continued-2x |",
+    for part in ("## Held-out loss by mode", "| feedback-only-blend |", "| everything-blend-distill |",
+                 "| everything-blend-identity |", "- self-distillation (every weight, the blend): FUSED k=1 - STANDARD",
+                 "the difference of the gaps, paired by window, ", "| continued-2x |",
                  "SOFT-like (exact)",
                  "## Chat kept?", "## Does the warm-started pass map contract?", "## Outcome", "curves.png",
                  "fullband train configs/warmstart-smollm2.toml"):

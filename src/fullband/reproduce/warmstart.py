@@ -11,9 +11,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from fullband.errors import InputError, closest
 from fullband.reproduce.runner import (Experiment, Run, Settings, config_line, kept, paired, saved_figure,
-                                       train_run, val_batches)
+                                       train_run, val_batches, verdict)
 
 RECIPE = "configs/warmstart-smollm2.toml"
 FEEDBACK_ONLY = '["fusion.*", "norm_in.*"]'
@@ -49,17 +51,19 @@ PART = [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", "opt
 ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}"]
 PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"  # every key the recipe sets is pinned here
 DISTILL = "train.distill=1.0"
+IDENTITY = ['model.fusion_init="identity"', "model.fusion_gate_scale=0"]
 RUNS = (
     ("feedback-only", "the fusion and norm_in alone, the trunk frozen", [*PART, PLAIN]),
     ("feedback-only-blend", "as feedback-only, with the blend curriculum (a: 0 -> 1 over the first half)",
      [*PART, BLEND]),
     ("feedback-only-identity", "as feedback-only, W_U started at the identity and every gate at 1/2",
-     [*PART, PLAIN, 'model.fusion_init="identity"', "model.fusion_gate_scale=0"]),
+     [*PART, PLAIN, *IDENTITY]),
     ("everything", "every weight; the feedback weights at 30x the trunk's learning rate", [*ALL, PLAIN]),
     ("everything-blend", "as everything, with the blend curriculum", [*ALL, BLEND]),
-    ("everything-distill", "as everything, the fed pass drawn towards the STANDARD read (train.distill: 1 falling "
-     "to 0 over the run)", [*ALL, PLAIN, DISTILL]),
-    ("everything-blend-distill", "as everything-blend, with self-distillation", [*ALL, BLEND, DISTILL]),
+    ("everything-blend-distill", "as everything-blend, the fed pass drawn towards the STANDARD read (train.distill: "
+     "1 falling to 0 over the run)", [*ALL, BLEND, DISTILL]),
+    ("everything-blend-identity", "as everything-blend, W_U started at the identity and every gate at 1/2",
+     [*ALL, BLEND, *IDENTITY]),
 )
 CONTROLS = (
     ("continued", "control: the same tokens, one pass (continued pretraining, no state)", 1),
@@ -289,6 +293,15 @@ def _paired(a: list[float], b: list[float]) -> str:
     return "{:+.3f} ± {:.3f}".format(*paired(a, b))
 
 
+def _gap_change(evaluated: dict, a: str, b: str, mode: str) -> str:
+    """Run a's gap (`mode` minus STANDARD) minus run b's, paired window by window, with its verdict."""
+    def gap(name):
+        return np.subtract(_read(evaluated, name, mode)["per_window"], _read(evaluated, name, "STANDARD")["per_window"])
+
+    diff, se = paired(gap(a), gap(b))
+    return f"{diff:+.3f} ± {se:.3f} ({verdict(diff, se, up='worse', down='better')})"
+
+
 def _read(evaluated: dict, name: str, mode: str) -> dict:
     """A model's held-out read in `mode` (its row of the text table)."""
     return {row["mode"]: row for row in evaluated[name]["text"]}[mode]
@@ -413,17 +426,16 @@ def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list
                          f"{per_s:.0f} tokens/s (an extrapolation, not a measurement: the decay may slow).")
         else:
             lines.append(f"- The gap (pass 2 - pass 1) did not shrink over the second half ({g0:.3f} -> {g1:.3f}).")
-    gaps = {n: _read(evaluated, n, mode)["minus_first"] for n in feedback}
     for a, b, what in (("everything", "feedback-only", "training every weight against the feedback weights alone"),
                        ("everything-blend", "everything", "the blend curriculum (every weight trained)"),
                        ("feedback-only-blend", "feedback-only", "the blend curriculum (the feedback weights alone)"),
                        ("feedback-only-identity", "feedback-only", "the identity start (the feedback weights alone)"),
-                       ("everything-distill", "everything", "self-distillation (every weight trained)"),
-                       ("everything-blend-distill", "everything-blend",
-                        "self-distillation with the blend curriculum")):
-        if a in gaps and b in gaps:
-            lines.append(f"- {what}: FUSED k=1 - STANDARD {gaps[a]:+.3f} against {gaps[b]:+.3f} "
-                         f"({'better' if gaps[a] < gaps[b] else 'worse'} by {abs(gaps[a] - gaps[b]):.3f}).")
+                       ("everything-blend-distill", "everything-blend", "self-distillation (every weight, the blend)"),
+                       ("everything-blend-identity", "everything-blend", "the identity start (every weight, the blend)")):
+        if a in feedback and b in feedback:
+            lines.append(f"- {what}: FUSED k=1 - STANDARD {_read(evaluated, a, mode)['minus_first']:+.3f} against "
+                         f"{_read(evaluated, b, mode)['minus_first']:+.3f}; the difference of the gaps, paired by "
+                         f"window, {_gap_change(evaluated, a, b, mode)}.")
     growth = {n: max(evaluated[n]["contraction"]["growth"]) for n in feedback}
     lines.append(f"- Every warm-started pass map {'contracts' if max(growth.values()) < 1 else 'does not contract'} "
                  f"at its fixed point (largest growth per pass {max(growth.values()):.3f}; the pretrained model's "
