@@ -138,7 +138,7 @@ def _field(args: list[ast.expr], env: dict[str, str]) -> tuple[str | None, bool]
 
 
 def _accepts(check: str, call: ast.Call, names: dict, field: str) -> str:
-    from fullband.validate import MAX_LR, _float_range, _power_of_two
+    from fullband.validate import MAX_LR, _float_range, _int_range
 
     kw = {k.arg: k.value for k in call.keywords}
     if check == "boolean":
@@ -147,11 +147,7 @@ def _accepts(check: str, call: ast.Call, names: dict, field: str) -> str:
         return ", ".join(f'`"{c}"`' for c in _value(call.args[2], names))
     if check == "integer":
         low = _value(call.args[2], names) if len(call.args) > 2 else _value(kw.get("minimum"), names)
-        below = _value(kw.get("below"), names)
-        below = _power_of_two(below) if isinstance(below, int) else below
-        if below is None:
-            return f"an integer >= {low}"
-        return f"an integer < {below}" if low is None else f"an integer {low} <= {field} < {below}"
+        return _int_range(field, low, _value(kw.get("below"), names))
     low, high = _value(kw.get("low"), names), _value(kw.get("high"), names)
     opens = [_value(kw.get(k), names) or False for k in ("low_open", "high_open")]
     if high == MAX_LR:  # float32's largest: what torch's optimizers take

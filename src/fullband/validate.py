@@ -54,8 +54,10 @@ def _int_range(name: str, minimum: int | None, below: int | None) -> str:
     return f"an integer < {below}" if minimum is None else f"an integer {minimum} <= {name} < {_power_of_two(below)}"
 
 
-def _power_of_two(n: int) -> str:
-    return f"2**{n.bit_length() - 1}" if n > 1024 and n & (n - 1) == 0 else str(n)
+def _power_of_two(n) -> str:
+    """A bound as the errors write it: 2**K for a large power of two; another field's name (the key reference's
+    `n_layers`) as it is."""
+    return f"2**{n.bit_length() - 1}" if isinstance(n, int) and n > 1024 and n & (n - 1) == 0 else str(n)
 
 
 def number(name: str, value: Any, *, low: float | None = None, high: float | None = None, low_open: bool = False,

@@ -240,8 +240,9 @@ def _screen_lines(path: Path) -> list[str]:
         ok = sum(min(r["exact"][1:]) >= SOLVED for r in runs_)
         worst = min(runs_, key=lambda r: min(r["exact"][1:]))
         timed = [r["train_seconds"] for r in runs_ if r.get("train_seconds") is not None]  # some went unrecorded
-        secs = f"{sum(timed) / len(timed):.0f} s" + ("" if len(timed) == len(c["runs"]) else
-                                                     f" ({len(timed)} of {len(c['runs'])} timed)") if timed else "-"
+        secs = f"{sum(timed) / len(timed):.0f} s" if timed else "-"
+        if timed and len(timed) < len(c["runs"]):
+            secs += f" ({len(timed)} of {len(c['runs'])} timed)"
         lines.append(f"| {c['what']} | {ok} of {len(c['runs'])} | {', '.join(c['runs'])} | "
                      f"{' / '.join(f'{a:.2f}' for a in worst['exact'][1:])} | {secs} |")
     return lines + [""]
