@@ -202,3 +202,37 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
     return SimpleNamespace(gguf=smollm2_gguf, native=root / "native", hf=root / "hf", back=root / "back",
                            reference=reference, tokenizer=tokenizer, root=root)
+
+
+def torchrun(args: list[str], *, timeout: float = 300, env: dict | None = None):
+    """`python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS` -> CompletedProcess. Past `timeout` every
+    process of the launch (the agent and its workers, each in a session of its own) gets SIGABRT, which faulthandler
+    turns into its Python stack on stderr, and the test fails showing them: a hang says where it waits."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    proc = subprocess.Popen(launch, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        out = err = ""
+        for sig in (signal.SIGABRT, signal.SIGKILL):  # the stacks, then (a process that ignored it) the end
+            for p in tree:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            try:
+                out, err = proc.communicate(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        pytest.fail(f"{' '.join(args)} under torchrun did not finish in {timeout:.0f} s; the processes' stacks:\n"
+                    f"{err[-6000:]}\nstdout's end:\n{out[-1000:]}")
+    return subprocess.CompletedProcess(launch, proc.returncode, out, err)

@@ -17,7 +17,7 @@ from fullband.errors import CheckpointError, ConfigError
 from fullband.train.config import load_run_config
 from fullband.train.trainer import Trainer, train
 
-from conftest import assert_resume_is_bitwise, losses, write_config  # and the corpus and cache fixtures
+from conftest import assert_resume_is_bitwise, losses, torchrun, write_config  # and the corpus and cache fixtures
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,19 +132,11 @@ def test_hf_path_bad_input(tmp_path, corpus, cache, hf_folders):
 
 
 def test_hf_run_under_two_process_ddp_matches_one_process(tmp_path, corpus, cache, hf_folders):
-    import os
-    import subprocess
-    import sys
-
     hf_path = hf_folders / "gpt2"  # GPT-2 has dropout layers: the trainer turns them off, so ranks agree
     one = recipe(tmp_path, corpus, cache, hf_path, "one", steps=5)
     two = recipe(tmp_path, corpus, cache, hf_path, "two", steps=5)
     train(load_run_config(one, ["train.micro_batch=2"]))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "fullband.cli", "train", str(two), "--set", "train.micro_batch=2"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )
+    done = torchrun(["-m", "fullband.cli", "train", str(two), "--set", "train.micro_batch=2"])
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(a) == len(b) == 5 and any(len(x) > 1 for x in a)

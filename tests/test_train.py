@@ -23,7 +23,7 @@ from fullband.train.config import load_run_config
 import fullband.train.trainer as trainer_module
 from fullband.train.trainer import TrainingDiverged, train
 
-from conftest import MICRO_PASSES, assert_resume_is_bitwise, losses, write_config  # the corpus and cache fixtures live in conftest too
+from conftest import MICRO_PASSES, assert_resume_is_bitwise, losses, torchrun, write_config  # the corpus and cache fixtures live in conftest too
 
 
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -118,12 +118,7 @@ def train_in_one_and_two_processes(tmp_path, corpus, cache, **kw) -> tuple[Path,
     ref = cli("train", str(one))
     _, err = ref.communicate(timeout=300)
     assert ref.returncode == 0, err
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "fullband.cli", "train", str(two)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    done = torchrun(["-m", "fullband.cli", "train", str(two)])
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "one", tmp_path / "two"
 
@@ -294,15 +289,13 @@ def test_resume_from_checkpoint_missing_files(tmp_path, corpus, cache):
 
 
 def test_fsdp2_matches_ddp_and_resumes_exactly(tmp_path, corpus, cache):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = write_config(tmp_path, corpus, cache, "one", steps=4, micro=2, ckpt_every=0)
     fsdp = write_config(tmp_path, corpus, cache, "fsdp", steps=4, micro=2, ckpt_every=2, keep_last=5)
     ref = cli("train", str(one))
     _, err = ref.communicate(timeout=300)
     assert ref.returncode == 0, err
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-              "-m", "fullband.cli", "train", str(fsdp), "--set", 'train.parallel="fsdp"']
-    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
+    launch = ["-m", "fullband.cli", "train", str(fsdp), "--set", 'train.parallel="fsdp"']
+    done = torchrun(launch)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "fsdp"
     assert {"optimizer.rank0.pt", "optimizer.rank1.pt"} <= set(os.listdir(run / "step_000004"))
@@ -313,7 +306,7 @@ def test_fsdp2_matches_ddp_and_resumes_exactly(tmp_path, corpus, cache):
     import shutil
 
     shutil.rmtree(run / "step_000004")
-    done = subprocess.run(launch + ["--resume", str(run)], env=env, capture_output=True, text=True, timeout=300)
+    done = torchrun(launch + ["--resume", str(run)])
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses(run) == full
     again = load_file(str(run / "step_000004" / "model.safetensors"))

@@ -52,8 +52,13 @@ def init_distributed(device: str) -> Dist:
     return Dist(rank=rank, world=world, local_rank=local_rank, device=dev)
 
 
-def shutdown(d: Dist) -> None:
-    if d.enabled and dist.is_initialized():
+def shutdown(d: Dist, *, finished: bool = True) -> None:
+    """Leave the process group. After a clean finish every rank meets at a barrier first, so that none tears down
+    its connections while another still uses them (a rank destroying the group ahead of the others can hang
+    gloo's teardown: pytorch/pytorch#75097). After a failure the ranks may be anywhere, and any collective,
+    destroy included, could wait forever: the process's exit is left to close the connections."""
+    if d.enabled and dist.is_initialized() and finished:
+        dist.barrier()
         dist.destroy_process_group()
 
 

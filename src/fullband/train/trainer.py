@@ -324,9 +324,9 @@ class Trainer:
                 _print0(d, self.rundir.interrupted(self.step, path, "train"))
                 raise KeyboardInterrupt
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = True) -> None:
         self.rundir.release()
-        shutdown(self.d)
+        shutdown(self.d, finished=finished)
 
 
 def step_estimate(cfg: RunConfig, device, *, passes: int | None = None, checkpointing: bool | None = None):
@@ -367,9 +367,12 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None) -> dict:
     """Run (or resume) `cfg`; the run sets torch's threads (train.threads) and gives the caller its count back."""
     trainer = Trainer(cfg, resume=resume)
     try:
-        return trainer.run()
-    finally:
-        trainer.close()
+        result = trainer.run()
+    except BaseException:
+        trainer.close(finished=False)
+        raise
+    trainer.close()
+    return result
 
 
 def _autocast(dtype: str, device: torch.device):
