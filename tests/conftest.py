@@ -184,7 +184,18 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_gguf, tmp_path_factory):
+def smollm2_native(smollm2_gguf, tmp_path_factory):
+    """The real model as `fullband convert` writes it from the GGUF file: a native folder (its own fixture: a test
+    file that needs only this one skips the other conversions and the reference, some 20 s)."""
+    from fullband.hf.convert import convert
+
+    folder = tmp_path_factory.mktemp("smollm2") / "native"
+    convert(smollm2_gguf, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf, smollm2_native):
     """The real model converted by `fullband convert` (GGUF -> native, native -> hf), and transformers' own reading
     of the GGUF file (LlamaForCausalLM, float32, and its tokenizer): the reference every surface is checked against."""
     from types import SimpleNamespace
@@ -194,8 +205,7 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     from fullband.hf.convert import convert
     from fullband.hf.gguf import load_causal_lm
 
-    root = tmp_path_factory.mktemp("smollm2")
-    convert(smollm2_gguf, root / "native")
+    root = smollm2_native.parent
     convert(root / "native", root / "hf")
     convert(root / "hf", root / "back")  # and back to native
     reference = load_causal_lm(smollm2_gguf).eval()
