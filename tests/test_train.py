@@ -131,6 +131,28 @@ def assert_same_losses(a: list[list[float]], b: list[list[float]], tol: float = 
         assert max(abs(p - q) for p, q in zip(x, y)) <= tol, (x, y)
 
 
+def test_a_run_out_of_time_stops_with_a_checkpoint_and_resumes_to_the_same_run(tmp_path, corpus, cache, capsys):
+    """train.stop_after_minutes: every invocation stops after its first step (a limit already passed), keeps a
+    checkpoint and says how to go on; resumed invocation after invocation, the run equals the uninterrupted one."""
+    whole = train(load_run_config(write_config(tmp_path, corpus, cache, "whole", steps=5, ckpt_every=0)))
+    assert whole["stopped"] is False
+    part = write_config(tmp_path, corpus, cache, "part", steps=5, ckpt_every=0, keep_last=1)
+    results, resume = [], None
+    while not results or results[-1]["stopped"]:
+        results.append(train(load_run_config(part, ["train.stop_after_minutes=1e-9"]), resume=resume))
+        resume = tmp_path / "part"
+    assert [r["steps"] for r in results] == [1, 2, 3, 4, 5]
+    said = capsys.readouterr().out
+    assert "stopped after step 1 of 5: train.stop_after_minutes=1e-09 passed; checkpoint " in said
+    assert f"--resume {tmp_path / 'part'}" in said
+    assert losses(tmp_path / "part") == losses(tmp_path / "whole")
+    a, b = (load_file(str(tmp_path / n / "step_000005" / "model.safetensors")) for n in ("whole", "part"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (tmp_path / "bad").mkdir()
+    _fails(tmp_path / "bad", write_config(tmp_path / "bad", corpus, cache), ["train.stop_after_minutes=-1"],
+           match=r"train.stop_after_minutes=-1")
+
+
 def test_two_process_ddp_matches_one_process(tmp_path, corpus, cache):
     one, two = train_in_one_and_two_processes(tmp_path, corpus, cache, steps=5, micro=2)
     a, b = losses(one), losses(two)

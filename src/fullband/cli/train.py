@@ -44,7 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config, args.set)
     result = train(cfg, resume=args.resume)
-    if result.get("eval") and int(os.environ.get("RANK", "0")) == 0:
+    if result.get("eval") and not result["stopped"] and int(os.environ.get("RANK", "0")) == 0:
         losses = "  ".join(f"passes={k}: {v:.4f}" for k, v in result["eval"].items())
         gate = f"; {verdict(result['gate'])}" if result.get("gate") else ""  # a failed gate says what failed
         print(f"done: {result['steps']} steps, {result['tokens'] / 1e6:.2f}M tokens, {result['elapsed']:.0f}s; "

@@ -90,6 +90,8 @@ class TrainConfig:
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
     memory_check: bool = True  # refuse to start when the largest step's memory estimate exceeds what is available
     # (false: warn and go on)
+    stop_after_minutes: float = 0.0  # end this invocation after the step in which so many minutes of wall time have
+    # passed, with a checkpoint (a job's time limit); --resume goes on. 0: train to train.steps
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "global_batch_tokens", "micro_batch"):
@@ -108,6 +110,7 @@ class TrainConfig:
         number("train.latent_loss", self.latent_loss, low=0)
         number("train.distill", self.distill, low=0)
         number("train.distill_until", self.distill_until, low=0, high=1, low_open=True)
+        number("train.stop_after_minutes", self.stop_after_minutes, low=0)
         if self.global_batch_tokens % self.seq_len:
             raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
                               f"train.seq_len={self.seq_len}; accepted: a whole number of windows (e.g. "

@@ -74,6 +74,13 @@ def all_reduce_mean(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
+def broadcast0(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Rank 0's `t` on every rank."""
+    if d.enabled:
+        dist.broadcast(t, src=0)
+    return t
+
+
 def all_reduce_max(t: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -115,6 +115,12 @@ class RunDir:
         kept = f"checkpoint {path}" if path else "no checkpoint (the weights are not finite)"
         return f"interrupted after step {step}: {kept}; continue with fullband {command} RECIPE --resume {self.path}"
 
+    def out_of_time(self, step: int, steps: int, minutes: float, path: Path | None) -> str:
+        """What a run that used its train.stop_after_minutes says: where it stopped, the checkpoint, how to go on."""
+        kept = f"checkpoint {path}" if path else "no checkpoint (the weights are not finite)"
+        return (f"stopped after step {step} of {steps}: train.stop_after_minutes={minutes:g} passed; {kept}; "
+                f"continue with fullband train RECIPE --resume {self.path}")
+
     def abandon(self) -> None:
         """After a failure: the folder this run created goes when nothing of the run was written (no trace left)."""
         if self.lock is not None and self.created and self.path.is_dir() and not any(self.path.iterdir()):

@@ -30,8 +30,8 @@ from fullband.train.build import build, resolve
 from fullband.train.data import RunData, prepare_data
 from fullband.train.rundir import MUST_MATCH, RunDir, stop_after_step
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
-from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, init_distributed, no_sync,
-                                     shutdown, unwrap)
+from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, broadcast0, init_distributed,
+                                     no_sync, shutdown, unwrap)
 from fullband.train.schedule import (AdaptiveSchedule, PassMix, blend_weight, distill_weight, in_cooldown,
                                      sample_loops, wsd_factor)
 
@@ -252,6 +252,7 @@ class Trainer:
         bar = progress_bar(self.cfg, d, self.step, self.cfg.train.steps)
         self.last_eval: dict[str, float] = {}
         self.last_gate: dict | None = None
+        self.started = time.monotonic()  # this invocation's (train.stop_after_minutes)
         try:
             with stop_after_step() as stop:
                 self._loop(bar, stop)
@@ -263,7 +264,7 @@ class Trainer:
         if d.main:
             with writing(self.run_dir / "loss.png", "plot the losses"):
                 plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
-        out = {"steps": self.step, "tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
+        out = {"steps": self.step, "stopped": self.step < self.cfg.train.steps, "tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
                "elapsed": self.elapsed, "eval": self.last_eval, "gate": self.last_gate, "run_dir": str(self.run_dir)}
         if self.mix is not None:
             out["pass_mix"] = self.mix._asdict()
@@ -323,6 +324,19 @@ class Trainer:
                 path = path or (None if due else self.save())
                 _print0(d, self.rundir.interrupted(self.step, path, "train"))
                 raise KeyboardInterrupt
+            if not done and self.out_of_time():
+                path = path or (None if due else self.save())
+                _print0(d, self.rundir.out_of_time(self.step, total, cfg.train.stop_after_minutes, path))
+                return
+
+    def out_of_time(self) -> bool:
+        """Whether train.stop_after_minutes of wall time have passed in this invocation (rank 0's clock decides, so
+        every rank stops after the same step)."""
+        limit = self.cfg.train.stop_after_minutes
+        if not limit:
+            return False
+        late = torch.tensor(float(time.monotonic() - self.started >= 60 * limit), device=self.d.device)
+        return float(broadcast0(late, self.d)) > 0
 
     def close(self, *, finished: bool = True) -> None:
         self.rundir.release()
