@@ -311,3 +311,26 @@ def test_reproduce_warmstart_options_are_checked_before_anything_is_written(tmp_
     assert main(["reproduce", "warmstart", "--model", str(tmp_path / "none"), "--root", str(tmp_path / "r"),
                  "--docs", str(tmp_path / "d")]) != 0
     assert not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
+
+
+def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tiny_llama, tmp_path, capsys):
+    """Each invocation trains at most --budget minutes (here: one step), reports the curve so far and the latest
+    checkpoint by mode; the next resumes the run and extends the curve; a larger budget finishes it."""
+    from fullband.reproduce import reproduce
+
+    extra = [f'data.corpus="{tiny_llama / "prose"}"', "data.val_percent=20",
+             f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
+    args = dict(root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
+                model=str(tiny_llama / "llama"), extra=extra)
+    for _ in range(3):
+        text = reproduce("warmstart-long", budget=1e-9, **args).read_text()
+    assert "**Trained so far: step 3 of 8 (192 tokens" in text
+    assert "| 2 | 128 |" in text and "| 4 |" not in text  # the evaluation at step 2, none beyond step 3
+    assert "## The latest checkpoint by mode (192 tokens)" in text and "- Goal (both fed reads within 0.05" in text
+    assert "stopped after step 3 of 8: train.stop_after_minutes=1e-09 passed" in capsys.readouterr().out
+    text = reproduce("warmstart-long", budget=60, **args).read_text()
+    assert "**Finished: 8 steps, 512 tokens.**" in text and "| 8 | 512 |" in text and "| 6 | 384 |" in text
+    assert "FUSED k=1 - STANDARD went from " in text and "## Chat kept?" in text
+    assert (tmp_path / "docs" / "warmstart-long-micro" / "gap.png").is_file()
+    with pytest.raises(InputError, match="--budget 0"):
+        reproduce("warmstart-long", budget=0, **args)

@@ -106,16 +106,19 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from fullband.reproduce import reproduce
 
     options = {}
-    scaled = ("compare", "warmstart")  # the experiments that take --scale
+    scaled = ("compare", "warmstart", "warmstart-long")  # the experiments that take --scale
     if args.scale is not None and args.experiment not in scaled:
         raise InputError(f"--scale applies to `fullband reproduce {' / '.join(scaled)}` only, not to "
                          f"{args.experiment!r}; accepted: drop it, or run one of those")
-    if args.budget is not None and args.experiment != "compare":
-        raise InputError(f"--budget applies to `fullband reproduce compare` only, not to {args.experiment!r}; "
-                         "accepted: drop it, or run compare")
-    if args.model is not None and args.experiment != "warmstart":
-        raise InputError(f"--model applies to `fullband reproduce warmstart` only, not to {args.experiment!r}; "
-                         "accepted: drop it, or run warmstart")
+    budgeted, modelled = ("compare", "warmstart-long"), ("warmstart", "warmstart-long")
+    if args.budget is not None and args.experiment not in budgeted:
+        raise InputError(f"--budget applies to `fullband reproduce {' / '.join(budgeted)}` only, not to "
+                         f"{args.experiment!r}; accepted: drop it, or run one of those")
+    if args.model is not None and args.experiment not in modelled:
+        raise InputError(f"--model applies to `fullband reproduce {' / '.join(modelled)}` only, not to "
+                         f"{args.experiment!r}; accepted: drop it, or run one of those")
+    if args.budget is not None and args.experiment == "warmstart-long":
+        options["budget"] = args.budget
     if args.scale is not None:
         options["scale"] = args.scale
     if args.experiment == "compare" and (args.scale is not None or args.budget is not None):
@@ -142,11 +145,12 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
     opt("--docs", default="docs/results", help="where the report and figures go"),
     opt("--scale", default=None, help="compare: cpu (default, ~6 h on 2 cores), gpu-small (the same study, larger, "
         "on a GPU) or micro (a smoke test of the pipeline); warmstart: cpu (default, about 1 h 45 min on 2 cores), "
-        "gpu or micro"),
-    opt("--model", default=None, metavar="PATH", help="warmstart only: the pretrained Llama to add latent feedback to "
-        "(a .gguf file or a transformers folder; default shipped:smollm2)"),
-    opt("--budget", type=float, default=None, metavar="MIN", help="compare only: start no new run after MIN minutes, "
-        "then report the finished runs and list the rest (a rerun goes on)"),
+        "gpu or micro; warmstart-long: cpu (default) or micro"),
+    opt("--model", default=None, metavar="PATH", help="warmstart and warmstart-long: the pretrained Llama to add "
+        "latent feedback to (a .gguf file or a transformers folder; default shipped:smollm2)"),
+    opt("--budget", type=float, default=None, metavar="MIN", help="compare: start no new run after MIN minutes, "
+        "then report the finished runs and list the rest (a rerun goes on); warmstart-long: train at most MIN "
+        "minutes in this invocation (default 90), then report the curve so far (a rerun extends it)"),
     opt("--seeds", type=int, default=None, metavar="N", help="train every run with N seeds (0..N-1; seed 0 is the "
         "recipes as written) and report each finding's spread across them; default per experiment: "
         + ", ".join(f"{name} {e.seeds}" for name, e in REGISTRY.items())),
