@@ -134,7 +134,8 @@ def _read_lines(run: Run, evaluated: dict, tokens: int) -> list[str]:
     lines = [f"## The latest checkpoint by mode ({tokens:,} tokens)", "",
              "Held-out windows read as `fullband reproduce warmstart` reads its models; each fed read minus STANDARD "
              "paired by window (mean ± standard error).", "",
-             "| model | STANDARD | FUSED k=1 - STD | FUSED k=2 - STD | SOFT-like (exact) - STD |", "|---|---|---|---|---|"]
+             "| model | STANDARD | FUSED k=1 - STD | FUSED k=2 - STD | SOFT-like (exact) - STD |",
+             "|---|---|---|---|---|"]
     for name in ("pretrained", run.name):
         rows = {r["mode"]: r for r in evaluated[name]["text"]}
         cells = [f"{rows[m]['minus_first']:+.3f} ± {rows[m]['minus_first_stderr']:.3f}"

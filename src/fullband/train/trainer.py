@@ -264,8 +264,9 @@ class Trainer:
         if d.main:
             with writing(self.run_dir / "loss.png", "plot the losses"):
                 plot_metrics(self.run_dir / METRICS_FILE, self.run_dir / "loss.png")
-        out = {"steps": self.step, "stopped": self.step < self.cfg.train.steps, "tokens": self.tokens, "compute_tokens": self.compute_tokens, "flops": self.flops,
-               "elapsed": self.elapsed, "eval": self.last_eval, "gate": self.last_gate, "run_dir": str(self.run_dir)}
+        out = {"steps": self.step, "stopped": self.step < self.cfg.train.steps, "tokens": self.tokens,
+               "compute_tokens": self.compute_tokens, "flops": self.flops, "elapsed": self.elapsed,
+               "eval": self.last_eval, "gate": self.last_gate, "run_dir": str(self.run_dir)}
         if self.mix is not None:
             out["pass_mix"] = self.mix._asdict()
         return out
