@@ -332,5 +332,6 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
     assert "**Finished: 8 steps, 512 tokens.**" in text and "| 8 | 512 |" in text and "| 6 | 384 |" in text
     assert "FUSED k=1 - STANDARD went from " in text and "## Chat kept?" in text
     assert (tmp_path / "docs" / "warmstart-long-micro" / "gap.png").is_file()
-    with pytest.raises(InputError, match="--budget 0"):
-        reproduce("warmstart-long", budget=0, **args)
+    for bad in (0, float("inf"), float("nan")):
+        with pytest.raises(InputError, match=f"--budget {bad}: accepted: a finite number of minutes > 0"):
+            reproduce("warmstart-long", budget=bad, **args)

@@ -7,6 +7,7 @@ as `fullband reproduce warmstart` reads its models."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,8 +34,8 @@ def runs() -> list[Run]:
 def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, **_) -> None:
     if scale not in SCALES:
         raise InputError(f"--scale {scale!r} is unknown{closest(scale, SCALES)}; accepted: {', '.join(SCALES)}")
-    if not budget > 0:
-        raise InputError(f"--budget {budget}: accepted: minutes > 0 of training in this invocation")
+    if not (math.isfinite(budget) and budget > 0):
+        raise InputError(f"--budget {budget}: accepted: a finite number of minutes > 0 of training in this invocation")
     warmstart.check(model=model)
 
 
