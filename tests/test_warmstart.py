@@ -322,12 +322,12 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
              f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
     args = dict(root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
                 model=str(tiny_llama / "llama"), extra=extra)
-    for _ in range(3):
+    for _ in range(2):
         text = reproduce("warmstart-long", budget=1e-9, **args).read_text()
-    assert "**Trained so far: step 3 of 8 (192 tokens" in text
-    assert "| 2 | 128 |" in text and "| 4 |" not in text  # the evaluation at step 2, none beyond step 3
-    assert "## The latest checkpoint by mode (192 tokens)" in text and "- Goal (both fed reads within 0.05" in text
-    assert "stopped after step 3 of 8: train.stop_after_minutes=1e-09 passed" in capsys.readouterr().out
+    assert "**Trained so far: step 2 of 8 (128 tokens" in text
+    assert "| 2 | 128 |" in text and "| 4 |" not in text  # the evaluation at step 2, the second invocation's
+    assert "## The latest checkpoint by mode (128 tokens)" in text and "- Goal (both fed reads within 0.05" in text
+    assert "stopped after step 2 of 8: train.stop_after_minutes=1e-09 passed" in capsys.readouterr().out
     text = reproduce("warmstart-long", budget=60, **args).read_text()
     assert "**Finished: 8 steps, 512 tokens.**" in text and "| 8 | 512 |" in text and "| 6 | 384 |" in text
     assert "FUSED k=1 - STANDARD went from " in text and "## Chat kept?" in text
