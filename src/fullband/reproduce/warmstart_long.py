@@ -122,7 +122,7 @@ def _curve_lines(curve: list[dict], figs: Path) -> list[str]:
         gaps = [_gap(p, k) for k in ("2", "3")]
         lines.append(f"| {p['step']:,} | {p['tokens']:,} | {p['flops']:.3g} | {p['eval']['1']:.4f} | "
                      + " | ".join("" if g is None else f"{g:+.3f}" for g in gaps) + " |")
-    reached = next((p for p in curve if (_gap(p, "2") or 1) <= GOAL), None)
+    reached = next((p for p in curve if _gap(p, "2") is not None and _gap(p, "2") <= GOAL), None)
     first, last = curve[0], curve[-1]
     lines += ["", f"- FUSED k=1 - STANDARD went from {_gap(first, '2'):+.3f} at {first['tokens']:,} tokens to "
               f"{_gap(last, '2'):+.3f} at {last['tokens']:,}; "
