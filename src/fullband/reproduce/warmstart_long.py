@@ -122,7 +122,7 @@ def _curve_lines(curve: list[dict], figs: Path) -> list[str]:
         gaps = [_gap(p, k) for k in ("2", "3")]
         lines.append(f"| {p['step']:,} | {p['tokens']:,} | {p['flops']:.3g} | {p['eval']['1']:.4f} | "
                      + " | ".join("" if g is None else f"{g:+.3f}" for g in gaps) + " |")
-    reached = next((p for p in curve if _gap(p, "2") is not None and _gap(p, "2") <= GOAL), None)
+    reached = next((p for p in curve if (g := _gap(p, "2")) is not None and g <= GOAL), None)
     first, last = curve[0], curve[-1]
     lines += ["", f"- FUSED k=1 - STANDARD went from {_gap(first, '2'):+.3f} at {first['tokens']:,} tokens to "
               f"{_gap(last, '2'):+.3f} at {last['tokens']:,}; "
@@ -137,15 +137,13 @@ def _read_lines(run: Run, evaluated: dict, tokens: int) -> list[str]:
              "paired by window (mean ± standard error).", "",
              "| model | STANDARD | FUSED k=1 - STD | FUSED k=2 - STD | SOFT-like (exact) - STD |",
              "|---|---|---|---|---|"]
-    for name in ("pretrained", run.name):
-        rows = {r["mode"]: r for r in evaluated[name]["text"]}
+    read = {n: {r["mode"]: r for r in evaluated[n]["text"]} for n in ("pretrained", run.name)}
+    for name, rows in read.items():
         cells = [f"{rows[m]['minus_first']:+.3f} ± {rows[m]['minus_first_stderr']:.3f}"
                  for m in ("FUSED k=1", "FUSED k=2", "SOFT-like (exact)")]
         lines.append(f"| {name} | {rows['STANDARD']['nats_per_token']:.4f} | " + " | ".join(cells) + " |")
-    std = {n: next(r for r in evaluated[n]["text"] if r["mode"] == "STANDARD")["nats_per_token"]
-           for n in ("pretrained", run.name)}
-    soft = next(r for r in evaluated[run.name]["text"] if r["mode"] == "SOFT-like (exact)")["minus_first"]
-    fused = next(r for r in evaluated[run.name]["text"] if r["mode"] == "FUSED k=1")["minus_first"]
+    std = {n: rows["STANDARD"]["nats_per_token"] for n, rows in read.items()}
+    soft, fused = (read[run.name][m]["minus_first"] for m in ("SOFT-like (exact)", "FUSED k=1"))
     met = max(soft, fused) <= GOAL
     lines += ["", f"- Goal (both fed reads within {GOAL} of STANDARD): {'met' if met else 'not met'} "
               f"(FUSED k=1 {fused:+.3f}, SOFT-like {soft:+.3f}).",

@@ -112,13 +112,12 @@ class RunDir:
 
     def interrupted(self, step: int, path: Path | None, command: str) -> str:
         """What a Ctrl-C after `step` says: the checkpoint kept (`path`) and how to go on."""
-        kept = f"checkpoint {path}" if path else "no checkpoint (the weights are not finite)"
-        return f"interrupted after step {step}: {kept}; continue with fullband {command} RECIPE --resume {self.path}"
+        return (f"interrupted after step {step}: {_kept(path)}; continue with fullband {command} RECIPE "
+                f"--resume {self.path}")
 
     def out_of_time(self, step: int, steps: int, minutes: float, path: Path | None) -> str:
         """What a run that used its train.stop_after_minutes says: where it stopped, the checkpoint, how to go on."""
-        kept = f"checkpoint {path}" if path else "no checkpoint (the weights are not finite)"
-        return (f"stopped after step {step} of {steps}: train.stop_after_minutes={minutes:g} passed; {kept}; "
+        return (f"stopped after step {step} of {steps}: train.stop_after_minutes={minutes:g} passed; {_kept(path)}; "
                 f"continue with fullband train RECIPE --resume {self.path}")
 
     def abandon(self) -> None:
@@ -139,6 +138,11 @@ class RunDir:
         if kind is not None:
             self.abandon()
         self.release()
+
+
+def _kept(path: Path | None) -> str:
+    """A stop's checkpoint, as its line says it."""
+    return f"checkpoint {path}" if path else "no checkpoint (the weights are not finite)"
 
 
 def check_resume_config(run_dir: Path, now: dict, keys: tuple[str, ...]) -> dict:

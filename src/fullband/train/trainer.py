@@ -321,12 +321,14 @@ class Trainer:
                 (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
             due = (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done
             path = self.save() if due else None
-            if not done and stop.agreed(d):  # Ctrl-C: this step is whole; keep it, then stop
+            if done:
+                continue
+            interrupted = stop.agreed(d)  # Ctrl-C
+            if interrupted or self.out_of_time():  # this step is whole: keep it, then stop
                 path = path or (None if due else self.save())
-                _print0(d, self.rundir.interrupted(self.step, path, "train"))
-                raise KeyboardInterrupt
-            if not done and self.out_of_time():
-                path = path or (None if due else self.save())
+                if interrupted:
+                    _print0(d, self.rundir.interrupted(self.step, path, "train"))
+                    raise KeyboardInterrupt
                 _print0(d, self.rundir.out_of_time(self.step, total, cfg.train.stop_after_minutes, path))
                 return
 
