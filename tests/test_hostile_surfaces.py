@@ -272,6 +272,32 @@ def test_a_figure_that_fails_to_write_leaves_no_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_checkpoint_write_that_stops_short_with_space_left_is_said_plainly(tmp_path, monkeypatch):
+    """torch.save's "unexpected pos" hides the errno; when the disk has space again by the time it is looked at (another
+    process freed some), the error still says the write stopped short, with the free space, and leaves nothing."""
+    import torch
+
+    from fullband.files import OutputError
+    from fullband.train import checkpoint
+    from fullband.train.parallel import Dist
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    real = torch.save
+
+    def short(obj, path, *args, **kwargs):
+        if Path(path).name == "optimizer.pt":
+            Path(path).write_bytes(b"PK")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 817781120 vs 817781008")
+        return real(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", short)
+    with pytest.raises(OutputError, match=r"could not write checkpoint step_000001 at .*: a write stopped short "
+                                          r"\(.*unexpected pos.*\): the disk was probably full at that moment; \d+ MiB"):
+        checkpoint.save_checkpoint(tmp_path, 1, model, optimizer, {}, d=Dist())
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_saved_folders_and_files_follow_the_umask(tmp_path):
     import stat
 

@@ -164,12 +164,17 @@ def is_disk_full(err: BaseException, path: str | Path) -> bool:
     text = str(err)
     if "No space left" in text or "StorageFull" in text or "os error 28" in text:
         return True
-    # torch.save's "unexpected pos", numpy's tofile "N requested and M written" (the gguf package writes with it)
-    if isinstance(err, RuntimeError | OSError) and any(s in text for s in ("unexpected pos", "write failed",
-                                                                           "requested and")):
+    if _short_write(err):
         free = free_bytes(path)
         return free is not None and free < _LOW_SPACE
     return False
+
+
+def _short_write(err: BaseException) -> bool:
+    """A writer that hides the errno of a write that stopped short: torch.save's "unexpected pos", numpy's tofile
+    "N requested and M written" (the gguf package writes with it)."""
+    return isinstance(err, RuntimeError | OSError) and any(s in str(err) for s in ("unexpected pos", "write failed",
+                                                                                   "requested and"))
 
 
 def output_error(err: BaseException, path: str | Path, action: str) -> OutputError:
@@ -194,6 +199,12 @@ def output_error(err: BaseException, path: str | Path, action: str) -> OutputErr
         return OutputError(f"could not {action}: a file is in the way at {str(culprit)!r} (a folder is needed "
                            "there); choose another path")
     reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    if _short_write(err):  # space freed since (by another process), a quota or a file-size limit
+        free = free_bytes(path)
+        have = f"; {free / 2**20:.0f} MiB are free now" if free is not None else ""
+        return OutputError(f"could not {action} at {str(path)!r}: a write stopped short ({reason}): the disk was "
+                           f"probably full at that moment{have}, or a quota or file-size limit was reached. Nothing "
+                           "half-written was kept")
     return OutputError(f"could not {action} at {str(path)!r}: {reason}")
 
 
@@ -205,7 +216,7 @@ def writing(path: str | Path, action: str) -> Iterator[None]:
     except FullbandError:  # already says what went wrong (several of them are OSErrors too)
         raise
     except Exception as err:  # noqa: BLE001 -- writers that hide the errno (safetensors' SafetensorError) included
-        if not isinstance(err, OSError) and not is_disk_full(err, path):
+        if not isinstance(err, OSError) and not _short_write(err) and not is_disk_full(err, path):
             raise
         raise output_error(err, path, action) from err
 
