@@ -165,9 +165,17 @@ def test_bench_decode_refuses_a_missing_device(tmp_path, capsys):
     ["train", "--help"], ["tokenizer", "train", "--help"], ["eval", "loss", "--help"], ["eval", "probe", "--help"],
     ["reproduce", "--help"], ["demo", "--help"],
 ])
-def test_console_script_help(args):
-    done = subprocess.run([sys.executable, "-m", "fullband.cli", *args], capture_output=True, text=True)
-    assert done.returncode == 0 and f"usage: fullband {' '.join(args[:-1])}".strip() in done.stdout
+def test_every_command_s_help(args, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    assert done.value.code == 0 and f"usage: fullband {' '.join(args[:-1])}".strip() in capsys.readouterr().out
+
+
+def test_the_console_script_runs_as_a_module():
+    """`python -m fullband.cli` (what the console script calls), in a process of its own: the commands' help above
+    is read in this one, each child costing seconds of imports."""
+    done = subprocess.run([sys.executable, "-m", "fullband.cli", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "usage: fullband" in done.stdout and "reproduce" in done.stdout
 
 
 def test_tokenizer_train_command(tmp_path, capsys):

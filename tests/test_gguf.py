@@ -155,3 +155,37 @@ def test_a_benchmark_of_another_architecture_is_refused_by_name(tmp_path, capsys
         assert main(["bench", *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "general.architecture='gpt2'; bench --model reads llama GGUF files" in err, err
+
+
+def test_inside_parsed_once_each_file_version_is_parsed_once_whoever_reads_it(tmp_path):
+    """The header check and transformers' readers (config, tokenizer, weights) each build a GGUFReader of the file,
+    seconds each for a real vocabulary: inside `parsed_once` they share one per file version, and gguf's
+    tensor-name map (built per module by transformers' weight reader) is built once; outside it nothing is shared."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from fullband.gguf_file import parsed_once
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    built = []
+    real = gguf.GGUFReader
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            built.append(args[1] if len(args) > 1 else kwargs.get("mode", "r"))
+            super().__init__(*args, **kwargs)
+
+    gguf.GGUFReader = Counting
+    try:
+        with parsed_once():
+            first = gguf.GGUFReader(str(path))
+            assert gguf.GGUFReader(path) is first and len(built) == 1  # a str or a Path: the same file
+            assert load_gguf_checkpoint(str(path))["config"]["model_type"] == "llama" and len(built) == 1
+            assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1)
+            assert gguf.GGUFReader(str(path), "r+") is not first and built == ["r", "r+"]  # a writer is never shared
+            write_gguf(path, header={"rope.dimension_count": 16})  # another version of the file: parsed anew
+            assert gguf.GGUFReader(str(path)) is not first and len(built) == 3
+        assert gguf.GGUFReader is Counting  # as it was
+        assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path)) and len(built) == 5
+    finally:
+        gguf.GGUFReader = real

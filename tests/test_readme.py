@@ -117,7 +117,8 @@ def test_every_checkpoint_the_manual_reads_is_written_before_it():
 SMALL = {  # small settings per command: what the walk-through appends (or, for the demo, runs instead)
     "demo": ["--quick"],
     "train": ["--set", "train.steps=2", "--set", "train.warmup_steps=1", "--set", "log.ckpt_every=2",
-              "--set", "log.eval_every=0", "--set", "log.eval_windows=2"],
+              "--set", "log.eval_every=0", "--set", "log.eval_windows=2", "--set", "train.global_batch_tokens=2048",
+              "--set", "train.micro_batch=4"],
     "chat": None,  # interactive: tests/test_chat_cli.py drives it in a terminal
     "reproduce": None,  # hours of training: tests/test_eval.py and others run each experiment small
     "bench": None,  # minutes of timing: tests/test_cli.py runs a smoke test
@@ -151,7 +152,13 @@ def _latest(ref: str) -> str:
 def test_the_manual_walk_through_runs_in_order(tmp_path, monkeypatch, corpus, cache):
     """In a fresh folder: every runnable `fullband` command of the manual (README.md, then the site's pages), in
     order, small, each once; each exits 0."""
+    from fullband import demo
+
     monkeypatch.chdir(tmp_path)
+    # the demo's --quick, smaller still (tests/test_train.py runs --quick as it is): 4 race steps, 4 code windows
+    monkeypatch.setitem(demo.QUICK, "race", ["train.steps=4", "train.warmup_steps=1"])
+    monkeypatch.setitem(demo.QUICK, "code", [*demo.QUICK["code"], "train.global_batch_tokens=1024",
+                                             "train.micro_batch=4"])
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     for name in ("tiny", "demo-parity", "sft-tiny", "small"):  # small data, and the test's own token cache
         recipe = tmp_path / "configs" / f"{name}.toml"

@@ -3,7 +3,10 @@ the project installs (SHIPPED), and the (folder, gguf_file=NAME) pair transforme
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,41 @@ def _gguf():
     except ImportError:
         raise FullbandError(f"reading a GGUF file needs the `gguf` package: {INSTALL_HINT}") from None
     return gguf
+
+
+_PARSE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """Inside the block a GGUF file is parsed once per file version, whoever reads it. Our header check and
+    transformers' config, tokenizer and weight readers each build a `gguf.GGUFReader` (every metadata field, the
+    whole vocabulary included: seconds each), and transformers' weight reader builds gguf's tensor-name map once per
+    module (hundreds of times, the same map): the readers and the maps are shared within the block, and the `gguf`
+    module is as it was after it. Readers opened for writing ('r+') are never shared. Nothing to do without gguf."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    with _PARSE_LOCK:  # the patch is process-wide: one thread's blocks at a time (nested ones share nothing new)
+        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple, Any] = {}
+
+        def reader(path, mode="r"):
+            if mode != "r":
+                return real_reader(path, mode)
+            stat = Path(path).stat()
+            key = (Path(path).resolve(), stat.st_size, stat.st_mtime_ns)
+            if key not in readers:
+                readers[key] = real_reader(path, mode)
+            return readers[key]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def inspect_gguf(path: str | Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from fullband.errors import CheckpointError, ConfigError
 from fullband.files import Kind, atomic_folder, check_destination, read_json, read_json_file
 from fullband.folder import (HF_INDEX_FILE, HF_MODEL_TYPE, MODEL_KIND, is_transformers_folder, load_transformers_folder,
                              write_model_files)
-from fullband.gguf_file import gguf_args, gguf_path, is_gguf
+from fullband.gguf_file import gguf_args, gguf_path, is_gguf, parsed_once
 from fullband.hf.gguf import load_causal_lm, require_native
 from fullband.hf.gguf_out import GGUF_TYPES, check_exportable_type, export_gguf, read_sidecar, sidecar_tokenizer
 from fullband.hf.llama import from_llama
@@ -74,6 +74,7 @@ def pretrained_source(path: str | Path) -> bool:
     return isinstance(data, dict) and data.get("model_type") == "llama"
 
 
+@parsed_once()  # the header check, config, tokenizer and weights of a GGUF source: one parse
 def convert(src: str | Path, dst: str | Path, *, to: str | None = None, dtype: torch.dtype | None = None,
             fusion: str = "gated", overwrite: bool = False, gguf_type: str | None = None) -> tuple[str, str]:
     """Convert folder `src` into `dst` (format `to`: 'hf', 'native' or 'gguf'; default 'gguf' for a dst ending in

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from fullband.folder import CONFIG_FILE, HF_CONFIG_KEY, check_shapes, read_header, read_tensors, save_model
 from fullband.errors import CheckpointError, ConfigError
+from fullband.gguf_file import parsed_once
 from fullband.hf.gguf import pretrained_args, unquantized
 from fullband.hf.llama import _transformers, dtype_kwarg, load_checked
 from fullband.model.config import ModelConfig, require_default_layers
@@ -194,6 +195,7 @@ def add_latent_feedback(model: nn.Module, fusion: str = "gated", bos_token_id: i
     return LatentFeedback(model, fusion=fusion, bos_token_id=bos_token_id, config=config)
 
 
+@parsed_once()
 def from_pretrained(path: str, config: ModelConfig | None = None, *, dtype: torch.dtype = torch.float32,
                     **kwargs: Any) -> LatentFeedback:
     """Load the causal LM at `path` (a local folder, a GGUF file, or a hub id when online) and wrap it with latent

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fullband.errors import ConfigError
-from fullband.gguf_file import gguf_args, gguf_path, inspect_gguf
+from fullband.gguf_file import gguf_args, gguf_path, inspect_gguf, parsed_once
 from fullband.hf.llama import _transformers, dtype_kwarg, load_checked
 
 # general.architecture values fullband converts into its native model (the Llama family: Llama 1-3, SmolLM, ...);
@@ -72,6 +72,7 @@ def unquantized(model):
     return model
 
 
+@parsed_once()
 def load_causal_lm(path: str | Path, dtype=None):
     """The transformers causal LM of a folder or GGUF file (dequantized to float32 by default), unquantized."""
     try:

@@ -20,6 +20,7 @@ import torch
 
 from fullband.errors import ConfigError, TrainingDiverged
 from fullband.files import writing
+from fullband.gguf_file import parsed_once
 from fullband.eval.gate import gate_windows, stability_gate
 from fullband.eval.loss import validation_loss
 from fullband.model.flops import train_flops
@@ -72,6 +73,7 @@ class Trainer:
             self.rundir.abandon()
             raise
 
+    @parsed_once()  # a warm start from a GGUF file reads its config, tokenizer and weights: one parse
     def _setup(self, cfg: RunConfig, resume: str | Path | None) -> None:
         # everything that can fail on user input happens before the run directory is written to
         self.cfg, source = resolve(cfg, self.d, run_dir=self.run_dir if resume is not None else None)
