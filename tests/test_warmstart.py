@@ -223,6 +223,20 @@ def test_the_gguf_file_and_the_transformers_folder_warm_start_the_same_model(tin
         assert tok.vocab_size == 49152 and tok.stop_ids == (2,) and tok.chat_template
 
 
+def test_a_conversion_is_reproducible_and_leaves_the_caller_s_random_stream(tiny_llama, tmp_path):
+    """`fullband convert` of the same Llama twice: the same files, byte for byte (the fusion weights no Llama has are
+    drawn from a fixed seed, not from whatever the process's random stream held), and the caller's stream untouched."""
+    from fullband.hf.convert import convert
+
+    for name in ("a", "b"):
+        torch.manual_seed(len(name) * 7 + ord(name))  # a different stream at each conversion
+        state = torch.get_rng_state()
+        convert(tiny_llama / "llama.gguf", tmp_path / name)
+        assert torch.equal(torch.get_rng_state(), state)
+    for file in sorted(p.name for p in (tmp_path / "a").iterdir()):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+
+
 def _warm(root: Path, name: str, **sets) -> list[str]:
     values = {"train.init_from": f'"{root / "llama"}"', "log.run_dir": f'"{root / name}"', "train.steps": 12,
               "train.seq_len": 32, "train.global_batch_tokens": 64, "train.micro_batch": 2,

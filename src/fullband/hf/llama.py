@@ -119,6 +119,9 @@ def load_checked(cls, name: str, what: str, **kwargs: Any):
     return model
 
 
+FRESH_SEED = 0  # the seed of the weights no Llama has (the fusion, a latent head): a conversion is reproducible
+
+
 @torch.no_grad()
 def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = None, **overrides: Any) -> FullbandLM:
     """A FullbandLM holding the weights of `model`: a LlamaForCausalLM instance or a local folder / hub id for
@@ -134,7 +137,9 @@ def from_llama(model: Any, *, fusion: str = "gated", max_seq_len: int | None = N
         raise FullbandError(f"from_llama expects a LlamaForCausalLM or a path to one; got {type(model).__name__}")
     cfg = config_from_llama(model.config, fusion=fusion, max_seq_len=max_seq_len, **overrides)
     sd = model.state_dict()
-    native = FullbandLM(cfg)
+    with torch.random.fork_rng(devices=[]):  # the fresh weights are the same at every conversion; the caller's
+        torch.manual_seed(FRESH_SEED)        # random stream is left as it was
+        native = FullbandLM(cfg)
     dtype = sd["model.embed_tokens.weight"].dtype
     out: dict[str, torch.Tensor] = {}
     for name in native.state_dict():  # each native weight from the Llama tensors the weight table names
