@@ -105,3 +105,21 @@ def test_a_finished_run_of_another_recipe_is_not_reused_as_this_one(tmp_path, co
     with pytest.raises(ValueError, match=r"fbt-N was trained with another recipe than this experiment's \(optim: run "
                                          r"has lr=0\.\d+, config has lr=0\.5\)"):
         reproduce("data-efficiency", **{**options, "extra": [*SMALL, "optim.lr=0.5"]})
+
+
+def test_a_report_s_command_sets_each_key_once_with_the_value_the_run_used():
+    """A run's overrides then the report's extra settings may set a key twice (a recipe's blend_until, then the long
+    run's): the command a report prints sets it once, with the later value, and reads as the same config."""
+    import shlex
+
+    from fullband.reproduce.runner import Run, config_line
+    from fullband.train.config import load_run_config
+
+    run = Run("r", ["train.blend_until=0.5", "train.steps=40", 'train.passes="two-pass"', "train.cooldown_fraction=0.2"],
+              config="configs/tiny.toml")
+    line = config_line(run, "train.cooldown_fraction=0.0", "train.blend_until=0.025", "log.eval_passes=[1, 2]")
+    assert line == ("`fullband train configs/tiny.toml --set train.steps=40 --set train.passes=\"two-pass\" --set "
+                    "train.cooldown_fraction=0.0 --set train.blend_until=0.025 --set 'log.eval_passes=[1, 2]'`")
+    printed = [w for w in shlex.split(line.strip("`"))[3:] if w != "--set"]
+    everything = [*run.overrides, "train.cooldown_fraction=0.0", "train.blend_until=0.025", "log.eval_passes=[1, 2]"]
+    assert load_run_config("configs/tiny.toml", printed) == load_run_config("configs/tiny.toml", everything)

@@ -221,7 +221,13 @@ def verdict(diff: float, se: float, up: str = "higher", down: str = "lower") -> 
 
 
 def config_line(run: Run, *extra: str) -> str:
-    sets = " ".join(f"--set '{o}'" if " " in o or "{" in o else f"--set {o}" for o in [*run.overrides, *extra])
+    """The `fullband train` command of a run: each key set once, at its last place with its last value (a later
+    override of a key replaces an earlier one, as the config loader reads them)."""
+    last: dict[str, str] = {}
+    for o in [*run.overrides, *extra]:
+        last.pop(o.split("=", 1)[0].strip(), None)
+        last[o.split("=", 1)[0].strip()] = o
+    sets = " ".join(f"--set '{o}'" if " " in o or "{" in o else f"--set {o}" for o in last.values())
     return f"`fullband train {run.config or BASE}{' ' + sets if sets else ''}`"
 
 
