@@ -53,6 +53,13 @@ def _gguf():
     return gguf
 
 
+def file_version(path: str | Path) -> tuple[Path, int, int]:
+    """What tells two versions of a file apart (its resolved path, size and modification time): the key of every
+    per-file-version cache of a parse here (a header with a 49k-token vocabulary takes seconds to parse)."""
+    stat = Path(path).stat()
+    return Path(path).resolve(), stat.st_size, stat.st_mtime_ns
+
+
 _PARSE_LOCK = threading.RLock()
 
 
@@ -75,8 +82,7 @@ def parsed_once() -> Iterator[None]:
         def reader(path, mode="r"):
             if mode != "r":
                 return real_reader(path, mode)
-            stat = Path(path).stat()
-            key = (Path(path).resolve(), stat.st_size, stat.st_mtime_ns)
+            key = file_version(path)
             if key not in readers:
                 readers[key] = real_reader(path, mode)
             return readers[key]
@@ -95,8 +101,7 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
     path = gguf_path(path)
     if not path.is_file():
         raise ConfigError(f"{str(path)!r} does not exist (or is not a file); accepted: a .gguf file")
-    stat = path.stat()  # parsing a header with a 49k-token vocabulary takes seconds: once per file version
-    return dict(_inspect(path.resolve(), stat.st_size, stat.st_mtime_ns))
+    return dict(_inspect(*file_version(path)))
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fullband.errors import ConfigError
-from fullband.gguf_file import gguf_args, gguf_path, inspect_gguf, parsed_once
+from fullband.gguf_file import file_version, gguf_args, gguf_path, inspect_gguf, parsed_once
 from fullband.hf.llama import _transformers, dtype_kwarg, load_checked
 
 # general.architecture values fullband converts into its native model (the Llama family: Llama 1-3, SmolLM, ...);
@@ -36,9 +36,7 @@ def pretrained_config(path: str | Path):
     name, extra = pretrained_args(path)
     if not extra:
         return _transformers().AutoConfig.from_pretrained(name)
-    file = gguf_path(path)
-    stat = file.stat()
-    return copy.deepcopy(_gguf_config(file.resolve(), stat.st_size, stat.st_mtime_ns))
+    return copy.deepcopy(_gguf_config(*file_version(gguf_path(path))))
 
 
 @functools.lru_cache(maxsize=8)

@@ -225,8 +225,9 @@ def config_line(run: Run, *extra: str) -> str:
     override of a key replaces an earlier one, as the config loader reads them)."""
     last: dict[str, str] = {}
     for o in [*run.overrides, *extra]:
-        last.pop(o.split("=", 1)[0].strip(), None)
-        last[o.split("=", 1)[0].strip()] = o
+        key = o.split("=", 1)[0].strip()
+        last.pop(key, None)  # re-inserted: the key's place is its last one
+        last[key] = o
     sets = " ".join(f"--set '{o}'" if " " in o or "{" in o else f"--set {o}" for o in last.values())
     return f"`fullband train {run.config or BASE}{' ' + sets if sets else ''}`"
 
