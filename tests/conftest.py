@@ -215,9 +215,10 @@ def smollm2(smollm2_gguf, smollm2_native):
 
 
 def torchrun(args: list[str], *, timeout: float = 300, env: dict | None = None):
-    """`python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS` -> CompletedProcess. Past `timeout` every
-    process of the launch (the agent and its workers, each in a session of its own) gets SIGABRT, which faulthandler
-    turns into its Python stack on stderr, and the test fails showing them: a hang says where it waits."""
+    """`python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS` -> CompletedProcess. Past `timeout` the
+    test fails showing where each process of the launch waits: every worker's Python and native stack (py-spy, where
+    installed; a wait inside C++, such as a process group's teardown, has no Python frame), then SIGABRT to the agent
+    and its workers, which faulthandler turns into their Python stacks on stderr."""
     import signal
     import subprocess
     import sys
@@ -231,6 +232,7 @@ def torchrun(args: list[str], *, timeout: float = 300, env: dict | None = None):
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        native = "\n".join(_native_stack(p) for p in tree[1:])
         out = err = ""
         for sig in (signal.SIGABRT, signal.SIGKILL):  # the stacks, then (a process that ignored it) the end
             for p in tree:
@@ -243,6 +245,30 @@ def torchrun(args: list[str], *, timeout: float = 300, env: dict | None = None):
                 break
             except subprocess.TimeoutExpired:
                 continue
-        pytest.fail(f"{' '.join(args)} under torchrun did not finish in {timeout:.0f} s; the processes' stacks:\n"
-                    f"{err[-6000:]}\nstdout's end:\n{out[-1000:]}")
+        pytest.fail(f"{' '.join(args)} under torchrun did not finish in {timeout:.0f} s; the workers' stacks:\n{native}\n"
+                    f"faulthandler's stacks (stderr):\n{err[:3000]}\n[...]\n{err[-3000:]}\nstdout's end:\n{out[-1000:]}")
     return subprocess.CompletedProcess(launch, proc.returncode, out, err)
+
+
+def _native_stack(process) -> str:
+    """py-spy's dump of a live process, its threads' Python and native frames (or why there is none)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    try:
+        head = f"--- pid {process.pid}: {' '.join(process.cmdline()[-4:])}"
+    except psutil.NoSuchProcess:
+        return f"--- pid {process.pid}: gone"
+    if spy is None:
+        return f"{head}: py-spy is not installed"
+    try:
+        dump = subprocess.run([spy, "dump", "--native", "--pid", str(process.pid)], capture_output=True, text=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        return f"{head}: py-spy did not answer in 60 s"
+    return f"{head}\n{dump.stdout[-4000:]}{dump.stderr[-500:]}"

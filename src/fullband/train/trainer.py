@@ -11,6 +11,7 @@ Compute is logged as compute_tokens (tokens x passes, the paper's token-equivale
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from dataclasses import dataclass, replace
@@ -345,6 +346,9 @@ class Trainer:
 
     def close(self, *, finished: bool = True) -> None:
         self.rundir.release()
+        if finished:  # the DDP wrapper holds the process group: let it go here, on every rank, so that the group's
+            self.model = unwrap(self.model)  # teardown happens inside shutdown's destroy, after its barrier, and not
+            gc.collect()  # whenever each rank's Trainer is freed (a late rank's teardown hung once, its peer gone)
         shutdown(self.d, finished=finished)
 
 
