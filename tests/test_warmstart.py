@@ -298,6 +298,7 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
     assert out.name == "warmstart-micro.md"
     for part in ("## Held-out loss by mode", "| feedback-only-blend |", "| everything-blend-distill |",
                  "| everything-blend-identity |", "- self-distillation (every weight, the blend): FUSED k=1 - STANDARD",
+                 "| everything-blend-anchor |", "- the anchor (every weight, the blend): FUSED k=1 - STANDARD",
                  "the difference of the gaps, paired by window, ", "| continued-2x |",
                  "SOFT-like (exact)",
                  "## Chat kept?", "## Does the warm-started pass map contract?", "## Outcome", "curves.png",
@@ -305,7 +306,7 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
         assert part in text, part
     assert (tmp_path / "docs" / "warmstart-micro" / "curves.png").is_file()
     first = capsys.readouterr().out
-    assert first.count("== training ") == 9
+    assert first.count("== training ") == 10
     again = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
                       model=str(tiny_llama / "llama"), extra=extra)
     assert "== training " not in capsys.readouterr().out  # every run reused, every evaluation cached

@@ -135,15 +135,18 @@ def forward_flops(cfg: ModelConfig, passes: float = 1, *, seq_len: int, heads: f
 
 
 def train_flops(cfg: ModelConfig, passes: float, *, seq_len: int, context: str = "causal",
-                loops: float | None = None, latent: bool = False) -> float:
+                loops: float | None = None, latent: bool = False, anchor: bool = False) -> float:
     """Training FLOPs per token of a k-pass step (or a schedule's mean k) whose looped group runs `loops` times
     (r; default train_loops(cfg), a step's mean): 3x the forward, every pass scored. Under ponder the forward
     computes every pass's logits and the backward (2x) covers the last head and the blocks of every pass (with
     detach_between_passes, of the last pass alone: then `passes` must be a whole k, since the cost of the last pass
     depends on whether it is the plain one). `latent` (train.latent_loss > 0): plus the latent head on every pass,
-    forward and backward (3 latent_head_flops per pass)."""
+    forward and backward (3 latent_head_flops per pass). `anchor` (train.anchor > 0): plus the frozen starting
+    model's forward, one plain pass with its head (no backward)."""
     loops = train_loops(cfg) if loops is None else loops
     extra = 3 * passes * latent_head_flops(cfg) if latent else 0
+    if anchor:
+        extra += forward_flops(cfg, 1, seq_len=seq_len, heads=1, context=context)
     return extra + _train_flops(cfg, passes, seq_len=seq_len, context=context, loops=loops)
 
 

@@ -2,8 +2,9 @@
 (a ponder model: NTP(pass k) alone, as PonderLM-2 trains),
 each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, plus latent_loss * the mean over passes of the
 next-latent error (latent_error) when latent_loss > 0, plus distill * the mean over passes 2..k of the KL divergence
-from pass 1's next-token distribution, not differentiated, to that pass's (distill_kl) when distill > 0, and the
-training-time inputs of the later passes
+from pass 1's next-token distribution, not differentiated, to that pass's (distill_kl) when distill > 0, plus anchor *
+the mean over every pass of the KL divergence from a frozen model's next-token distribution (`anchor_logp`, the run's
+starting point read STANDARD) to that pass's (distill_kl again) when anchor > 0, and the training-time inputs of the later passes
 (uniform jitter on the fed state, a random plain prefix per sequence, detaching between passes). Called by the
 trainer and the transformers class's labels path; eval.loss scores with the same `ntp`.
 
@@ -29,6 +30,7 @@ class Objective:
     top: Tensor  # (B, T, D) the last pass's final-norm output
     latent: Tensor | None = None  # the mean over passes of latent_error (None unless latent_loss > 0)
     distill: Tensor | None = None  # the mean over passes 2..k of distill_kl (None unless distill > 0 and k > 1)
+    anchor: Tensor | None = None  # the mean over passes 1..k of distill_kl from anchor_logp (None unless anchor > 0)
 
 
 def ntp(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
@@ -50,10 +52,10 @@ def latent_error(head, state: Tensor, targets: Tensor) -> Tensor:
 
 
 def distill_kl(teacher: Tensor, logits: Tensor, targets: Tensor) -> Tensor:
-    """The self-distillation term of one fed pass: the mean over scored positions (targets != -100) of
-    KL(p_teacher || p_pass), `teacher` the first pass's log-probabilities over the scored positions (N, V), already
-    detached (the STANDARD read the fed passes are drawn towards), `logits` (B, T, V) the pass's. In float32 at least;
-    0 when nothing is scored."""
+    """The distillation term of one pass: the mean over scored positions (targets != -100) of KL(p_teacher || p_pass),
+    `teacher` log-probabilities over the scored positions (N, V), already detached (self-distillation: the first
+    pass's, the STANDARD read the fed passes are drawn towards; the anchor: a frozen model's), `logits` (B, T, V) the
+    pass's. In float32 at least; 0 when nothing is scored."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     logp = F.log_softmax(logits[targets != -100].to(dtype), -1)
     kl = F.kl_div(logp, teacher.to(dtype), log_target=True, reduction="sum")
@@ -91,20 +93,26 @@ def training_feed(cfg, *, noise: bool, generator: torch.Generator | None):
 
 def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_mask: Tensor | None = None,
               generator: torch.Generator | None = None, z_loss: float = 0.0, latent_loss: float = 0.0,
-              distill: float = 0.0, noise: bool | None = None, cache=None) -> Objective:
+              distill: float = 0.0, anchor: float = 0.0, anchor_logp: Tensor | None = None, noise: bool | None = None,
+              cache=None) -> Objective:
     """The objective of `passes` Jacobi passes over input_ids (B, T) against targets (B, T) (-100 = ignore).
     `model` is a FeedbackModel or its data-parallel wrapper (the loss is computed inside its forward). `noise`
     (default: the model's training mode) adds the jitter and prefix mixin; without it passes beyond T repeat the
     fixed point, so they are not run again and their terms are the last one's. `latent_loss` > 0 adds that weight
     times the mean over passes of latent_error through the model's latent_head (model.latent_head); `distill` > 0
     adds that weight times the mean over passes 2..k of distill_kl from pass 1's distribution (no extra forward: pass
-    1's logits are the teacher). A `cache` receives the last pass's keys and values."""
+    1's logits are the teacher). `anchor` > 0 adds that weight times the mean over every pass of distill_kl from
+    `anchor_logp`, a frozen model's log-probabilities over the scored positions (N, V), computed by the caller. A
+    `cache` receives the last pass's keys and values."""
     net = getattr(model, "module", model)  # DDP: the model inside
     cfg = net.config
     head = getattr(net, "latent_head", None) if latent_loss > 0 else None
     if latent_loss > 0 and head is None:
         raise InputError(f"latent_loss={latent_loss} trains a latent head; this model has none (accepted: "
                          'model.latent_head = "linear", or latent_loss = 0)')
+    if anchor > 0 and anchor_logp is None:
+        raise InputError(f"anchor={anchor} draws every pass towards a frozen model's distribution; anchor_logp (its "
+                         "log-probabilities over the scored positions) was not given")
     noise = net.training if noise is None else noise
     T = input_ids.shape[1]
     run = passes if noise else DecodeMode.from_passes(passes).read(T, fixed_point=net.exact_passes(T)).passes
@@ -112,6 +120,7 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     latents: list[Tensor] = []
     kls: list[Tensor] = []
     teacher: list[Tensor] = []  # pass 1's log-probabilities over the scored positions, when distill > 0
+    anchors: list[Tensor] = []
 
     def each_pass(j: int, state: Tensor, top: Tensor) -> Tensor:
         logits = net.head(top)
@@ -125,6 +134,8 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
                 teacher.append(F.log_softmax(logits.detach()[targets != -100].to(dtype), -1))
             else:
                 kls.append(distill_kl(teacher[0], logits, targets))
+        if anchor > 0:
+            anchors.append(distill_kl(anchor_logp, logits, targets))
         return ce + z_loss * logits.float().logsumexp(-1).pow(2).mean() if z_loss > 0 else ce
 
     out = model(input_ids, passes=run, plain_mask=plain_mask, cache=cache, return_logits=False,
@@ -144,4 +155,9 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     if kls:  # passes run beyond a noise-free fixed point repeat the last pass's term, as its NTP
         kl = torch.stack(kls + [kls[-1]] * (passes - run)).mean()
         loss = loss + distill * kl
-    return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top, latent=latent, distill=kl)
+    held = None
+    if anchors:
+        held = torch.stack(anchors + [anchors[-1]] * (passes - run)).mean()
+        loss = loss + anchor * held
+    return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top, latent=latent, distill=kl,
+                     anchor=held)

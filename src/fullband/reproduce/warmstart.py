@@ -51,6 +51,7 @@ PART = [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", "opt
 ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}"]
 PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"  # every key the recipe sets is pinned here
 DISTILL = "train.distill=1.0"
+ANCHOR = "train.anchor=1.0"
 IDENTITY = ['model.fusion_init="identity"', "model.fusion_gate_scale=0"]
 RUNS = (
     ("feedback-only", "the fusion and norm_in alone, the trunk frozen", [*PART, PLAIN]),
@@ -64,6 +65,8 @@ RUNS = (
      "1 falling to 0 over the run)", [*ALL, BLEND, DISTILL]),
     ("everything-blend-identity", "as everything-blend, W_U started at the identity and every gate at 1/2",
      [*ALL, BLEND, *IDENTITY]),
+    ("everything-blend-anchor", "as everything-blend, every pass drawn towards the pretrained model's STANDARD read "
+     "(train.anchor: 1 falling to 0 over the run)", [*ALL, BLEND, ANCHOR]),
 )
 CONTROLS = (
     ("continued", "control: the same tokens, one pass (continued pretraining, no state)", 1),
@@ -431,7 +434,8 @@ def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list
                        ("feedback-only-blend", "feedback-only", "the blend curriculum (the feedback weights alone)"),
                        ("feedback-only-identity", "feedback-only", "the identity start (the feedback weights alone)"),
                        ("everything-blend-distill", "everything-blend", "self-distillation (every weight, the blend)"),
-                       ("everything-blend-identity", "everything-blend", "the identity start (every weight, the blend)")):
+                       ("everything-blend-identity", "everything-blend", "the identity start (every weight, the blend)"),
+                       ("everything-blend-anchor", "everything-blend", "the anchor (every weight, the blend)")):
         if a in feedback and b in feedback:
             lines.append(f"- {what}: FUSED k=1 - STANDARD {_read(evaluated, a, mode)['minus_first']:+.3f} against "
                          f"{_read(evaluated, b, mode)['minus_first']:+.3f}; the difference of the gaps, paired by "

@@ -147,7 +147,7 @@ def _matched(model: torch.nn.Module, patterns: list[str]):
             for name, p in model.named_parameters()]
 
 
-def build_model(cfg: RunConfig, *, warm: bool = True) -> tuple[torch.nn.Module, dict | None]:
+def build_model(cfg: RunConfig, *, warm: bool = True, say: bool = True) -> tuple[torch.nn.Module, dict | None]:
     if cfg.model.hf_path:
         from fullband.hf.feedback import from_pretrained
 
@@ -159,7 +159,17 @@ def build_model(cfg: RunConfig, *, warm: bool = True) -> tuple[torch.nn.Module, 
             m.p = 0.0
         return model, {"hf_path": cfg.model.hf_path, "dropout_disabled": len(dropped)}
     model = FullbandLM(cfg.model)
-    return model, (warm_start(model, cfg.train.init_from) if cfg.train.init_from and warm else None)
+    return model, (warm_start(model, cfg.train.init_from, say=say) if cfg.train.init_from and warm else None)
+
+
+def anchor_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    """The frozen model train.anchor draws every pass towards: the run's starting point (train.init_from or
+    model.hf_path, warm-started as the run was, before any step), without gradients, in eval mode; read STANDARD,
+    its fusion is never used. Built in a forked random stream: the run's own draws are untouched, and a resumed run
+    builds the same one."""
+    with torch.random.fork_rng(devices=[]):
+        model, _ = build_model(cfg, warm=True, say=False)
+    return model.requires_grad_(False).eval().to(device)
 
 
 def hf_model_config(cfg: RunConfig) -> ModelConfig:
@@ -183,7 +193,7 @@ def hf_model_config(cfg: RunConfig) -> ModelConfig:
     return filled
 
 
-def warm_start(model: FullbandLM, path: str) -> dict:
+def warm_start(model: FullbandLM, path: str, *, say: bool = True) -> dict:
     """Copy every weight of the model folder `path` whose name and shape match (e.g. a standard checkpoint into
     a full-bandwidth model: the fusion weights keep their fresh initialisation), or of a pretrained Llama (a GGUF
     file or transformers folder, converted as `fullband convert` converts it; its fusion weights are not copied:
@@ -217,8 +227,9 @@ def warm_start(model: FullbandLM, path: str) -> dict:
     model.load_state_dict(copied, strict=False)
     fresh = sorted(k for k in own if k not in copied)
     grew = "".join(f"; {k} grown {a} -> {b} rows (new rows: the mean of the old)" for k, (a, b) in grown.items())
-    print(f"warm start from {path}: {len(copied)} tensors copied{grew}; fresh: {', '.join(fresh) or 'none'}",
-          flush=True)
+    if say:
+        print(f"warm start from {path}: {len(copied)} tensors copied{grew}; fresh: {', '.join(fresh) or 'none'}",
+              flush=True)
     return {"copied": sorted(copied), "fresh": fresh, "grown": grown}
 
 

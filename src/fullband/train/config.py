@@ -86,6 +86,10 @@ class TrainConfig:
     # KL(pass 1's next-token distribution, not differentiated || the pass's), the weight falling linearly to 0 at
     # distill_until x steps (the paper's pure next-token loss after); 0: off (nothing computed)
     distill_until: float = 1.0  # the fraction of the steps at which train.distill's weight reaches 0 (0 < x <= 1)
+    anchor: float = 0.0  # the anchor (docs/method.md, section 6): anchor * the mean over every pass of KL(the run's
+    # starting model read STANDARD, frozen || the pass's next-token distribution), the weight falling linearly to 0
+    # at anchor_until x steps; needs a starting model (train.init_from or model.hf_path); 0: off (nothing computed)
+    anchor_until: float = 1.0  # the fraction of the steps at which train.anchor's weight reaches 0 (0 < x <= 1)
     trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
     memory_check: bool = True  # refuse to start when the largest step's memory estimate exceeds what is available
@@ -110,6 +114,8 @@ class TrainConfig:
         number("train.latent_loss", self.latent_loss, low=0)
         number("train.distill", self.distill, low=0)
         number("train.distill_until", self.distill_until, low=0, high=1, low_open=True)
+        number("train.anchor", self.anchor, low=0)
+        number("train.anchor_until", self.anchor_until, low=0, high=1, low_open=True)
         number("train.stop_after_minutes", self.stop_after_minutes, low=0)
         if self.global_batch_tokens % self.seq_len:
             raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
@@ -201,6 +207,10 @@ class RunConfig:
             raise ConfigError(f"train.distill={self.train.distill} draws fed passes towards the first pass's "
                               f"distribution, but {why}; accepted: train.distill = 0, or a model with feedback "
                               "trained with several passes")
+        if self.train.anchor > 0 and not (self.train.init_from or self.model.hf_path):
+            raise ConfigError(f"train.anchor={self.train.anchor} draws every pass towards the model the run starts "
+                              "from, but this run starts from a random initialisation; accepted: train.anchor = 0, "
+                              "or a warm start (train.init_from or model.hf_path)")
         deepest = self.train.schedule.max_passes
         horizon = getattr(self.train.schedule, "horizon", 0)
         if max(deepest, horizon) > self.train.seq_len + 1:

@@ -41,11 +41,12 @@ class StepMemory:
 
 
 def step_memory(cfg, *, passes: int, tokens: int, optimizer: str = "normuon", checkpointing: bool = False,
-                dtype_bytes: int = 4, trained: int | None = None) -> StepMemory:
+                dtype_bytes: int = 4, trained: int | None = None, anchor: bool = False) -> StepMemory:
     """The estimate for a ModelConfig `cfg`, a step of `passes` passes over micro-batches of `tokens` tokens
     (activations in `dtype_bytes`; weights, gradients and optimizer state in float32, as the trainer keeps them).
     `trained`: the weights that train (train.trainable; None: all): only they have gradients and optimizer state
-    (the backward still keeps every pass's activations, since the fed state reaches the bottom of the stack)."""
+    (the backward still keeps every pass's activations, since the fed state reaches the bottom of the stack).
+    `anchor` (train.anchor > 0): a second, frozen copy of the weights, read without gradients."""
     n = param_count(cfg)
     D, Dh, F, V, L = cfg.d_model, cfg.head_dim, cfg.d_ff, cfg.vocab_size, cfg.n_layers
     matrices = L * (D * (cfg.n_heads + 2 * cfg.n_kv_heads) * Dh + cfg.n_heads * Dh * D + 3 * D * F)
@@ -59,7 +60,7 @@ def step_memory(cfg, *, passes: int, tokens: int, optimizer: str = "normuon", ch
     # each token's two slots
     runs = sum(repeats(cfg, i) for i in range(L)) * cfg.slots_per_token
     per_token = (runs * D + block if checkpointing else runs * block) + 3 * V
-    return StepMemory(weights=4 * n, gradients=4 * (n if trained is None else trained), optimizer=4 * state,
+    return StepMemory(weights=4 * n * (2 if anchor else 1), gradients=4 * (n if trained is None else trained), optimizer=4 * state,
                       passes=passes, tokens=tokens, activations=passes * tokens * per_token * dtype_bytes)
 
 

@@ -23,7 +23,8 @@ RUN_FILE = "run.json"
 MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tokens", "train.seed", "train.passes",
               "train.steps", "train.warmup_steps", "train.cooldown_fraction", "train.z_loss",
               "train.decay_wd_in_cooldown", "train.trainable", "train.blend_until",
-              "train.latent_loss", "train.distill", "train.distill_until")
+              "train.latent_loss", "train.distill", "train.distill_until", "train.anchor",
+              "train.anchor_until")
 
 
 class RunDir:
@@ -186,7 +187,8 @@ _UNSET = object()
 
 
 # settings added after runs were recorded without them, with the value that trains as those runs did (its default)
-ADDED = {"train.blend_until": 0.0, "train.latent_loss": 0.0, "train.distill": 0.0, "train.distill_until": 1.0}
+ADDED = {"train.blend_until": 0.0, "train.latent_loss": 0.0, "train.distill": 0.0, "train.distill_until": 1.0,
+         "train.anchor": 0.0, "train.anchor_until": 1.0}
 
 
 def resume_differences(saved: dict, now: dict, keys: tuple[str, ...] = MUST_MATCH) -> list[str]:

@@ -28,7 +28,7 @@ from fullband.model.flops import train_flops
 from fullband.model.objective import objective
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
-from fullband.train.build import build, resolve
+from fullband.train.build import anchor_model, build, resolve
 from fullband.train.data import RunData, prepare_data
 from fullband.train.rundir import MUST_MATCH, RunDir, stop_after_step
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
@@ -50,6 +50,8 @@ class StepStats:
     latent: float = 0.0  # the next-latent error (Objective.latent; 0 when train.latent_loss = 0)
     distill: float = 0.0  # the self-distillation KL (Objective.distill; 0 when off or in a one-pass step)
     distill_weight: float = 0.0  # its weight in this step (train.distill falling to 0 at train.distill_until)
+    anchor: float = 0.0  # the anchor's KL (Objective.anchor; 0 when off)
+    anchor_weight: float = 0.0  # its weight in this step (train.anchor falling to 0 at train.anchor_until)
 
 
 def noise_seed(seed: int, step: int, block: int) -> int:
@@ -87,6 +89,7 @@ class Trainer:
         self.data: RunData = prepare_data(cfg, self.d, source=source)
         built = build(cfg, self.d, warm=resume is None)
         self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
+        self.anchor = anchor_model(cfg, self.d.device) if cfg.train.anchor > 0 else None  # frozen, read STANDARD
         self.schedule = cfg.train.schedule
         # the adaptive schedule's current mix (None for a fixed schedule), steered by adapt()
         self.mix = self.schedule.start() if isinstance(self.schedule, AdaptiveSchedule) else None
@@ -126,7 +129,7 @@ class Trainer:
         if (k, loops) not in self._step_flops:
             train = self.cfg.train
             per_token = train_flops(self.cfg.model, k, seq_len=train.seq_len, loops=loops,
-                                    latent=train.latent_loss > 0)
+                                    latent=train.latent_loss > 0, anchor=train.anchor > 0)
             self._step_flops[k, loops] = train.global_batch_tokens * per_token
         return self._step_flops[k, loops]
 
@@ -143,9 +146,10 @@ class Trainer:
         model = self.model
         model.train()
         accum = sampler.accum_steps
-        sums = torch.zeros(k + 4, device=d.device)  # per-pass NTP, objective, state RMS, next-latent error, KL
+        sums = torch.zeros(k + 5, device=d.device)  # per-pass NTP, objective, state RMS, next-latent error, KLs
         blend = blend_weight(step, cfg.train.steps, cfg.train.blend_until)
         distill = distill_weight(step, cfg.train.steps, cfg.train.distill, cfg.train.distill_until)
+        anchor = distill_weight(step, cfg.train.steps, cfg.train.anchor, cfg.train.anchor_until)
         net = unwrap(model)
         with (net.looping(r) if cfg.model.has_loop else contextlib.nullcontext()), \
                 (net.blended(blend) if blend < 1 else contextlib.nullcontext()):
@@ -155,8 +159,10 @@ class Trainer:
                 block = micro * d.world + d.rank  # global micro-batch index: the same noise for any world size
                 gen = torch.Generator(device=d.device).manual_seed(noise_seed(cfg.train.seed, step, block))
                 with no_sync(model, skip=micro < accum - 1), self.autocast:
+                    held = self.anchor_logp(inputs, targets) if anchor > 0 else None
                     out = objective(model, inputs, targets, k, plain_mask=plain[0] if plain else None, generator=gen,
-                                    z_loss=z_loss, latent_loss=cfg.train.latent_loss, distill=distill)
+                                    z_loss=z_loss, latent_loss=cfg.train.latent_loss, distill=distill,
+                                    anchor=anchor, anchor_logp=held)
                     (out.loss / accum).backward()
                 with torch.no_grad():
                     sums[:k] += torch.stack(out.pass_losses).detach().float()
@@ -166,6 +172,8 @@ class Trainer:
                         sums[k + 2] += out.latent.detach().float()
                     if out.distill is not None:
                         sums[k + 3] += out.distill.detach().float()
+                    if out.anchor is not None:
+                        sums[k + 4] += out.anchor.detach().float()
         sums = all_reduce_mean(sums / accum, d)
         values = sums.tolist()
         bad = [j + 1 for j, v in enumerate(values[:k]) if not math.isfinite(v)]
@@ -175,7 +183,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             where = f"pass {bad[0]}" if bad[0] else "the z-loss term" + (" or the next-latent term"
                                                                           if cfg.train.latent_loss else "") + (
-                " or the self-distillation term" if distill else "")
+                " or the self-distillation term" if distill else "") + (" or the anchor's term" if anchor else "")
             raise TrainingDiverged(f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); "
                                    f"stopped before applying it. {self.rundir.last_good()}. Try a lower learning rate "
                                    "(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
@@ -185,7 +193,16 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1],
-                         loops=r, blend=blend, latent=values[k + 2], distill=values[k + 3], distill_weight=distill)
+                         loops=r, blend=blend, latent=values[k + 2], distill=values[k + 3], distill_weight=distill,
+                         anchor=values[k + 4], anchor_weight=anchor)
+
+    @torch.no_grad()
+    def anchor_logp(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The frozen starting model's next-token log-probabilities over the scored positions (N, V), read STANDARD
+        (one plain pass), in float32 at least: the distribution train.anchor draws every pass towards."""
+        logits = self.anchor(inputs, passes=1).logits
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        return torch.log_softmax(logits[targets != -100].to(dtype), -1)
 
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> dict[str, float]:
@@ -306,6 +323,8 @@ class Trainer:
                 row["latent_loss"] = stats.latent
             if cfg.train.distill > 0:
                 row["distill"], row["distill_weight"] = stats.distill, stats.distill_weight
+            if cfg.train.anchor > 0:
+                row["anchor"], row["anchor_weight"] = stats.anchor, stats.anchor_weight
             if self.loggers:
                 self.loggers.log(row)
             if bar is not None:
@@ -363,7 +382,7 @@ def step_estimate(cfg: RunConfig, device, *, passes: int | None = None, checkpoi
     return step_memory(cfg.model, passes=t.schedule.max_passes if passes is None else passes,
                        tokens=t.micro_batch * t.seq_len, optimizer=cfg.optim.name, dtype_bytes=2 if bf16 else 4,
                        checkpointing=t.activation_checkpointing if checkpointing is None else checkpointing,
-                       trained=trained_weights(cfg))
+                       trained=trained_weights(cfg), anchor=t.anchor > 0)
 
 
 def say_memory(cfg: RunConfig, device) -> None:

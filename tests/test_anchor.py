@@ -1,0 +1,193 @@
+"""The anchor (train.anchor, train.anchor_until): every pass drawn towards the frozen starting model's STANDARD read.
+The term against its definition and its gradient against finite differences, nothing changed when it is off, the
+frozen model the trainer builds, training logs and FLOPs, a resume bit for bit, an older run's settings, and the
+config errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import MICRO_MODEL, assert_resume_is_bitwise, random_ids, tiny_model, write_config
+from fullband.errors import ConfigError, InputError
+from fullband.model.objective import objective
+
+SMALL = dict(d_model=16, n_heads=2, n_kv_heads=1, max_seq_len=32, init_std=0.3)  # large weights: large gradients
+
+
+def _targets(ids: torch.Tensor) -> torch.Tensor:
+    targets = torch.roll(ids, -1, 1)
+    targets[:, -1] = -100
+    targets[0, 3] = -100
+    return targets
+
+
+def _frozen_logp(ids: torch.Tensor, targets: torch.Tensor, seed: int = 9) -> torch.Tensor:
+    """Another model's STANDARD read over the scored positions: the distribution the anchor holds the passes to."""
+    other = tiny_model(seed, **SMALL).double().eval()
+    with torch.no_grad():
+        return F.log_softmax(other(ids, passes=1).logits[targets != -100], -1)
+
+
+def _pass_logits(model, ids, passes: int) -> list[torch.Tensor]:
+    tops = []
+    model(ids, passes=passes, return_logits=False, each_pass=lambda j, s, t: tops.append(t))
+    return [model.head(t) for t in tops]
+
+
+def test_the_term_is_the_mean_kl_from_the_frozen_model_to_every_pass():
+    model = tiny_model(3, **SMALL).double()
+    ids = random_ids(2, 7, seed=4)
+    targets = _targets(ids)
+    frozen = _frozen_logp(ids, targets)
+    out = objective(model, ids, targets, 3, anchor=0.5, anchor_logp=frozen, noise=False)
+    base = objective(model, ids, targets, 3, noise=False)
+    assert base.anchor is None and torch.equal(out.loss, base.loss + 0.5 * out.anchor)
+    q = frozen.exp()
+    scored = targets != -100
+    want = torch.stack([(q * (frozen - F.log_softmax(lg[scored], -1))).sum(-1).mean()
+                        for lg in _pass_logits(model, ids, 3)]).mean()
+    assert torch.allclose(out.anchor, want, rtol=1e-12, atol=0) and float(want.detach()) > 1e-3
+    one = objective(model, ids, targets, 1, anchor=0.5, anchor_logp=frozen, noise=False)  # pass 1 alone: its KL
+    assert torch.allclose(one.anchor, (q * (frozen - F.log_softmax(_pass_logits(model, ids, 1)[0][scored], -1)))
+                          .sum(-1).mean(), rtol=1e-12, atol=0)
+    with pytest.raises(InputError, match=r"anchor=0\.5 .* anchor_logp .* was not given"):
+        objective(model, ids, targets, 2, anchor=0.5, noise=False)
+
+
+def test_the_terms_gradient_matches_finite_differences_in_float64():
+    """The anchor term of a two-pass objective as a function of the fusion's W_U and a trunk norm's weight, against
+    central differences (torch.autograd.gradcheck): it reaches the trunk through both passes and the fusion through
+    the fed one."""
+    model = tiny_model(1, **SMALL).double()
+    ids = random_ids(2, 7, seed=5)
+    targets = _targets(ids)
+    frozen = _frozen_logp(ids, targets)
+    names = ["fusion.w_u.weight", "blocks.0.mlp_norm.weight"]
+    params = dict(model.named_parameters())
+
+    class Term(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self):
+            return objective(self.m, ids, targets, 2, anchor=1.0, anchor_logp=frozen, noise=False).anchor
+
+    def term(w_u, w_in):
+        return torch.func.functional_call(Term(), {f"m.{names[0]}": w_u, f"m.{names[1]}": w_in}, ())
+
+    inputs = tuple(params[n].detach().clone().requires_grad_(True) for n in names)
+    assert torch.autograd.gradcheck(term, inputs, eps=1e-6, atol=1e-7)
+    grads = torch.autograd.grad(term(*inputs), inputs)
+    assert all(float(g.abs().sum()) > 0 for g in grads)
+
+
+@pytest.mark.parametrize("noise", [False, True])
+def test_anchor_zero_is_todays_objective_bitwise(noise):
+    model = tiny_model(0).train()
+    ids = random_ids(2, 12, seed=2)
+    targets = _targets(ids)
+    results = []
+    for kw in ({}, {"anchor": 0.0}, {"anchor": 0.0, "anchor_logp": torch.zeros(1)}):
+        model.zero_grad(set_to_none=True)
+        out = objective(model, ids, targets, 3, generator=torch.Generator().manual_seed(7), z_loss=1e-4, noise=noise,
+                        distill=0.2, **kw)
+        out.loss.backward()
+        assert out.anchor is None
+        results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    loss0, grads0 = results[0]
+    for loss, grads in results[1:]:
+        assert torch.equal(loss0, loss) and all(torch.equal(grads[n], g) for n, g in grads0.items())
+
+
+def _init_folder(tmp_path):
+    """A micro model written as a model folder, the runs' starting point (train.init_from)."""
+    from fullband.data.tokenizer import ByteTokenizer
+    from fullband.model.config import ModelConfig
+    from fullband.model.decoder import FullbandLM
+    import tomllib
+
+    path = tmp_path / "start"
+    if not path.exists():
+        torch.manual_seed(11)
+        FullbandLM(ModelConfig(**tomllib.loads(MICRO_MODEL))).save(path, tokenizer=ByteTokenizer())
+    return path
+
+
+def _anchored(tmp_path, corpus, cache, name, **kw):
+    path = write_config(tmp_path, corpus, cache, name, **kw)
+    start = _init_folder(tmp_path)
+    path.write_text(path.read_text().replace("[train]\n", f'[train]\nanchor = 0.5\nanchor_until = 0.5\n'
+                                                           f'init_from = "{start}"\n'))
+    return path
+
+
+def test_training_holds_a_frozen_copy_of_the_start_and_logs_the_term_its_weight_and_flops(tmp_path, corpus, cache):
+    from safetensors.torch import load_file
+
+    from fullband.model.flops import train_flops
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import Trainer
+
+    cfg = load_run_config(_anchored(tmp_path, corpus, cache, "logged", steps=4))
+    trainer = Trainer(cfg)
+    start = load_file(str(_init_folder(tmp_path) / "model.safetensors"))
+    frozen = trainer.anchor.state_dict()
+    assert not any(p.requires_grad for p in trainer.anchor.parameters()) and not trainer.anchor.training
+    assert all(torch.equal(frozen[k], v) for k, v in start.items() if not k.startswith("fusion."))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    after = trainer.anchor.state_dict()
+    assert all(torch.equal(frozen[k], after[k]) for k in frozen)  # frozen: no step moved it
+    rows = [json.loads(line) for line in (tmp_path / "logged" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss_pass" in r]
+    assert [r["anchor_weight"] for r in rows] == [0.5, 0.25, 0.0, 0.0]
+    # step 1: the trained model is the start, so only its fed passes differ from it (a one-pass step's KL is 0)
+    assert rows[0]["anchor"] == pytest.approx(0.0, abs=1e-6) if rows[0]["k"] == 1 else rows[0]["anchor"] > 0
+    assert rows[1]["anchor"] > 0
+    per_step = [cfg.train.global_batch_tokens * train_flops(cfg.model, r["k"], seq_len=32, anchor=True) for r in rows]
+    assert [r["flops"] for r in rows] == pytest.approx(list(torch.tensor(per_step).cumsum(0).tolist()), rel=1e-9)
+    assert per_step[0] > cfg.train.global_batch_tokens * train_flops(cfg.model, rows[0]["k"], seq_len=32)
+
+
+def test_an_anchored_run_resumes_bitwise(tmp_path, corpus, cache, monkeypatch):
+    whole = _anchored(tmp_path, corpus, cache, "whole", steps=9)
+    part = _anchored(tmp_path, corpus, cache, "part", steps=9)
+    assert_resume_is_bitwise(whole, part, monkeypatch, stop_before=6, last="step_000009")
+
+
+def test_a_run_recorded_before_the_setting_existed_resumes_and_a_changed_weight_is_refused(tmp_path, corpus, cache):
+    from fullband.train.config import load_run_config
+    from fullband.train.rundir import resume_differences
+
+    now = load_run_config(write_config(tmp_path, corpus, cache, steps=2)).to_dict()
+    old = json.loads(json.dumps(now))
+    for key in ("anchor", "anchor_until"):
+        del old["train"][key]
+    assert resume_differences(old, now) == []
+    changed = json.loads(json.dumps(now))
+    changed["train"]["anchor_until"] = 0.5
+    assert resume_differences(changed, now) == ["train.anchor_until: run has 0.5, config has 1.0"]
+
+
+def test_config_errors():
+    from fullband.train.config import RunConfig, TrainConfig
+
+    cases = [(lambda: TrainConfig(anchor=-0.1), r"train\.anchor=-0\.1 is invalid; accepted: a finite number >= 0"),
+             (lambda: TrainConfig(anchor=float("nan")), r"train\.anchor=nan is not a finite number; accepted: a finite number >= 0"),
+             (lambda: TrainConfig(anchor_until=0.0), r"train\.anchor_until=0\.0 is invalid; accepted: 0 < "),
+             (lambda: TrainConfig(anchor_until=1.5), r"train\.anchor_until=1\.5 is invalid"),
+             (lambda: RunConfig(train=TrainConfig(anchor=0.1)),
+              r"train\.anchor=0\.1 draws every pass towards the model the run starts from, but this run starts from "
+              r"a random initialisation; accepted: train\.anchor = 0, or a warm start")]
+    for make, match in cases:
+        with pytest.raises(ConfigError, match=match) as err:
+            make()
+        assert "\n" not in str(err.value)
+    RunConfig(train=TrainConfig(anchor=0.1, init_from="somewhere"))  # accepted (the folder is read at the start)
