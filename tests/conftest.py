@@ -115,6 +115,21 @@ def write_config(tmp_path, corpus, cache, name: str = "run", **kw):
     return path
 
 
+def micro_start(tmp_path):
+    """tmp_path/start: a model folder of the micro recipe's model (MICRO_MODEL, seed 11), a run's starting point
+    (train.init_from); written once."""
+    import tomllib
+
+    from fullband.data.tokenizer import ByteTokenizer
+
+    path = tmp_path / "start"
+    if not path.exists():
+        with torch.random.fork_rng():
+            torch.manual_seed(11)
+            FullbandLM(ModelConfig(**tomllib.loads(MICRO_MODEL))).save(path, tokenizer=ByteTokenizer())
+    return path
+
+
 def losses(run_dir) -> list[list[float]]:
     """Every step's per-pass training losses from a run's metrics.jsonl."""
     import json

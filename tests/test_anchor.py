@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MICRO_MODEL, assert_resume_is_bitwise, random_ids, tiny_model, write_config
+from conftest import assert_resume_is_bitwise, micro_start, random_ids, tiny_model, write_config
 from fullband.errors import ConfigError, InputError
 from fullband.model.objective import objective
 
@@ -104,23 +104,9 @@ def test_anchor_zero_is_todays_objective_bitwise(noise):
         assert torch.equal(loss0, loss) and all(torch.equal(grads[n], g) for n, g in grads0.items())
 
 
-def _init_folder(tmp_path):
-    """A micro model written as a model folder, the runs' starting point (train.init_from)."""
-    from fullband.data.tokenizer import ByteTokenizer
-    from fullband.model.config import ModelConfig
-    from fullband.model.decoder import FullbandLM
-    import tomllib
-
-    path = tmp_path / "start"
-    if not path.exists():
-        torch.manual_seed(11)
-        FullbandLM(ModelConfig(**tomllib.loads(MICRO_MODEL))).save(path, tokenizer=ByteTokenizer())
-    return path
-
-
 def _anchored(tmp_path, corpus, cache, name, **kw):
     path = write_config(tmp_path, corpus, cache, name, **kw)
-    start = _init_folder(tmp_path)
+    start = micro_start(tmp_path)
     path.write_text(path.read_text().replace("[train]\n", f'[train]\nanchor = 0.5\nanchor_until = 0.5\n'
                                                            f'init_from = "{start}"\n'))
     return path
@@ -135,7 +121,7 @@ def test_training_holds_a_frozen_copy_of_the_start_and_logs_the_term_its_weight_
 
     cfg = load_run_config(_anchored(tmp_path, corpus, cache, "logged", steps=4))
     trainer = Trainer(cfg)
-    start = load_file(str(_init_folder(tmp_path) / "model.safetensors"))
+    start = load_file(str(micro_start(tmp_path) / "model.safetensors"))
     frozen = trainer.anchor.state_dict()
     assert not any(p.requires_grad for p in trainer.anchor.parameters()) and not trainer.anchor.training
     assert all(torch.equal(frozen[k], v) for k, v in start.items() if not k.startswith("fusion."))

@@ -23,7 +23,7 @@ from fullband.train.config import load_run_config
 import fullband.train.trainer as trainer_module
 from fullband.train.trainer import TrainingDiverged, train
 
-from conftest import MICRO_PASSES, assert_resume_is_bitwise, losses, torchrun, write_config  # the corpus and cache fixtures live in conftest too
+from conftest import MICRO_PASSES, assert_resume_is_bitwise, losses, micro_start, torchrun, write_config  # the corpus and cache fixtures live in conftest too
 
 
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -69,9 +69,14 @@ def test_training_run_writes_metrics_checkpoints_and_plot(tmp_path, corpus, cach
 ADAPTIVE = '{schedule = "adaptive", every = 3, horizon = 4, windows = 2, cap = 4}'
 
 
-@pytest.mark.parametrize("passes", [MICRO_PASSES + "\ndistill = 0.3", ADAPTIVE], ids=["fixed-distill", "adaptive"])
+ANCHORED = MICRO_PASSES + '\ndistill = 0.3\nanchor = 0.5\ninit_from = "{start}"'
+
+
+@pytest.mark.parametrize("passes", [ANCHORED, ADAPTIVE], ids=["fixed-distill-anchor", "adaptive"])
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache, passes):
-    """The fixed schedule runs with self-distillation (train.distill, its weight a function of the step)."""
+    """The fixed schedule runs with self-distillation (train.distill, its weight a function of the step) and the anchor
+    (train.anchor: a frozen copy of the start, built again by the resumed process)."""
+    passes = passes.replace("{start}", str(micro_start(tmp_path)))
     # long enough (a few seconds) that the kill, 0-0.3 s after the second checkpoint, lands mid-run
     whole = write_config(tmp_path, corpus, cache, "whole", steps=150, ckpt_every=0, keep_last=3,  # saves at the end
                          passes=passes)
@@ -99,6 +104,7 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus, cache, pass
     else:
         rows = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
         assert sum(r.get("distill", 0) > 0 for r in rows) > 50  # the term ran in the resumed run's fed steps
+        assert sum(r.get("anchor", 0) > 0 for r in rows) > 50  # and the anchor's
     a = load_file(str(tmp_path / "whole" / "step_000150" / "model.safetensors"))
     b = load_file(str(tmp_path / "part" / "step_000150" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
