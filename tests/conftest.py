@@ -260,8 +260,9 @@ def torchrun(args: list[str], *, timeout: float = 300, env: dict | None = None):
                 break
             except subprocess.TimeoutExpired:
                 continue
-        pytest.fail(f"{' '.join(args)} under torchrun did not finish in {timeout:.0f} s; the workers' stacks:\n{native}\n"
-                    f"faulthandler's stacks (stderr):\n{err[:3000]}\n[...]\n{err[-3000:]}\nstdout's end:\n{out[-1000:]}")
+        pytest.fail(f"{' '.join(args)} under torchrun did not finish in {timeout:.0f} s; the workers' stacks:\n"
+                    f"{native}\nfaulthandler's stacks (stderr):\n{err[:3000]}\n[...]\n{err[-3000:]}\n"
+                    f"stdout's end:\n{out[-1000:]}")
     return subprocess.CompletedProcess(launch, proc.returncode, out, err)
 
 

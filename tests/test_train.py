@@ -23,7 +23,8 @@ from fullband.train.config import load_run_config
 import fullband.train.trainer as trainer_module
 from fullband.train.trainer import TrainingDiverged, train
 
-from conftest import MICRO_PASSES, assert_resume_is_bitwise, losses, micro_start, torchrun, write_config  # the corpus and cache fixtures live in conftest too
+# the corpus and cache fixtures live in conftest too
+from conftest import MICRO_PASSES, assert_resume_is_bitwise, losses, micro_start, torchrun, write_config
 
 
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:

@@ -299,6 +299,8 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
     for part in ("## Held-out loss by mode", "| feedback-only-blend |", "| everything-blend-distill |",
                  "| everything-blend-identity |", "- self-distillation (every weight, the blend): FUSED k=1 - STANDARD",
                  "| everything-blend-anchor |", "- the anchor (every weight, the blend): FUSED k=1 - STANDARD",
+                 "| everything-blend-additive |",
+                 "- the additive fusion in place of the gate (every weight, the blend)",
                  "the difference of the gaps, paired by window, ", "| continued-2x |",
                  "SOFT-like (exact)",
                  "## Chat kept?", "## Does the warm-started pass map contract?", "## Outcome", "curves.png",
@@ -306,7 +308,7 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
         assert part in text, part
     assert (tmp_path / "docs" / "warmstart-micro" / "curves.png").is_file()
     first = capsys.readouterr().out
-    assert first.count("== training ") == 10
+    assert first.count("== training ") == 11
     again = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
                       model=str(tiny_llama / "llama"), extra=extra)
     assert "== training " not in capsys.readouterr().out  # every run reused, every evaluation cached

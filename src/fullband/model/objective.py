@@ -4,7 +4,8 @@ each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, plus latent_l
 next-latent error (latent_error) when latent_loss > 0, plus distill * the mean over passes 2..k of the KL divergence
 from pass 1's next-token distribution, not differentiated, to that pass's (distill_kl) when distill > 0, plus anchor *
 the mean over every pass of the KL divergence from a frozen model's next-token distribution (`anchor_logp`, the run's
-starting point read STANDARD) to that pass's (distill_kl again) when anchor > 0, and the training-time inputs of the later passes
+starting point read STANDARD) to that pass's (distill_kl again) when anchor > 0, and the training-time inputs of the
+later passes
 (uniform jitter on the fed state, a random plain prefix per sequence, detaching between passes). Called by the
 trainer and the transformers class's labels path; eval.loss scores with the same `ntp`.
 

@@ -67,6 +67,9 @@ RUNS = (
      [*ALL, BLEND, *IDENTITY]),
     ("everything-blend-anchor", "as everything-blend, every pass drawn towards the pretrained model's STANDARD read "
      "(train.anchor: 1 falling to 0 over the run)", [*ALL, BLEND, ANCHOR]),
+    ("everything-blend-additive", "as everything-blend, the additive fusion e + h W in place of the paper's gate (a "
+     "comparison, never the default: the token keeps its own path, and the model may ignore the state)",
+     [*ALL, BLEND, 'model.fusion="additive"']),
 )
 CONTROLS = (
     ("continued", "control: the same tokens, one pass (continued pretraining, no state)", 1),
@@ -434,8 +437,11 @@ def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list
                        ("feedback-only-blend", "feedback-only", "the blend curriculum (the feedback weights alone)"),
                        ("feedback-only-identity", "feedback-only", "the identity start (the feedback weights alone)"),
                        ("everything-blend-distill", "everything-blend", "self-distillation (every weight, the blend)"),
-                       ("everything-blend-identity", "everything-blend", "the identity start (every weight, the blend)"),
-                       ("everything-blend-anchor", "everything-blend", "the anchor (every weight, the blend)")):
+                       ("everything-blend-identity", "everything-blend",
+                        "the identity start (every weight, the blend)"),
+                       ("everything-blend-anchor", "everything-blend", "the anchor (every weight, the blend)"),
+                       ("everything-blend-additive", "everything-blend",
+                        "the additive fusion in place of the gate (every weight, the blend)")):
         if a in feedback and b in feedback:
             lines.append(f"- {what}: FUSED k=1 - STANDARD {_read(evaluated, a, mode)['minus_first']:+.3f} against "
                          f"{_read(evaluated, b, mode)['minus_first']:+.3f}; the difference of the gaps, paired by "

@@ -60,7 +60,8 @@ def step_memory(cfg, *, passes: int, tokens: int, optimizer: str = "normuon", ch
     # each token's two slots
     runs = sum(repeats(cfg, i) for i in range(L)) * cfg.slots_per_token
     per_token = (runs * D + block if checkpointing else runs * block) + 3 * V
-    return StepMemory(weights=4 * n * (2 if anchor else 1), gradients=4 * (n if trained is None else trained), optimizer=4 * state,
+    return StepMemory(weights=4 * n * (2 if anchor else 1), gradients=4 * (n if trained is None else trained),
+                      optimizer=4 * state,
                       passes=passes, tokens=tokens, activations=passes * tokens * per_token * dtype_bytes)
 
 
