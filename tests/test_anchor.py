@@ -1,7 +1,7 @@
 """The anchor (train.anchor, train.anchor_until): every pass drawn towards the frozen starting model's STANDARD read.
-The term against its definition and its gradient against finite differences, nothing changed when it is off, the
-frozen model the trainer builds, training logs and FLOPs, a resume bit for bit, an older run's settings, and the
-config errors."""
+The term against its definition and its gradient against finite differences, the frozen model the trainer builds,
+training logs and FLOPs, a resume bit for bit, and the config errors (nothing changed when it is off, and an older
+run's settings: test_distill.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,7 @@ import torch.nn.functional as F
 from conftest import assert_resume_is_bitwise, micro_start, random_ids, tiny_model, write_config
 from fullband.errors import ConfigError, InputError
 from fullband.model.objective import objective
-
-SMALL = dict(d_model=16, n_heads=2, n_kv_heads=1, max_seq_len=32, init_std=0.3)  # large weights: large gradients
-
-
-def _targets(ids: torch.Tensor) -> torch.Tensor:
-    targets = torch.roll(ids, -1, 1)
-    targets[:, -1] = -100
-    targets[0, 3] = -100
-    return targets
+from test_distill import SMALL, _pass_logits, _targets  # the same small model, targets and per-pass logits
 
 
 def _frozen_logp(ids: torch.Tensor, targets: torch.Tensor, seed: int = 9) -> torch.Tensor:
@@ -30,12 +22,6 @@ def _frozen_logp(ids: torch.Tensor, targets: torch.Tensor, seed: int = 9) -> tor
     other = tiny_model(seed, **SMALL).double().eval()
     with torch.no_grad():
         return F.log_softmax(other(ids, passes=1).logits[targets != -100], -1)
-
-
-def _pass_logits(model, ids, passes: int) -> list[torch.Tensor]:
-    tops = []
-    model(ids, passes=passes, return_logits=False, each_pass=lambda j, s, t: tops.append(t))
-    return [model.head(t) for t in tops]
 
 
 def test_the_term_is_the_mean_kl_from_the_frozen_model_to_every_pass():
@@ -86,24 +72,6 @@ def test_the_terms_gradient_matches_finite_differences_in_float64():
     assert all(float(g.abs().sum()) > 0 for g in grads)
 
 
-@pytest.mark.parametrize("noise", [False, True])
-def test_anchor_zero_is_todays_objective_bitwise(noise):
-    model = tiny_model(0).train()
-    ids = random_ids(2, 12, seed=2)
-    targets = _targets(ids)
-    results = []
-    for kw in ({}, {"anchor": 0.0}, {"anchor": 0.0, "anchor_logp": torch.zeros(1)}):
-        model.zero_grad(set_to_none=True)
-        out = objective(model, ids, targets, 3, generator=torch.Generator().manual_seed(7), z_loss=1e-4, noise=noise,
-                        distill=0.2, **kw)
-        out.loss.backward()
-        assert out.anchor is None
-        results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    loss0, grads0 = results[0]
-    for loss, grads in results[1:]:
-        assert torch.equal(loss0, loss) and all(torch.equal(grads[n], g) for n, g in grads0.items())
-
-
 def _anchored(tmp_path, corpus, cache, name, **kw):
     path = write_config(tmp_path, corpus, cache, name, **kw)
     start = micro_start(tmp_path)
@@ -146,20 +114,6 @@ def test_an_anchored_run_resumes_bitwise(tmp_path, corpus, cache, monkeypatch):
     whole = _anchored(tmp_path, corpus, cache, "whole", steps=9)
     part = _anchored(tmp_path, corpus, cache, "part", steps=9)
     assert_resume_is_bitwise(whole, part, monkeypatch, stop_before=6, last="step_000009")
-
-
-def test_a_run_recorded_before_the_setting_existed_resumes_and_a_changed_weight_is_refused(tmp_path, corpus, cache):
-    from fullband.train.config import load_run_config
-    from fullband.train.rundir import resume_differences
-
-    now = load_run_config(write_config(tmp_path, corpus, cache, steps=2)).to_dict()
-    old = json.loads(json.dumps(now))
-    for key in ("anchor", "anchor_until"):
-        del old["train"][key]
-    assert resume_differences(old, now) == []
-    changed = json.loads(json.dumps(now))
-    changed["train"]["anchor_until"] = 0.5
-    assert resume_differences(changed, now) == ["train.anchor_until: run has 0.5, config has 1.0"]
 
 
 def test_config_errors():

@@ -64,20 +64,22 @@ def test_the_gradient_reaches_the_fed_pass_only_and_matches_finite_differences()
 
 
 @pytest.mark.parametrize("noise", [False, True])
-def test_distill_zero_is_todays_objective_bitwise(noise):
+def test_distill_or_anchor_zero_is_todays_objective_bitwise(noise):
+    """train.distill = 0 and train.anchor = 0 (test_anchor.py) compute nothing: the loss and gradients are bitwise."""
     model = tiny_model(0).train()
     ids = random_ids(2, 12, seed=2)
     targets = _targets(ids)
     results = []
-    for kw in ({}, {"distill": 0.0}):
+    for kw in ({}, {"distill": 0.0}, {"anchor": 0.0}, {"anchor": 0.0, "anchor_logp": torch.zeros(1)}):
         model.zero_grad(set_to_none=True)
         out = objective(model, ids, targets, 3, generator=torch.Generator().manual_seed(7), z_loss=1e-4, noise=noise,
                         **kw)
         out.loss.backward()
-        assert out.distill is None
+        assert out.distill is None and out.anchor is None
         results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (loss0, grads0), (loss1, grads1) = results
-    assert torch.equal(loss0, loss1) and all(torch.equal(grads1[n], g) for n, g in grads0.items())
+    loss0, grads0 = results[0]
+    for loss, grads in results[1:]:
+        assert torch.equal(loss0, loss) and all(torch.equal(grads[n], g) for n, g in grads0.items())
 
 
 def test_the_weight_falls_linearly_to_zero_at_distill_until():
@@ -110,12 +112,14 @@ def test_a_run_recorded_before_the_setting_existed_resumes_and_a_changed_weight_
 
     now = load_run_config(write_config(tmp_path, corpus, cache, steps=2)).to_dict()
     old = json.loads(json.dumps(now))
-    for key in ("distill", "distill_until", "latent_loss", "blend_until"):
+    for key in ("distill", "distill_until", "latent_loss", "blend_until", "anchor", "anchor_until"):
         del old["train"][key]
     assert resume_differences(old, now) == []
     changed = json.loads(json.dumps(now))
     changed["train"]["distill"] = 0.2
-    assert resume_differences(changed, now) == ["train.distill: run has 0.2, config has 0.0"]
+    changed["train"]["anchor_until"] = 0.5
+    assert resume_differences(changed, now) == ["train.distill: run has 0.2, config has 0.0",
+                                                "train.anchor_until: run has 0.5, config has 1.0"]
 
 
 def test_config_errors():

@@ -163,8 +163,10 @@ class BPETokenizer:
         self._tok.encode_special_tokens = True
         self.bos_id, self.eos_id, self.pad_id = ids
         self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
-        payload = json.loads(hf_tokenizer.to_str())
-        self._fingerprint = _short_hash(payload if special_ids is None else [payload, ids])
+        # the fingerprint hashes the tokenizer as constructed; parsing and hashing its JSON (a quarter of a second for
+        # a 49K vocabulary) waits until a token cache asks for it
+        self._fingerprint_of = (hf_tokenizer.to_str(), None if special_ids is None else ids)
+        self._fingerprint: str | None = None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "BPETokenizer":
@@ -193,6 +195,11 @@ class BPETokenizer:
 
     @property
     def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            text, ids = self._fingerprint_of
+            payload = json.loads(text)
+            self._fingerprint = _short_hash(payload if ids is None else [payload, ids])
+            self._fingerprint_of = None
         return self._fingerprint
 
     @property
@@ -236,8 +243,11 @@ class PretrainedTokenizer(BPETokenizer):
         self._stop_ids = tuple(stop_ids) or (self.eos_id,)
         self.add_bos = bool(add_bos)  # whether the model's own tokenizer starts a text with BOS (SmolLM2's: no)
         self.chat_template = chat_template or None
-        if self.chat_template:  # the template is part of what a run trains on
-            self._fingerprint = _short_hash([self._fingerprint, self.chat_template])
+
+    @property
+    def fingerprint(self) -> str:
+        base = super().fingerprint  # the template is part of what a run trains on
+        return _short_hash([base, self.chat_template]) if self.chat_template else base
 
     @classmethod
     def _grown(cls, old: "BPETokenizer", grown: Any) -> "BPETokenizer":
