@@ -52,14 +52,19 @@ def latent_error(head, state: Tensor, targets: Tensor) -> Tensor:
     return err / (goal.pow(2).sum(-1) * scored).sum().clamp_min(torch.finfo(dtype).tiny)
 
 
+def scored_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
+    """Next-token log-probabilities (N, V) of logits (B, T, V) at the scored positions (targets != -100), in float32
+    at least: a distillation term's teacher and student."""
+    return F.log_softmax(logits[targets != -100].to(torch.promote_types(logits.dtype, torch.float32)), -1)
+
+
 def distill_kl(teacher: Tensor, logits: Tensor, targets: Tensor) -> Tensor:
     """The distillation term of one pass: the mean over scored positions (targets != -100) of KL(p_teacher || p_pass),
     `teacher` log-probabilities over the scored positions (N, V), already detached (self-distillation: the first
     pass's, the STANDARD read the fed passes are drawn towards; the anchor: a frozen model's), `logits` (B, T, V) the
     pass's. In float32 at least; 0 when nothing is scored."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    logp = F.log_softmax(logits[targets != -100].to(dtype), -1)
-    kl = F.kl_div(logp, teacher.to(dtype), log_target=True, reduction="sum")
+    logp = scored_log_probs(logits, targets)
+    kl = F.kl_div(logp, teacher.to(logp.dtype), log_target=True, reduction="sum")
     return kl / max(teacher.shape[0], 1)
 
 
@@ -131,8 +136,7 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
             latents.append(latent_error(head, state, targets))
         if distill > 0 and passes > 1:
             if j == 0:
-                dtype = torch.promote_types(logits.dtype, torch.float32)
-                teacher.append(F.log_softmax(logits.detach()[targets != -100].to(dtype), -1))
+                teacher.append(scored_log_probs(logits.detach(), targets))
             else:
                 kls.append(distill_kl(teacher[0], logits, targets))
         if anchor > 0:

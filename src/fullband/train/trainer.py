@@ -25,7 +25,7 @@ from fullband.gguf_file import parsed_once
 from fullband.eval.gate import gate_windows, stability_gate
 from fullband.eval.loss import validation_loss
 from fullband.model.flops import train_flops
-from fullband.model.objective import objective
+from fullband.model.objective import objective, scored_log_probs
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
 from fullband.train.build import anchor_model, build, resolve
@@ -200,9 +200,7 @@ class Trainer:
     def anchor_logp(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The frozen starting model's next-token log-probabilities over the scored positions (N, V), read STANDARD
         (one plain pass), in float32 at least: the distribution train.anchor draws every pass towards."""
-        logits = self.anchor(inputs, passes=1).logits
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        return torch.log_softmax(logits[targets != -100].to(dtype), -1)
+        return scored_log_probs(self.anchor(inputs, passes=1).logits, targets)
 
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> dict[str, float]:
