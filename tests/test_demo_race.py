@@ -124,3 +124,49 @@ def test_reproduce_robustness_counts_the_race_and_reads_each_report_s_seeds(tmp_
     again = reproduce("robustness", **options).read_text()
     assert again.split("\n", 4)[4] == text.split("\n", 4)[4]
     assert not math.isnan(counts["learned"])
+
+
+def test_reproduce_robustness_race_scale_keeps_each_machine_s_grid(tmp_path, monkeypatch):
+    """--scale race: the race's grid alone, on this machine, recorded by its CPU model beside another machine's
+    record (constructed), which its report and the whole study's list; a rerun trains and scores nothing."""
+    from fullband.reproduce import reproduce
+    from fullband.reproduce.robustness import _slug
+
+    race = ["train.steps=4", "train.warmup_steps=1", "train.seq_len=64", "train.global_batch_tokens=256",
+            "train.micro_batch=4", "model.d_model=32"]
+    docs = tmp_path / "docs"
+    machines = docs / "robustness-race" / "machines"
+    machines.mkdir(parents=True)
+    other = {"cpu": "Some Other CPU @ 3GHz", "hardware": "Some Other CPU @ 3GHz, 8 cores", "date": "2026-01-01",
+             "recipe": demo.RACE, "recipe_sha256": "0" * 64, "seeds": 1, "threads": [1], "n": 8,
+             "lengths": [8, 16, 32, 64], "learned": 0, "trainings": 1, "exact": {"race-s0-t1": [1, .5, .5, .5]},
+             "standard": {"race-s0-t1": [.9, .5, .4, .6]}, "train_seconds": {"race-s0-t1": 60.0}}
+    (machines / "some-other-cpu-3ghz.json").write_text(json.dumps(other))
+    options = dict(root=tmp_path / "runs", docs=docs, seeds=1, n=8, machine_threads=(1, 2), race_extra=tuple(race))
+    with pytest.raises(Exception, match=r"--scale 'racee' is unknown \(did you mean 'race'\?\); accepted: cpu, race"):
+        reproduce("robustness", scale="racee", **options)
+    text = reproduce("robustness", scale="race", **options).read_text()
+    from fullband.machine import cpu_model
+
+    mine = json.loads((machines / f"{_slug(cpu_model())}.json").read_text())
+    assert mine["trainings"] == 2 and mine["threads"] == [1, 2] and mine["recipe_sha256"] == demo.recipe_key(demo.RACE)
+    assert set(mine["exact"]) == {"race-s0-t1", "race-s0-t2"}
+    train = json.loads((tmp_path / "runs" / "robustness-race" / _slug(cpu_model()) / "race-s0-t2" / "run.json")
+                       .read_text())["train"]
+    assert (train["seed"], train["threads"]) == (0, 2)
+    assert text.index(f"### {cpu_model()}\n") < text.index("### Some Other CPU @ 3GHz (**an earlier recipe**")
+    assert f"**{mine['learned']} of 2 trainings learn the recurrence**" in text and "| seed | 1 thread | 2 threads |" in text
+    assert "**0 of 1 trainings learn the recurrence**; at 1 and 2 threads 0 of 1. The same weights read standard: " \
+           "0.40 to 0.60 beyond L. Training: 60 s per run on average." in text
+    assert "| 0 | 0.50 / 0.50 / 0.50 ✗ |" in text
+    # the whole study's report lists both machines (its own runs stubbed: that study is tested above)
+    from fullband.reproduce import robustness
+
+    lines = robustness._machine_lines(docs / "robustness-race")
+    assert lines[0] == "## The race on other machines" and len([x for x in lines if x.startswith("- ")]) == 2
+    assert "- Some Other CPU @ 3GHz (2026-01-01, an earlier recipe): 0 of 1 trainings learn the recurrence (seeds 0-0 " \
+           "at 1 threads)" in lines
+    monkeypatch.setattr("fullband.train.trainer.train", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr("fullband.eval.commands.eval_tracking", lambda *a, **k: pytest.fail("scored again"))
+    again = reproduce("robustness", scale="race", **options).read_text()
+    assert again.split("\n", 4)[4] == text.split("\n", 4)[4]

@@ -106,7 +106,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from fullband.reproduce import reproduce
 
     options = {}
-    scaled = ("compare", "warmstart", "warmstart-long")  # the experiments that take --scale
+    scaled = ("compare", "warmstart", "warmstart-long", "robustness")  # the experiments that take --scale
     if args.scale is not None and args.experiment not in scaled:
         raise InputError(f"--scale applies to `fullband reproduce {' / '.join(scaled)}` only, not to "
                          f"{args.experiment!r}; accepted: drop it, or run one of those")
@@ -145,7 +145,8 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
     opt("--docs", default="docs/results", help="where the report and figures go"),
     opt("--scale", default=None, help="compare: cpu (default, ~6 h on 2 cores), gpu-small (the same study, larger, "
         "on a GPU) or micro (a smoke test of the pipeline); warmstart: cpu (default, about 1 h 45 min on 2 cores), "
-        "gpu or micro; warmstart-long: cpu (default) or micro"),
+        "gpu or micro; warmstart-long: cpu (default) or micro; robustness: cpu (default, the whole study) or race (the "
+        "race's grid alone on this machine, kept beside other machines' grids: about 45 min for --seeds 10)"),
     opt("--model", default=None, metavar="PATH", help="warmstart and warmstart-long: the pretrained Llama to add "
         "latent feedback to (a .gguf file or a transformers folder; default shipped:smollm2)"),
     opt("--budget", type=float, default=None, metavar="MIN", help="compare: start no new run after MIN minutes, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fullband.errors import InputError, closest
 from fullband.reproduce.runner import COMMANDS, Experiment, Run, Settings, config_line, kept, train_run
 
 THREADS = (1, 2, 4, 8)  # torch threads per training: 4 and 8 oversubscribe 2 cores, which still changes the rounding
@@ -20,6 +21,11 @@ GOAL = (19, 20)  # learned in at least 19 of the 20 trainings at seeds 0-9 x thr
 BEFORE = ['train.passes="grow:11"', "train.steps=300", "model.jitter=0.02", "optim.lr=0.02", "optim.adam_lr=0.004",
           "log.ckpt_every=300"]
 SCREEN = "screen.json"  # in the report's folder: the by-hand screen of candidate recipes that chose today's
+# --scale: cpu, the whole study; race, the race's grid alone on this machine, recorded by its CPU model beside the
+# grids of the machines that ran it before (robustness-race.md), which the whole study's report lists
+SCALES = ("cpu", "race")
+MACHINE_THREADS = (1, 2)  # --scale race: the goal's thread counts (20 trainings, about 45 min on 2 cores)
+MACHINES = "machines"  # in robustness-race's folder: one record per CPU model, {slug}.json
 
 
 def _race():
@@ -46,14 +52,25 @@ def runs(seeds: int = 10, threads: tuple[int, ...] = THREADS, code_seeds: int = 
     return out
 
 
+def check(*, scale: str = "cpu", **_) -> None:
+    if scale not in SCALES:
+        raise InputError(f"--scale {scale!r} is unknown{closest(scale, SCALES)}; accepted: {', '.join(SCALES)} "
+                         "(race: the race's grid alone, on this machine)")
+
+
 def report(runs_: list[Run], root: Path, figs: Path, settings: Settings, *, seeds: int = 10, n: int = 200,
            threads: tuple[int, ...] = THREADS, code_seeds: int = CODE_SEEDS, more_seeds: int = MORE_SEEDS,
-           race_extra: tuple[str, ...] = (),
-           code_extra: tuple[str, ...] = (), experiments: tuple[str, ...] | None = None) -> list[str]:
+           race_extra: tuple[str, ...] = (), code_extra: tuple[str, ...] = (),
+           experiments: tuple[str, ...] | None = None, scale: str = "cpu",
+           machine_threads: tuple[int, ...] = MACHINE_THREADS) -> list[str]:
     """Train (or reuse) every run, score the race runs on `n` examples per length, and write the tables; `seeds`
     is the race's seeds (0..seeds-1: --seeds), `experiments` the reports whose headlines are read (default every
-    report beside this one), `more_seeds` further race seeds at 1 thread. `threads`, `code_seeds` and the extra
-    overrides of the race's and the code LM's runs exist for tests."""
+    report beside this one), `more_seeds` further race seeds at 1 thread; scale "race" trains and reports the
+    race's grid alone at `machine_threads` (_machine_report). `threads`, `code_seeds` and the extra overrides of the race's and the code
+    LM's runs exist for tests."""
+    check(scale=scale)
+    if scale == "race":
+        return _machine_report(root, figs, settings, seeds, n, machine_threads, race_extra)
     demo = _race()
     runs_ = runs(seeds, threads, code_seeds, more_seeds)
     scored: dict[str, dict] = {}
@@ -93,6 +110,7 @@ def report(runs_: list[Run], root: Path, figs: Path, settings: Settings, *, seed
     lines += _before_lines(scored, seeds)
     lines += _screen_lines(figs / SCREEN)
     lines += _code_lines(scored, walls)
+    lines += _machine_lines(figs.parent / f"{EXPERIMENT.name}-race")
     lines += _headline_lines(figs.parent, experiments)
     lines += ["", COMMANDS, "", *(f"- {config_line(r)}" for r in runs_[:3] + runs_[-1:]),
               "- and the same for every seed and thread count; each race run scored with `fullband eval tracking "
@@ -278,7 +296,7 @@ def _headline_lines(docs: Path, experiments: tuple[str, ...] | None) -> list[str
              "| report | seeds | finding | mean | min - max | across seeds |", "|---|---|---|---|---|---|"]
     reports = sorted(p.stem for p in docs.glob("*.md")) if experiments is None else experiments
     for exp in reports:
-        if exp == EXPERIMENT.name or "-" in exp and exp.rsplit("-", 1)[1] in ("micro", "gpu", "gpu-small"):
+        if exp.startswith(EXPERIMENT.name) or "-" in exp and exp.rsplit("-", 1)[1] in ("micro", "gpu", "gpu-small"):
             continue
         data = read_json(docs / exp / SEEDS_FILE)
         if not data:
@@ -296,4 +314,102 @@ def _headline_lines(docs: Path, experiments: tuple[str, ...] | None) -> list[str
     return lines + [""]
 
 
-EXPERIMENT = Experiment("robustness", runs, report, seeds=10, seeds_option=True)
+def _slug(text: str) -> str:
+    """A file name for a CPU model: its letters and digits, runs of anything else as one '-'."""
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "cpu"
+
+
+def _grid(root: Path, figs: Path, settings: Settings, seeds: int, n: int, threads: tuple[int, ...],
+          race_extra: tuple[str, ...]) -> tuple[dict, dict]:
+    """The race trained (or reused) at seeds 0..seeds-1 x `threads` under root, each scored on `n` examples per
+    length (kept under figs/eval): -> (the scores, the training wall times) by run name."""
+    demo = _race()
+    scored, walls = {}, {}
+    for seed in range(seeds):
+        for t in threads:
+            run = Run(f"race-s{seed}-t{t}", [f"train.seed={seed}", f"train.threads={t}"], demo.RACE)
+            ckpt, walls[run.name] = train_run(root, run, settings, list(race_extra))
+            scored[run.name] = kept(figs / "eval" / f"{run.name}.json",
+                                    {"checkpoint": str(ckpt), "n": n, "modes": ["standard", "exact"]}, ckpt,
+                                    lambda: _tracking(ckpt, n, ["standard", "exact"], t))
+    return scored, walls
+
+
+def _machine_report(root: Path, figs: Path, settings: Settings, seeds: int, n: int, threads: tuple[int, ...],
+                    race_extra: tuple[str, ...]) -> list[str]:
+    """--scale race: the race's grid on this machine (runs and scores under a folder named after its CPU model, so
+    machines sharing a disk keep theirs apart), recorded in figs/machines/<cpu>.json; the report gives every
+    machine's grid recorded there, this one's first."""
+    import time
+
+    from fullband.files import replace_file
+    from fullband.machine import cpu_model, hardware
+
+    demo = _race()
+    slug = _slug(cpu_model())
+    scored, walls = _grid(root / slug, figs / slug, settings, seeds, n, threads, race_extra)
+    learned = {name: _learned(r) for name, r in scored.items()}
+    record = {"cpu": cpu_model(), "hardware": hardware(), "date": time.strftime("%Y-%m-%d"), "recipe": str(demo.RACE),
+              "recipe_sha256": demo.recipe_key(demo.RACE), "seeds": seeds, "threads": list(threads), "n": n,
+              "lengths": next(iter(scored.values()))["lengths"], "learned": sum(learned.values()),
+              "trainings": len(learned), "exact": {k: _row(r, "exact") for k, r in scored.items()},
+              "standard": {k: _row(r, "standard") for k, r in scored.items()},
+              "train_seconds": {k: round(w, 1) for k, w in walls.items()}}
+    (figs / MACHINES).mkdir(parents=True, exist_ok=True)
+    replace_file(figs / MACHINES / f"{slug}.json", json.dumps(record, indent=1) + "\n")
+    records = _records(figs / MACHINES)
+    lines = [f"The demo's race (`{demo.RACE}`) trained with seeds 0-{seeds - 1} at {', '.join(map(str, threads))} "
+             "torch threads on each machine that ran `fullband reproduce robustness --scale race` (its record is "
+             f"kept in `{figs.name}/{MACHINES}/`; a machine reruns it to add or refresh its own), each scored with the "
+             f"exact read on {n} inputs per length. Cells: accuracy at 2L / 4L / 8L; ✓ when all are ≥ "
+             f"{demo.SOLVED}. The whole study on one machine: [robustness.md](robustness.md).", ""]
+    for rec in sorted(records, key=lambda r: r["cpu"] != record["cpu"]):
+        lines += _record_lines(rec, demo.recipe_key(demo.RACE))
+    return lines
+
+
+def _records(folder: Path) -> list[dict]:
+    from fullband.files import read_json
+
+    return [r for r in (read_json(p) for p in sorted(folder.glob("*.json"))) if isinstance(r, dict)]
+
+
+def _record_lines(rec: dict, recipe_sha256: str) -> list[str]:
+    from fullband.demo import SOLVED
+
+    threads, seeds = rec["threads"], rec["seeds"]
+    stale = "" if rec["recipe_sha256"] == recipe_sha256 else " (**an earlier recipe**: rerun to refresh)"
+    lines = [f"### {rec['cpu']}{stale}", "", f"{rec['hardware']}, {rec['date']}.", "",
+             "| seed | " + " | ".join(f"{t} thread{'s' * (t > 1)}" for t in threads) + " |",
+             "|---|" + "---|" * len(threads)]
+    for seed in range(seeds):
+        cells = [rec["exact"][f"race-s{seed}-t{t}"] for t in threads]
+        lines.append(f"| {seed} | " + " | ".join(_cell(c, min(c[1:]) >= SOLVED) for c in cells) + " |")
+    low = [rec["exact"][f"race-s{s}-t{t}"] for s in range(seeds) for t in threads if t in (1, 2)]
+    beyond = [a for acc in rec["standard"].values() for a in acc[1:]]
+    walls = rec["train_seconds"].values()
+    lines += ["", f"**{rec['learned']} of {rec['trainings']} trainings learn the recurrence**; at 1 and 2 threads "
+              f"{sum(min(c[1:]) >= SOLVED for c in low)} of {len(low)}. The same weights read standard: "
+              f"{min(beyond):.2f} to {max(beyond):.2f} beyond L. Training: {sum(walls) / len(walls):.0f} s per run "
+              "on average.", ""]
+    return lines
+
+
+def _machine_lines(folder: Path) -> list[str]:
+    """The whole study's section on the race's grid on other machines (robustness-race's records), if any."""
+    records = _records(folder / MACHINES)
+    if not records:
+        return []
+    lines = ["## The race on other machines", "",
+             f"`fullband reproduce robustness --scale race` trains the race's grid alone on the machine it runs on "
+             f"([{folder.name}.md]({folder.name}.md), every cell):", ""]
+    for rec in records:
+        stale = "" if rec["recipe_sha256"] == _race().recipe_key(_race().RACE) else ", an earlier recipe"
+        lines.append(f"- {rec['cpu']} ({rec['date']}{stale}): {rec['learned']} of {rec['trainings']} trainings learn "
+                     f"the recurrence (seeds 0-{rec['seeds'] - 1} at {', '.join(map(str, rec['threads']))} threads)")
+    return lines + [""]
+
+
+EXPERIMENT = Experiment("robustness", runs, report, check=check, seeds=10, seeds_option=True)
