@@ -181,3 +181,101 @@ def test_later_updates_on_one_batch_move_the_ratio_and_the_clip_acts():
 
     assert clip(1) == 0.0  # one update: the ratio is 1 everywhere
     assert clip(4) > 0.0
+
+
+def test_per_token_advantages_give_each_token_its_own_term():
+    """On-policy distillation's advantages, one per token (teacher - old, 0 past each response), in the clipped
+    loss against a direct computation; one per response is the same loss as that number on each of its tokens."""
+    from fullband.rl.objective import distill_advantages
+
+    torch.manual_seed(1)
+    B, R = 3, 4
+    logp = torch.randn(B, R, requires_grad=True)
+    old = logp.detach() + 0.3 * torch.randn(B, R)
+    teacher = old + torch.randn(B, R)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    adv = distill_advantages(teacher, old, mask)
+    assert adv.shape == (B, R) and (adv[~mask] == 0).all() and torch.equal(adv[mask], (teacher - old)[mask])
+    out = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    total = 0.0
+    for b, t in mask.nonzero().tolist():
+        ratio = math.exp(float(logp[b, t].detach() - old[b, t]))
+        a = float(teacher[b, t] - old[b, t])
+        total += min(ratio * a, min(max(ratio, 0.8), 1.28) * a)
+    assert float(out.loss.detach()) == pytest.approx(-total / int(mask.sum()), rel=1e-5)
+    per_row = torch.tensor([0.5, -1.0, 2.0])
+    assert torch.equal(policy_loss(logp, old, per_row, mask).loss,
+                       policy_loss(logp, old, per_row[:, None].expand(B, R), mask).loss)
+
+
+def test_the_teacher_is_the_standard_read_of_the_sampled_tokens():
+    """standard_logprobs (one plain pass over prompt + response) equals the decode engine's STANDARD log-probs of the
+    same tokens, teacher-forced step by step; a SOFT rollout's own log-probs differ from it (the fed read)."""
+    from dataclasses import replace
+
+    from fullband.model.mode import DecodeMode
+    from fullband.rl.logprob import logprobs, rollout, standard_logprobs
+    from fullband.decode.sampling import Sampling
+
+    model = tiny_model(seed=2, vocab_size=16, bos_token_id=15).double()
+    r = rollout(model, [[15, 4], [15, 7, 9, 1]], 5, mode="soft", sampling=Sampling(temperature=1.0, seed=3))
+    got = standard_logprobs(model, r)
+    want = logprobs(model, replace(r, mode=DecodeMode.parse("standard")), "exact").detach()
+    assert not got.requires_grad and torch.allclose(got, want, atol=1e-12, rtol=0)
+    assert (got[~r.mask] == 0).all() and (got - r.logprobs.double()).abs()[r.mask].max() > 1e-3
+
+
+@pytest.mark.parametrize("teacher", ["standard", "reference"])
+def test_on_policy_distillation_pulls_the_fed_read_towards_the_standard_read(teacher):
+    """rl.algorithm = "distill": SOFT samples, each token advantaged by the teacher's STANDARD log-prob minus the
+    sampler's. The first update's loss is the sampled KL(policy || teacher) itself (ratio 1, nothing clipped). After
+    25 steps, on 64 fresh SOFT samples: towards the frozen start (teacher 'reference'), the fed read has met the
+    start's STANDARD read and the model's own STANDARD read stayed where it was; towards its own STANDARD read
+    (teacher 'standard') the two reads meet too, but the STANDARD read moved away from the start (docs/method.md:
+    why the frozen teacher is the default)."""
+    import copy
+
+    from fullband.decode.sampling import Sampling
+    from fullband.rl.logprob import logprobs, rollout, standard_logprobs
+
+    torch.manual_seed(0)
+    model = tiny_model(seed=4, vocab_size=16, bos_token_id=15)
+    start = copy.deepcopy(model).requires_grad_(False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    settings = RLSettings(algorithm="distill", teacher=teacher, mode="soft", group=8, max_new_tokens=6)
+    prompts = [[15, 4, 2], [15, 7, 9], [15, 1, 1, 3], [15, 12, 5]]
+
+    def kls() -> tuple[float, float, float]:
+        """Sampled KL per token of the fed read to the start's STANDARD read, to its own, and own to start's."""
+        r = rollout(model, [p for p in prompts for _ in range(16)], 6, mode="soft",
+                    sampling=Sampling(temperature=1.0, seed=99))
+        fed, own, first = logprobs(model, r, "exact").detach(), standard_logprobs(model, r), standard_logprobs(start, r)
+        n = r.mask.sum()
+        return float((fed - first).sum() / n), float((fed - own).sum() / n), float((own - first).sum() / n)
+
+    before = kls()
+    rows = [rl_step(model, optimizer, prompts, lambda i, y: 0.0, settings, seed=step, reference=start)
+            for step in range(25)]
+    assert rows[0]["loss"] == pytest.approx(rows[0]["teacher_kl"], rel=1e-5) and rows[0]["clip_fraction"] == 0
+    to_start, to_own, moved = kls()
+    assert before[0] > 0.05 and before[2] == 0
+    assert to_own < before[1] / 5, (before, to_own)
+    if teacher == "reference":
+        assert to_start < before[0] / 5 and abs(moved) < 0.01, (before, to_start, moved)
+    else:
+        assert moved > 0.1, (before, moved)
+
+
+def test_distillation_settings_are_checked():
+    with pytest.raises(InputError, match="rl.teacher='pretrained' is unknown; accepted: standard, reference"):
+        RLSettings(algorithm="distill", teacher="pretrained")
+    with pytest.raises(InputError, match=r"rl.algorithm='distill' with rl.mode='standard' and rl.teacher='standard': "
+                                         r"the policy would be its own teacher .* accepted: a fed mode"):
+        RLSettings(algorithm="distill", mode="standard", teacher="standard")
+    assert RLSettings(algorithm="distill", mode="standard").needs_reference  # the default teacher: the frozen start
+    assert not RLSettings(algorithm="distill", teacher="standard").needs_reference
+    assert RLSettings(kl_coef=0.1).needs_reference and not RLSettings().needs_reference
+    model = tiny_model(seed=1, vocab_size=16, bos_token_id=15)
+    with pytest.raises(InputError, match="rl.teacher='reference' needs the starting model"):
+        rl_step(model, torch.optim.Adam(model.parameters()), [[15, 4]], lambda i, y: 0.0,
+                RLSettings(algorithm="distill", max_new_tokens=2), seed=0)

@@ -50,11 +50,11 @@ def model(tmp_path_factory) -> Path:
                                                                         tokenizer=chat)
 
 
-def recipe(tmp_path: Path, model: Path, run_dir: str, *, steps: int = 6) -> Path:
+def recipe(tmp_path: Path, model: Path, run_dir: str, *, steps: int = 6, extra: str = "") -> Path:
     (tmp_path / "reward.py").write_text(REWARD)
     path = tmp_path / f"{run_dir}.toml"
     path.write_text(RECIPE.format(model=model, steps=steps, run=tmp_path / run_dir,
-                                  reward=f"{tmp_path / 'reward.py'}:digits"))
+                                  reward=f"{tmp_path / 'reward.py'}:digits") + extra)
     return path
 
 
@@ -71,8 +71,11 @@ def test_a_run_logs_evaluates_checkpoints_and_plots(tmp_path, model):
 
 
 def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
-    assert run("rl", str(recipe(tmp_path, model, "whole"))).returncode == 0
-    config = recipe(tmp_path, model, "cut")
+    """Run with on-policy distillation towards the frozen start (the resumed process builds the reference again
+    from rl.init_from; the loop, its checkpoints and the clipped loss are the ones GRPO runs)."""
+    extra = 'algorithm = "distill"\n'
+    assert run("rl", str(recipe(tmp_path, model, "whole", extra=extra))).returncode == 0
+    config = recipe(tmp_path, model, "cut", extra=extra)
     proc = subprocess.Popen([*CLI, "rl", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 120
@@ -88,6 +91,7 @@ def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
     timing = ("seconds", "time", "tok_per_s")
     strip = [[{k: v for k, v in json.loads(line).items() if k not in timing} for line in r] for r in rows]
     assert strip[0] == strip[1]
+    assert "teacher_kl" in json.loads(rows[0][1])
     # the run's thread count is part of the run: recorded at its start, another one refused on resume
     assert json.loads((tmp_path / "cut" / "run.json").read_text())["rl"]["threads"] == 1
     other = run("rl", str(config), "--resume", str(tmp_path / "cut"), threads="2")
@@ -96,6 +100,7 @@ def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
 
 @pytest.mark.parametrize("override,words", [
     ("rl.group=1", "rl.group=1 is invalid"),
+    ("rl.teacher='self'", "rl.teacher='self' is unknown; accepted: standard, reference"),
     ("rl.logprob='jacobi'", "logprob path 'jacobi' is unknown"),
     ("rl.reward='no_such_module:f'", "cannot import 'no_such_module'"),
     ("rl.max_new_tokens=250", "leaves room for rl.max_new_tokens=250"),
@@ -246,3 +251,15 @@ def test_rl_names_its_own_settings_and_a_train_run_is_not_resumed_as_rl(tmp_path
     assert main(["rl", str(recipe(tmp_path, model, "x")), "--resume", str(tmp_path / "trained")]) == 2
     err = capsys.readouterr().err
     assert "is a `fullband train` run" in err and f"fullband train RECIPE --resume {tmp_path / 'trained'}" in err
+
+
+def test_a_run_recorded_before_rl_teacher_resumes_with_its_default():
+    """rl.teacher came with on-policy distillation: a run.json without it holds the default, any other is named."""
+    from fullband.rl.run import MUST_MATCH, RLConfig
+    from fullband.train.rundir import resume_differences
+
+    now = {"rl": {k: v for k, v in vars(RLConfig(init_from="m")).items()}}
+    old = {"rl": {k: v for k, v in now["rl"].items() if k != "teacher"}}
+    assert "rl.teacher" in MUST_MATCH and resume_differences(old, now, MUST_MATCH) == []
+    other = {"rl": {**now["rl"], "teacher": "standard"}}
+    assert resume_differences(other, now, MUST_MATCH) == ['rl.teacher: run has "standard", config has "reference"']

@@ -20,7 +20,7 @@ the row's per-token value, 0 past the row's response."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -94,6 +94,13 @@ def parse_path(path: str) -> tuple[str, int | None]:
     if name == "jacobi" and k:
         return name, parse_int("jacobi passes K", k, 1, error=InputError)
     raise InputError(f"logprob path {path!r} is unknown; accepted: exact, jacobi:K (K >= 1 passes), replay")
+
+
+@torch.no_grad()
+def standard_logprobs(model: FeedbackModel, r: Rollout) -> Tensor:
+    """(B, R) each response token's log-probability under `model`'s STANDARD read of prompt + response (one plain
+    pass, nothing fed; 0 past each response), without gradients: on-policy distillation's teacher."""
+    return logprobs(model, replace(r, mode=DecodeMode.parse("standard")), "jacobi:1")
 
 
 def logprobs(model: FeedbackModel, r: Rollout, path: str = "exact") -> Tensor:

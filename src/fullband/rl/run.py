@@ -105,7 +105,8 @@ class Items:
 def check_step_memory(cfg: RLConfig, model, longest_prompt: int, device) -> None:
     """Refuse, before anything is allocated, a step whose rows (prompts_per_step x group) of the longest prompt plus
     max_new_tokens do not fit in memory: the log-probability passes' activations with gradients (as a training
-    step's, train.memory.step_memory), AdamW's state, the reference model (kl_coef > 0) and the sampling caches."""
+    step's, train.memory.step_memory), AdamW's state, the reference model (kl_coef > 0, or distillation towards
+    it) and the sampling caches."""
     from fullband.model.flops import kv_bytes_per_token
     from fullband.rl.logprob import parse_path
     from fullband.train.memory import check_fits, model_bytes, step_memory
@@ -117,7 +118,7 @@ def check_step_memory(cfg: RLConfig, model, longest_prompt: int, device) -> None
     step = step_memory(model, passes=passes, tokens=tokens, optimizer="adamw")
     parts = {"weights, gradients and AdamW state": step.weights + step.gradients + step.optimizer,
              f"activations of {rows:,} rows": step.activations, "sampling caches": tokens * kv_bytes_per_token(model)}
-    if cfg.kl_coef > 0:
+    if cfg.needs_reference:
         parts["reference model"] = model_bytes(model)
     check_fits(parts, f"an RL step of {rows:,} rows (rl.prompts_per_step x rl.group) of up to {tokens // rows:,} "
                "tokens", device, smaller="rl.group, rl.prompts_per_step or rl.max_new_tokens", error=ConfigError)
@@ -148,7 +149,7 @@ def step_seed(seed: int, step: int) -> int:
 
 @dataclass
 class _Run:
-    """What a run holds while it trains (`reference`: the frozen starting model, when kl_coef > 0)."""
+    """What a run holds while it trains (`reference`: the frozen starting model, when a step reads it)."""
 
     recipe: RLRecipe
     d: Dist
@@ -213,7 +214,7 @@ def _prepare(recipe: RLRecipe) -> _Run:
     train_items = _items(cfg, tokenizer, model.config.max_seq_len)
     check_step_memory(cfg, model.config, max(len(p) for p in train_items.prompts), d.device)
     val_items = held_out_items(cfg.data, limit=cfg.eval_prompts, val_percent=cfg.val_percent, split="val")
-    reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
+    reference = copy.deepcopy(model).requires_grad_(False) if cfg.needs_reference else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     return _Run(recipe, d, model, tokenizer, reward, train_items, val_items, reference, optimizer)
 

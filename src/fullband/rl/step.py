@@ -4,6 +4,12 @@
   computed by a log-probability path (fullband.rl.logprob). The ratio's denominator is the same path's value at
   the first update, detached (1 there; later updates move away from it and the clip acts): on-policy, a path's
   own error cancels in the ratio and shows in the gradient.
+- `distill` (on-policy distillation): the same clipped loss with an advantage per response token, the teacher's
+  log-probability of the token minus the sampling policy's (fullband.rl.objective.distill_advantages): the
+  responses sampled in a fed mode, as at inference, are pulled towards the STANDARD read of the same tokens, the
+  starting model's (`teacher = "reference"`, frozen) or the policy's own (`"standard"`, no gradient through it,
+  though it moves with every update: the two reads can meet by both changing). No reward
+  is needed (the reward is still computed and logged).
 - `rejection-sft` (on-policy SFT): keep the responses whose reward reaches `accept` (all of them, or each prompt's
   shortest) and take one optimiser step of the chat training objective (fullband.model.objective: `sft_passes`
   Jacobi passes, the pass weight, jitter and prefix mixin as the model's config says) on prompt + response,
@@ -21,13 +27,14 @@ from torch import Tensor
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError, TrainingDiverged
 from fullband.model.core import FeedbackModel
-from fullband.rl.logprob import Rollout, logprobs, parse_path, rl_mode, rollout, sequences
-from fullband.rl.objective import group_advantages, policy_loss
+from fullband.rl.logprob import Rollout, logprobs, parse_path, rl_mode, rollout, sequences, standard_logprobs
+from fullband.rl.objective import distill_advantages, group_advantages, policy_loss
 from fullband.validate import integer, number
 
 
-ALGORITHMS = ("grpo", "rejection-sft")
+ALGORITHMS = ("grpo", "rejection-sft", "distill")
 KEEP = ("correct", "shortest")
+TEACHERS = ("standard", "reference")
 
 
 @dataclass
@@ -47,6 +54,13 @@ class RLSettings:
     accept: float = 1.0  # rejection-sft: a response is kept when its reward is at least this
     keep: str = "correct"  # rejection-sft: "correct" (every kept response) | "shortest" (each prompt's shortest)
     sft_passes: int = 3  # rejection-sft: Jacobi passes of the training objective (STANDARD sampling: 1)
+    teacher: str = "reference"  # distill: the STANDARD read of the frozen starting model, or of the policy itself
+    # ("standard", stop-gradient: it moves with the policy, so both reads can agree by both changing)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a step reads the frozen starting model: the KL penalty, or distillation towards it."""
+        return self.kl_coef > 0 or (self.algorithm == "distill" and self.teacher == "reference")
 
     def __post_init__(self) -> None:
         rl_mode(self.mode)
@@ -55,6 +69,12 @@ class RLSettings:
             raise InputError(f"rl.algorithm={self.algorithm!r} is unknown; accepted: {', '.join(ALGORITHMS)}")
         if self.keep not in KEEP:
             raise InputError(f"rl.keep={self.keep!r} is unknown; accepted: {', '.join(KEEP)}")
+        if self.teacher not in TEACHERS:
+            raise InputError(f"rl.teacher={self.teacher!r} is unknown; accepted: {', '.join(TEACHERS)}")
+        if self.algorithm == "distill" and self.teacher == "standard" and not rl_mode(self.mode).feeds_state:
+            raise InputError(f"rl.algorithm='distill' with rl.mode={self.mode!r} and rl.teacher='standard': the "
+                             "policy would be its own teacher (every advantage 0); accepted: a fed mode (soft, "
+                             "fused:K), or rl.teacher='reference'")
         integer("rl.updates", self.updates, 1, error=InputError)
         if self.updates > 1 and parse_path(self.logprob)[0] == "replay":
             raise InputError(f"rl.logprob='replay' with rl.updates={self.updates}: the states were recorded by the "
@@ -91,6 +111,8 @@ def rl_step(model: FeedbackModel, optimizer: torch.optim.Optimizer, prompts: Seq
     r, rewards = sample(model, prompts, score, settings, seed=seed, stop_tokens=stop_tokens)
     if settings.algorithm == "rejection-sft":
         row = _rejection_sft(model, optimizer, r, rewards, settings, seed=seed)
+    elif settings.algorithm == "distill":
+        row = _distill(model, optimizer, r, settings, reference)
     else:
         row = _grpo(model, optimizer, r, rewards, settings, reference)
     lengths = torch.tensor([len(y) for y in r.responses], dtype=torch.float64)
@@ -134,23 +156,44 @@ def _grpo(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, re
                                "stopped before the update. Accepted: rewards whose sums stay finite (|reward| "
                                "well below 1e308)")
     advantages = advantages.float()
+    return _updates(model, optimizer, r, settings, reference, lambda old: advantages)[0]
+
+
+def _distill(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, settings: RLSettings,
+             reference: FeedbackModel | None) -> dict:
+    """On-policy distillation: the clipped loss with each token's advantage its teacher's log-probability minus
+    the sampling policy's; the row's teacher_kl is the sampled KL(policy || teacher) per response token before the
+    update."""
+    if settings.teacher == "reference" and reference is None:
+        raise InputError("rl.teacher='reference' needs the starting model: pass rl_step's reference")
+    teacher = standard_logprobs(reference if settings.teacher == "reference" else model, r)
+    row, advantages = _updates(model, optimizer, r, settings, reference,
+                               lambda old: distill_advantages(teacher, old, r.mask))
+    return {**row, "teacher_kl": -float(advantages.sum() / r.mask.sum().clamp(min=1))}
+
+
+def _updates(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, settings: RLSettings,
+             reference: FeedbackModel | None, advantages_of: Callable[[Tensor], Tensor]) -> tuple[dict, Tensor]:
+    """settings.updates optimiser steps of the clipped loss on the rollout; advantages_of(the first update's
+    log-probabilities, detached) gives the advantages (per response or per token). -> the row, the advantages."""
     ref = None
     if reference is not None and settings.kl_coef > 0:
         with torch.no_grad():
             ref = logprobs(reference, r, settings.logprob)
-    old = error = None
+    old = error = advantages = None
     clipped = []
     for _ in range(settings.updates):
         logp = logprobs(model, r, settings.logprob)
         if old is None:
             old = logp.detach()
             error = float((old - r.logprobs.to(old.device)).abs()[r.mask].mean())
+            advantages = advantages_of(old)
         out = policy_loss(logp, old, advantages, r.mask, clip_low=settings.clip_low, clip_high=settings.clip_high,
                           ref=ref, kl_coef=settings.kl_coef)
         apply_update(model, optimizer, out.loss)
         clipped.append(out.clip_fraction)
     return {"loss": float(out.loss.detach()), "kl": out.kl, "clip_fraction": sum(clipped) / len(clipped),
-            "logprob_error": error}
+            "logprob_error": error}, advantages
 
 
 def kept_rows(rewards: Tensor, lengths: Sequence[int], group: int, accept: float, keep: str) -> list[int]:
