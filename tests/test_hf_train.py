@@ -198,3 +198,27 @@ def test_model_hf_path_refuses_a_folder_transformers_would_start_partly_fresh(tm
     with pytest.raises(ConfigError, match=said):
         Trainer(load_run_config(recipe(tmp_path, corpus, cache, folder)))
     assert not (tmp_path / "run").exists()
+
+
+def test_the_anchor_holds_the_pretrained_hf_model(tmp_path, corpus, cache, hf_folders):
+    """train.anchor with model.hf_path: the frozen copy is the pretrained HF model as the run starts from it (every
+    HF weight equal to the folder's), no step moves it, and the term is logged."""
+    from fullband.train.config import load_run_config
+
+    hf_path = hf_folders / "llama"
+    path = recipe(tmp_path, corpus, cache, hf_path, "anchored", steps=3)
+    path.write_text(path.read_text().replace("[train]\n", "[train]\nanchor = 1.0\n", 1))
+    trainer = Trainer(load_run_config(path))
+    original = load_file(str(hf_path / "model.safetensors"))
+    frozen = trainer.anchor.state_dict()
+    assert all(torch.equal(frozen["hf." + k], v) for k, v in original.items() if "hf." + k in frozen)
+    assert sum("hf." + k in frozen for k in original) >= len(original) - 1  # a tied head may be stored once
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert all(torch.equal(frozen[k], v) for k, v in trainer.anchor.state_dict().items())
+    rows = [json.loads(line) for line in (tmp_path / "anchored" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss_pass" in r]
+    assert [r["anchor_weight"] for r in steps] == pytest.approx([1.0, 2 / 3, 1 / 3])
+    assert all(r["anchor"] >= 0 for r in steps) and any(r["anchor"] > 0 for r in steps if r["k"] > 1)
