@@ -50,7 +50,7 @@ class RLSettings:
     clip_high: float = 0.28  # grpo: the upper clip (DAPO's clip-higher)
     kl_coef: float = 0.0  # > 0: a k3 KL penalty to the reference (the starting model)
     updates: int = 1  # optimiser steps per batch of samples (grpo)
-    algorithm: str = "grpo"  # grpo | rejection-sft
+    algorithm: str = "grpo"  # grpo | rejection-sft | distill (on-policy distillation towards rl.teacher)
     accept: float = 1.0  # rejection-sft: a response is kept when its reward is at least this
     keep: str = "correct"  # rejection-sft: "correct" (every kept response) | "shortest" (each prompt's shortest)
     sft_passes: int = 3  # rejection-sft: Jacobi passes of the training objective (STANDARD sampling: 1)
