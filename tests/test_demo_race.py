@@ -166,6 +166,14 @@ def test_reproduce_robustness_race_scale_keeps_each_machine_s_grid(tmp_path, mon
     assert lines[0] == "## The race on other machines" and len([x for x in lines if x.startswith("- ")]) == 2
     assert "- Some Other CPU @ 3GHz (2026-01-01, an earlier recipe): 0 of 1 trainings learn the recurrence (seeds 0-0 " \
            "at 1 threads)" in lines
+    # a machine's full grid says whether it meets the goal (19 of 20 at 1 and 2 threads)
+    grid = {f"race-s{s}-t{t}": [1, 1, 1, .95] if (s, t) not in ((4, 1), (9, 1)) else [1, .99, .95, .84]
+            for s in range(10) for t in (1, 2)}
+    full = {**other, "recipe_sha256": demo.recipe_key(demo.RACE), "seeds": 10, "threads": [1, 2], "exact": grid,
+            "standard": grid, "learned": 18, "trainings": 20, "train_seconds": {"race-s0-t1": 150.0}}
+    said = "\n".join(robustness._record_lines(full, demo.recipe_key(demo.RACE)))
+    assert "at 1 and 2 threads 18 of 20 (the goal: 19 of 20, **NOT met** on this machine)" in said
+    assert "| 4 | 0.99 / 0.95 / 0.84 ✗ | 1.00 / 1.00 / 0.95 ✓ |" in said and "earlier recipe" not in said
     monkeypatch.setattr("fullband.train.trainer.train", lambda *a, **k: pytest.fail("trained again"))
     monkeypatch.setattr("fullband.eval.commands.eval_tracking", lambda *a, **k: pytest.fail("scored again"))
     again = reproduce("robustness", scale="race", **options).read_text()
