@@ -155,7 +155,8 @@ def test_reproduce_robustness_race_scale_keeps_each_machine_s_grid(tmp_path, mon
                        .read_text())["train"]
     assert (train["seed"], train["threads"]) == (0, 2)
     assert text.index(f"### {cpu_model()}\n") < text.index("### Some Other CPU @ 3GHz (**an earlier recipe**")
-    assert f"**{mine['learned']} of 2 trainings learn the recurrence**" in text and "| seed | 1 thread | 2 threads |" in text
+    assert f"**{mine['learned']} of 2 trainings learn the recurrence**" in text
+    assert "| seed | 1 thread | 2 threads |" in text
     assert "**0 of 1 trainings learn the recurrence**; at 1 and 2 threads 0 of 1. The same weights read standard: " \
            "0.40 to 0.60 beyond L. Training: 60 s per run on average." in text
     assert "| 0 | 0.50 / 0.50 / 0.50 ✗ |" in text
@@ -164,8 +165,8 @@ def test_reproduce_robustness_race_scale_keeps_each_machine_s_grid(tmp_path, mon
 
     lines = robustness._machine_lines(docs / "robustness-race")
     assert lines[0] == "## The race on other machines" and len([x for x in lines if x.startswith("- ")]) == 2
-    assert "- Some Other CPU @ 3GHz (2026-01-01, an earlier recipe): 0 of 1 trainings learn the recurrence (seeds 0-0 " \
-           "at 1 threads)" in lines
+    assert ("- Some Other CPU @ 3GHz (2026-01-01, an earlier recipe): 0 of 1 trainings learn the recurrence "
+            "(seeds 0-0 at 1 thread)") in lines
     # a machine's full grid says whether it meets the goal (19 of 20 at 1 and 2 threads)
     grid = {f"race-s{s}-t{t}": [1, 1, 1, .95] if (s, t) not in ((4, 1), (9, 1)) else [1, .99, .95, .84]
             for s in range(10) for t in (1, 2)}

@@ -66,8 +66,8 @@ def report(runs_: list[Run], root: Path, figs: Path, settings: Settings, *, seed
     """Train (or reuse) every run, score the race runs on `n` examples per length, and write the tables; `seeds`
     is the race's seeds (0..seeds-1: --seeds), `experiments` the reports whose headlines are read (default every
     report beside this one), `more_seeds` further race seeds at 1 thread; scale "race" trains and reports the
-    race's grid alone at `machine_threads` (_machine_report). `threads`, `code_seeds` and the extra overrides of the race's and the code
-    LM's runs exist for tests."""
+    race's grid alone at `machine_threads` (_machine_report). `threads`, `code_seeds` and the extra overrides of
+    the race's and the code LM's runs exist for tests."""
     check(scale=scale)
     if scale == "race":
         return _machine_report(root, figs, settings, seeds, n, machine_threads, race_extra)
@@ -411,7 +411,8 @@ def _machine_lines(folder: Path) -> list[str]:
     for rec in records:
         stale = "" if rec["recipe_sha256"] == _race().recipe_key(_race().RACE) else ", an earlier recipe"
         lines.append(f"- {rec['cpu']} ({rec['date']}{stale}): {rec['learned']} of {rec['trainings']} trainings learn "
-                     f"the recurrence (seeds 0-{rec['seeds'] - 1} at {', '.join(map(str, rec['threads']))} threads)")
+                     f"the recurrence (seeds 0-{rec['seeds'] - 1} at {', '.join(map(str, rec['threads']))} "
+                     f"thread{'s' * (rec['threads'] != [1])})")
     return lines + [""]
 
 
