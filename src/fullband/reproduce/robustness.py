@@ -79,14 +79,11 @@ def report(runs_: list[Run], root: Path, figs: Path, settings: Settings, *, seed
         extra = list(code_extra if run.name.startswith("code") else race_extra)
         if run.name.startswith("compute"):  # the standard model given the full-bandwidth recipe's compute
             extra = demo.racer_overrides("standard-compute", demo.RACE, extra)[len(demo.STANDARD):]
-        ckpt, walls[run.name] = train_run(root, run, settings, extra)
         if not run.name.startswith("code"):
-            count = int(run.name.rsplit("-t", 1)[1])
             modes = ["standard"] if run.name.startswith(("standard", "compute")) else ["standard", "exact"]
-            scored[run.name] = kept(figs / "eval" / f"{run.name}.json", {"checkpoint": str(ckpt), "n": n,
-                                                                         "modes": modes}, ckpt,
-                                    lambda: _tracking(ckpt, n, modes, count))
+            scored[run.name], walls[run.name] = _scored(root, figs, settings, run, extra, n, modes)
         else:
+            ckpt, walls[run.name] = train_run(root, run, settings, extra)
             scored[run.name] = kept(figs / "eval" / f"{run.name}.json", {"checkpoint": str(ckpt)}, ckpt,
                                     lambda: _code_loss(ckpt))
     grid = {f"race-s{s}-t{t}" for s in range(seeds) for t in threads}
@@ -330,11 +327,19 @@ def _grid(root: Path, figs: Path, settings: Settings, seeds: int, n: int, thread
     for seed in range(seeds):
         for t in threads:
             run = Run(f"race-s{seed}-t{t}", [f"train.seed={seed}", f"train.threads={t}"], demo.RACE)
-            ckpt, walls[run.name] = train_run(root, run, settings, list(race_extra))
-            scored[run.name] = kept(figs / "eval" / f"{run.name}.json",
-                                    {"checkpoint": str(ckpt), "n": n, "modes": ["standard", "exact"]}, ckpt,
-                                    lambda: _tracking(ckpt, n, ["standard", "exact"], t))
+            scored[run.name], walls[run.name] = _scored(root, figs, settings, run, list(race_extra), n,
+                                                        ["standard", "exact"])
     return scored, walls
+
+
+def _scored(root: Path, figs: Path, settings: Settings, run: Run, extra: list[str], n: int,
+            modes: list[str]) -> tuple[dict, float]:
+    """One race run (its name ends -t<threads>) trained or reused under root and scored in `modes` on `n` examples
+    per length at its thread count, the score kept under figs/eval: -> (the score, the training's wall time)."""
+    ckpt, wall = train_run(root, run, settings, extra)
+    threads = int(run.name.rsplit("-t", 1)[1])
+    return kept(figs / "eval" / f"{run.name}.json", {"checkpoint": str(ckpt), "n": n, "modes": modes}, ckpt,
+                lambda: _tracking(ckpt, n, modes, threads)), wall
 
 
 def _machine_report(root: Path, figs: Path, settings: Settings, seeds: int, n: int, threads: tuple[int, ...],
