@@ -113,6 +113,7 @@ def test_a_reward_that_hangs_or_exits_is_one_line_naming_it_and_the_prompt(tmp_p
     try:
         with pytest.raises(Outer):
             load_reward(f"{bad}:hang", timeout=30)("p", "y", {})
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # it went off: not set again to go off twice
     finally:
         signal.signal(signal.SIGALRM, before)
         signal.setitimer(signal.ITIMER_REAL, *saved)

@@ -112,10 +112,12 @@ def _deadline(seconds: float):
     previous = signal.getsignal(signal.SIGALRM)
     ours_first = not outer or seconds < outer
     start = time.monotonic()
+    fired = []  # the outer alarm went off while we held the timer: not to be set again for a time already past
 
     def expire(signum, frame):
         if ours_first:
             raise _TimedOut
+        fired.append(True)
         signal.signal(signal.SIGALRM, previous)  # the outer alarm is due: its own handler, as if we were not here
         if callable(previous):
             try:
@@ -132,5 +134,7 @@ def _deadline(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-        if outer:
+        if fired and interval:  # a repeating outer alarm goes on at its own interval
+            signal.setitimer(signal.ITIMER_REAL, interval, interval)
+        elif outer and not fired:
             signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3), interval)
