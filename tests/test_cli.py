@@ -174,8 +174,28 @@ def test_every_command_s_help(args, capsys):
 def test_the_console_script_runs_as_a_module():
     """`python -m fullband.cli` (what the console script calls), in a process of its own: the commands' help above
     is read in this one, each child costing seconds of imports."""
-    done = subprocess.run([sys.executable, "-m", "fullband.cli", "--help"], capture_output=True, text=True)
+    code = ("import sys, runpy; sys.argv = ['fullband', '--help']\ntry:\n    runpy.run_module('fullband.cli', "
+            "run_name='__main__')\nexcept SystemExit as done:\n    print('exit', done.code, 'transformers' in "
+            "sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and "usage: fullband" in done.stdout and "reproduce" in done.stdout
+    # building the parser leaves transformers unread (seconds of every command's start): a registry's choices
+    # (convert's --to, --gguf-type) are read at parse time, and the help names each of them
+    assert done.stdout.rstrip().endswith("exit 0 False"), done.stdout[-200:]
+
+
+def test_convert_s_help_names_every_choice_its_registries_accept(capsys):
+    from fullband.hf.convert import TARGETS
+    from fullband.hf.gguf_out import GGUF_TYPES
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"target layout: {', '.join(TARGETS[:-1])} or {TARGETS[-1]} (" in text
+    assert f"tensor type: {', '.join(GGUF_TYPES[:-1])} or {GGUF_TYPES[-1]} (" in text
+    with pytest.raises(SystemExit):
+        main(["convert", "a", "b", "--to", "onnx"])
+    assert "invalid choice: 'onnx' (choose from 'hf', 'native', 'gguf')" in capsys.readouterr().err
 
 
 def test_tokenizer_train_command(tmp_path, capsys):

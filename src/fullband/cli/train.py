@@ -207,11 +207,12 @@ CONVERT = Command("convert", "native checkpoint <-> transformers folder <-> GGUF
                   cmd_convert, (
     opt("src", help="a native checkpoint, a transformers fullband folder, a LlamaForCausalLM folder or a GGUF file"),
     opt("dst", help="folder to write (must not exist or be empty unless --overwrite), or FILE.gguf"),
-    opt("--to", choices=Registry("fullband.hf.convert", "TARGETS"),
-        help="target layout (default: gguf for a .gguf dst, else the other one; native for a Llama)"),
+    opt("--to", choices=Registry("fullband.hf.convert", "TARGETS"), metavar="LAYOUT",
+        help="target layout: hf, native or gguf (default: gguf for a .gguf dst, else the other one; native for a "
+             "Llama)"),
     opt("--dtype", choices=DTYPES, help="cast the weights (default: keep)"),
-    opt("--gguf-type", default=None, choices=Registry("fullband.hf.gguf_out", "GGUF_TYPES"),
-        help="a GGUF file's tensor type (default F32; norms stay F32; a GGUF destination only)"),
+    opt("--gguf-type", default=None, choices=Registry("fullband.hf.gguf_out", "GGUF_TYPES"), metavar="TYPE",
+        help="a GGUF file's tensor type: F32, F16 or Q8_0 (default F32; norms stay F32; a GGUF destination only)"),
     opt("--fusion", default="gated", help="fusion of the new feedback weights when converting a Llama"),
     opt("--overwrite", action="store_true", help="replace a non-empty destination"),
 ))
