@@ -96,6 +96,13 @@ def test_reproduce_robustness_counts_the_race_and_reads_each_report_s_seeds(tmp_
          "mean": 0.025, "low": 0.01, "high": 0.04, "se": 0.015, "within": 0.017, "fmt": "+.3f",
          "verdict": "mixed: higher in 1, no difference shown in 1 of 2 seeds"}]}))
     (docs / "probe.md").write_text("# probe\n")
+    (docs / "robustness").mkdir()  # two machines' screens (constructed): each its own table
+    for name, cpu, runs_ in (("screen.json", "AMD EPYC", {"0": [1, 1, 1, 1], "1": [1, .5, .5, .5]}),
+                             ("screen-intel.json", "Intel Xeon", {"4": [1, 1, 1, .95], "0@2": [1, 1, .9, .8]})):
+        (docs / "robustness" / name).write_text(json.dumps({
+            "note": "by hand", "hardware": f"{cpu}, 2 cores", "date": "2026-12-05", "candidates": [
+                {"name": "x", "what": "jitter 0.2", "overrides": [],
+                 "runs": {k: {"exact": v, "train_seconds": 10.0} for k, v in runs_.items()}}]}))
     options = dict(root=tmp_path / "runs", docs=docs, seeds=2, threads=(1, 2), code_seeds=1, more_seeds=1, n=8,
                    race_extra=tuple(race), code_extra=tuple(code))
     text = reproduce("robustness", **options).read_text()
@@ -108,7 +115,9 @@ def test_reproduce_robustness_counts_the_race_and_reads_each_report_s_seeds(tmp_
                  "| seed | same tokens, 1 thread | same tokens, 2 threads | same compute, 1 thread |",
                  "## The recipe before, and what changed", "## The demo's code LM across seeds",
                  "| [sft](sft.md) | 2 | sft FUSED k=1 minus STANDARD: exact match | +0.025 | +0.010 - +0.040 | mixed",
-                 "| [probe](probe.md) | - | not rerun since seeds were recorded |"):
+                 "| [probe](probe.md) | - | not rerun since seeds were recorded |",
+                 "### The screen on AMD EPYC\n", "| jitter 0.2 | 1 of 2 | 0, 1 | 0.50 / 0.50 / 0.50 | 10 s |",
+                 "### The screen on Intel Xeon\n", "| jitter 0.2 | 1 of 2 | 4, 0@2 | 1.00 / 0.90 / 0.80 | 10 s |"):
         assert part in text, part
     runs = tmp_path / "runs" / "robustness"
     for name, seed, threads in (("race-s1-t2", 1, 2), ("standard-s0-t1", 0, 1), ("before-s1-t1", 1, 1),
@@ -175,6 +184,9 @@ def test_reproduce_robustness_race_scale_keeps_each_machine_s_grid(tmp_path, mon
     said = "\n".join(robustness._record_lines(full, demo.recipe_key(demo.RACE)))
     assert "at 1 and 2 threads 18 of 20 (the goal: 19 of 20, **NOT met** on this machine)" in said
     assert "| 4 | 0.99 / 0.95 / 0.84 ✗ | 1.00 / 1.00 / 0.95 ✓ |" in said and "earlier recipe" not in said
+    # a record taken from a whole study's kept scores, without per-run training times, says where it came from
+    said = "\n".join(robustness._record_lines({**full, "train_seconds": {}, "from": "a whole study"}, "0" * 64))
+    assert "beyond L. From a whole study." in said and "Training:" not in said
     monkeypatch.setattr("fullband.train.trainer.train", lambda *a, **k: pytest.fail("trained again"))
     monkeypatch.setattr("fullband.eval.commands.eval_tracking", lambda *a, **k: pytest.fail("scored again"))
     again = reproduce("robustness", scale="race", **options).read_text()
