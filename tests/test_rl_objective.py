@@ -224,16 +224,25 @@ def test_the_teacher_is_the_standard_read_of_the_sampled_tokens():
     want = logprobs(model, replace(r, mode=DecodeMode.parse("standard")), "exact").detach()
     assert not got.requires_grad and torch.allclose(got, want, atol=1e-12, rtol=0)
     assert (got[~r.mask] == 0).all() and (got - r.logprobs.double()).abs()[r.mask].max() > 1e-3
+    # rl.hold's distributions: the STANDARD read's logits at exactly the response tokens, in the rollout's order
+    from fullband.rl.logprob import response_targets, standard_response_logits
+
+    inputs, targets, _ = response_targets(model, r)
+    logits = standard_response_logits(model, inputs, targets)
+    assert logits.shape == (int(r.mask.sum()), 16) and logits.requires_grad
+    picked = torch.log_softmax(logits, -1).gather(-1, targets[targets != -100][:, None])[:, 0]
+    assert torch.allclose(picked, got[r.mask], atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("teacher", ["standard", "reference"])
-def test_on_policy_distillation_pulls_the_fed_read_towards_the_standard_read(teacher):
+@pytest.mark.parametrize("teacher,hold", [("standard", 0.0), ("reference", 0.0), ("standard", 1.0)])
+def test_on_policy_distillation_pulls_the_fed_read_towards_the_standard_read(teacher, hold):
     """rl.algorithm = "distill": SOFT samples, each token advantaged by the teacher's STANDARD log-prob minus the
     sampler's. The first update's loss is the sampled KL(policy || teacher) itself (ratio 1, nothing clipped). After
     25 steps, on 64 fresh SOFT samples: towards the frozen start (teacher 'reference'), the fed read has met the
     start's STANDARD read and the model's own STANDARD read stayed where it was; towards its own STANDARD read
     (teacher 'standard') the two reads meet too, but the STANDARD read moved away from the start (docs/method.md:
-    why the frozen teacher is the default)."""
+    why the frozen teacher is the default), unless rl.hold holds it (KL to the start's STANDARD read, logged as
+    hold_kl)."""
     import copy
 
     from fullband.decode.sampling import Sampling
@@ -243,7 +252,7 @@ def test_on_policy_distillation_pulls_the_fed_read_towards_the_standard_read(tea
     model = tiny_model(seed=4, vocab_size=16, bos_token_id=15)
     start = copy.deepcopy(model).requires_grad_(False)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    settings = RLSettings(algorithm="distill", teacher=teacher, mode="soft", group=8, max_new_tokens=6)
+    settings = RLSettings(algorithm="distill", teacher=teacher, mode="soft", group=8, max_new_tokens=6, hold=hold)
     prompts = [[15, 4, 2], [15, 7, 9], [15, 1, 1, 3], [15, 12, 5]]
 
     def kls() -> tuple[float, float, float]:
@@ -263,8 +272,11 @@ def test_on_policy_distillation_pulls_the_fed_read_towards_the_standard_read(tea
     assert to_own < before[1] / 5, (before, to_own)
     if teacher == "reference":
         assert to_start < before[0] / 5 and abs(moved) < 0.01, (before, to_start, moved)
+    elif not hold:
+        assert moved > 0.1 and "hold_kl" not in rows[0], (before, moved)
     else:
-        assert moved > 0.1, (before, moved)
+        assert rows[0]["hold_kl"] == 0 and all(r["hold_kl"] > 0 for r in rows[1:])  # the policy was the start
+        assert abs(moved) < 0.03, (before, moved)
 
 
 def test_distillation_settings_are_checked():
@@ -276,6 +288,11 @@ def test_distillation_settings_are_checked():
     assert RLSettings(algorithm="distill", mode="standard").needs_reference  # the default teacher: the frozen start
     assert not RLSettings(algorithm="distill", teacher="standard").needs_reference
     assert RLSettings(kl_coef=0.1).needs_reference and not RLSettings().needs_reference
+    assert RLSettings(hold=0.5).needs_reference
+    with pytest.raises(InputError, match=r"rl.hold=-1 is invalid"):
+        RLSettings(hold=-1)
+    with pytest.raises(InputError, match=r"rl.hold=0.5 with rl.algorithm='rejection-sft': .* accepted: rl.hold = 0"):
+        RLSettings(algorithm="rejection-sft", hold=0.5)
     model = tiny_model(seed=1, vocab_size=16, bos_token_id=15)
     with pytest.raises(InputError, match="rl.teacher='reference' needs the starting model"):
         rl_step(model, torch.optim.Adam(model.parameters()), [[15, 4]], lambda i, y: 0.0,

@@ -71,9 +71,9 @@ def test_a_run_logs_evaluates_checkpoints_and_plots(tmp_path, model):
 
 
 def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
-    """Run with on-policy distillation towards the frozen start (the resumed process builds the reference again
-    from rl.init_from; the loop, its checkpoints and the clipped loss are the ones GRPO runs)."""
-    extra = 'algorithm = "distill"\n'
+    """Run with on-policy distillation towards the frozen start, the STANDARD read held (rl.hold; the resumed process
+    builds the reference again from rl.init_from; the loop, its checkpoints and the clipped loss are GRPO's)."""
+    extra = 'algorithm = "distill"\nhold = 0.5\n'
     assert run("rl", str(recipe(tmp_path, model, "whole", extra=extra))).returncode == 0
     config = recipe(tmp_path, model, "cut", extra=extra)
     proc = subprocess.Popen([*CLI, "rl", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -91,7 +91,7 @@ def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
     timing = ("seconds", "time", "tok_per_s")
     strip = [[{k: v for k, v in json.loads(line).items() if k not in timing} for line in r] for r in rows]
     assert strip[0] == strip[1]
-    assert "teacher_kl" in json.loads(rows[0][1])
+    assert "teacher_kl" in json.loads(rows[0][1]) and json.loads(rows[0][2])["hold_kl"] > 0
     # the run's thread count is part of the run: recorded at its start, another one refused on resume
     assert json.loads((tmp_path / "cut" / "run.json").read_text())["rl"]["threads"] == 1
     other = run("rl", str(config), "--resume", str(tmp_path / "cut"), threads="2")
@@ -254,12 +254,34 @@ def test_rl_names_its_own_settings_and_a_train_run_is_not_resumed_as_rl(tmp_path
 
 
 def test_a_run_recorded_before_rl_teacher_resumes_with_its_default():
-    """rl.teacher came with on-policy distillation: a run.json without it holds the default, any other is named."""
+    """rl.teacher came with on-policy distillation, rl.hold after it: a run.json without them holds the defaults, any
+    other value is named."""
     from fullband.rl.run import MUST_MATCH, RLConfig
     from fullband.train.rundir import resume_differences
 
     now = {"rl": {k: v for k, v in vars(RLConfig(init_from="m")).items()}}
-    old = {"rl": {k: v for k, v in now["rl"].items() if k != "teacher"}}
-    assert "rl.teacher" in MUST_MATCH and resume_differences(old, now, MUST_MATCH) == []
+    old = {"rl": {k: v for k, v in now["rl"].items() if k not in ("teacher", "hold")}}
+    assert {"rl.teacher", "rl.hold"} <= set(MUST_MATCH) and resume_differences(old, now, MUST_MATCH) == []
+    assert resume_differences({"rl": {**now["rl"], "hold": 0.5}}, now, MUST_MATCH) == [
+        "rl.hold: run has 0.5, config has 0.0"]
     other = {"rl": {**now["rl"], "teacher": "standard"}}
     assert resume_differences(other, now, MUST_MATCH) == ['rl.teacher: run has "standard", config has "reference"']
+
+
+def test_the_memory_check_counts_the_reference_and_the_hold_s_logits(monkeypatch):
+    """rl.hold reads the starting model and keeps float32 logits at every response token (the start's, the
+    policy's, its softmax and gradients): a step that cannot fit them is refused before anything is allocated,
+    each part named."""
+    from fullband.errors import ConfigError
+    from fullband.model.config import ModelConfig
+    from fullband.rl.run import RLConfig, check_step_memory
+
+    monkeypatch.setattr("fullband.train.memory.available_memory", lambda device: 1.0)
+    cfg = ModelConfig(vocab_size=1000, d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+    with pytest.raises(ConfigError, match=r"reference model .* the hold's logits \(rl.hold\) 0.0 GB") as err:
+        check_step_memory(RLConfig(init_from="m", hold=0.5, group=2, prompts_per_step=2, max_new_tokens=8), cfg, 10,
+                          "cpu")
+    assert "nothing was allocated" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_step_memory(RLConfig(init_from="m", group=2, prompts_per_step=2, max_new_tokens=8), cfg, 10, "cpu")
+    assert "hold" not in str(err.value) and "reference model" not in str(err.value)

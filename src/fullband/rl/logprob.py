@@ -160,6 +160,22 @@ def sequences(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor,
     return ids, plen, torch.arange(T, device=device)[None, :] < plen[:, None], at
 
 
+def response_targets(model: FeedbackModel, r: Rollout) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompt + response as a training batch: the inputs (B, T - 1), each next token where it is a response token
+    (B, T - 1; -100 elsewhere) and each row's prompt mask over the whole sequence (B, T)."""
+    ids, plen, prompt, _ = sequences(model, r)
+    end = plen + torch.tensor([len(y) for y in r.responses], device=ids.device)
+    q = torch.arange(1, ids.shape[1], device=ids.device)[None, :]  # the position each target sits at
+    return ids[:, :-1], torch.where((q >= plen[:, None]) & (q < end[:, None]), ids[:, 1:], -100), prompt
+
+
+def standard_response_logits(model: FeedbackModel, inputs: Tensor, targets: Tensor) -> Tensor:
+    """(N, V) the STANDARD read's logits (one plain pass) at the N scored positions of a response_targets batch,
+    differentiable: the response tokens' next-token distributions, and no other position's."""
+    top = model(inputs, passes=1, return_logits=False).top
+    return model.head(top[targets != -100])
+
+
 def _gather(model: FeedbackModel, top: Tensor, ids: Tensor, at: Tensor,
             how: Scoring) -> tuple[Tensor, Tensor | None]:
     """Each response token's scores from the final-norm outputs top (B, T, D): the token at position q is scored by

@@ -105,8 +105,8 @@ class Items:
 def check_step_memory(cfg: RLConfig, model, longest_prompt: int, device) -> None:
     """Refuse, before anything is allocated, a step whose rows (prompts_per_step x group) of the longest prompt plus
     max_new_tokens do not fit in memory: the log-probability passes' activations with gradients (as a training
-    step's, train.memory.step_memory), AdamW's state, the reference model (kl_coef > 0, or distillation towards
-    it) and the sampling caches."""
+    step's, train.memory.step_memory), AdamW's state, the reference model (kl_coef > 0, rl.hold > 0, or
+    distillation towards it), the hold's logits and the sampling caches."""
     from fullband.model.flops import kv_bytes_per_token
     from fullband.rl.logprob import parse_path
     from fullband.train.memory import check_fits, model_bytes, step_memory
@@ -120,6 +120,8 @@ def check_step_memory(cfg: RLConfig, model, longest_prompt: int, device) -> None
              f"activations of {rows:,} rows": step.activations, "sampling caches": tokens * kv_bytes_per_token(model)}
     if cfg.needs_reference:
         parts["reference model"] = model_bytes(model)
+    if cfg.hold > 0:  # float32 logits at each response token: the start's, the policy's, its softmax and gradients
+        parts["the hold's logits (rl.hold)"] = 4 * 4 * rows * cfg.max_new_tokens * model.vocab_size
     check_fits(parts, f"an RL step of {rows:,} rows (rl.prompts_per_step x rl.group) of up to {tokens // rows:,} "
                "tokens", device, smaller="rl.group, rl.prompts_per_step or rl.max_new_tokens", error=ConfigError)
 

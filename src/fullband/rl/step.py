@@ -27,7 +27,9 @@ from torch import Tensor
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError, TrainingDiverged
 from fullband.model.core import FeedbackModel
-from fullband.rl.logprob import Rollout, logprobs, parse_path, rl_mode, rollout, sequences, standard_logprobs
+from fullband.rl.logprob import (Rollout, logprobs, parse_path, response_targets, rl_mode, rollout,
+                                 standard_logprobs, standard_response_logits)
+from fullband.model.objective import distill_kl, scored_log_probs
 from fullband.rl.objective import distill_advantages, group_advantages, policy_loss
 from fullband.validate import integer, number
 
@@ -56,11 +58,13 @@ class RLSettings:
     sft_passes: int = 3  # rejection-sft: Jacobi passes of the training objective (STANDARD sampling: 1)
     teacher: str = "reference"  # distill: the STANDARD read of the frozen starting model, or of the policy itself
     # ("standard", stop-gradient: it moves with the policy, so both reads can agree by both changing)
+    hold: float = 0.0  # grpo / distill: > 0 adds hold x KL(starting model || policy), both read STANDARD, over the
+    # vocabulary at each response token: it keeps the STANDARD read where it was while the fed read is trained
 
     @property
     def needs_reference(self) -> bool:
-        """Whether a step reads the frozen starting model: the KL penalty, or distillation towards it."""
-        return self.kl_coef > 0 or (self.algorithm == "distill" and self.teacher == "reference")
+        """Whether a step reads the frozen starting model: the KL penalty, the hold, or distillation towards it."""
+        return self.kl_coef > 0 or self.hold > 0 or (self.algorithm == "distill" and self.teacher == "reference")
 
     def __post_init__(self) -> None:
         rl_mode(self.mode)
@@ -88,8 +92,11 @@ class RLSettings:
                              "the responses to one prompt)")
         integer("rl.max_new_tokens", self.max_new_tokens, 1, error=InputError)
         number("rl.temperature", self.temperature, low=0, low_open=True, error=InputError)
-        for name in ("clip_low", "clip_high", "kl_coef"):
+        for name in ("clip_low", "clip_high", "kl_coef", "hold"):
             number(f"rl.{name}", getattr(self, name), low=0, error=InputError)
+        if self.hold > 0 and self.algorithm == "rejection-sft":
+            raise InputError(f"rl.hold={self.hold:g} with rl.algorithm='rejection-sft': the hold is a term of the "
+                             "clipped policy loss; accepted: rl.hold = 0, or rl.algorithm 'grpo' or 'distill'")
 
 
 def sample(model: FeedbackModel, prompts: Sequence[Sequence[int]], score: Callable[[int, list[int]], float],
@@ -176,12 +183,18 @@ def _updates(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout,
              reference: FeedbackModel | None, advantages_of: Callable[[Tensor], Tensor]) -> tuple[dict, Tensor]:
     """settings.updates optimiser steps of the clipped loss on the rollout; advantages_of(the first update's
     log-probabilities, detached) gives the advantages (per response or per token). -> the row, the advantages."""
-    ref = None
+    ref = held = None
     if reference is not None and settings.kl_coef > 0:
         with torch.no_grad():
             ref = logprobs(reference, r, settings.logprob)
+    if settings.hold > 0:
+        if reference is None:
+            raise InputError("rl.hold > 0 needs the starting model: pass rl_step's reference")
+        inputs, targets, _ = response_targets(model, r)
+        with torch.no_grad():
+            teacher = scored_log_probs(standard_response_logits(reference, inputs, targets), targets[targets != -100])
     old = error = advantages = None
-    clipped = []
+    clipped, holds = [], []
     for _ in range(settings.updates):
         logp = logprobs(model, r, settings.logprob)
         if old is None:
@@ -190,10 +203,18 @@ def _updates(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout,
             advantages = advantages_of(old)
         out = policy_loss(logp, old, advantages, r.mask, clip_low=settings.clip_low, clip_high=settings.clip_high,
                           ref=ref, kl_coef=settings.kl_coef)
-        apply_update(model, optimizer, out.loss)
+        loss = out.loss
+        if settings.hold > 0:
+            held = distill_kl(teacher, standard_response_logits(model, inputs, targets), targets[targets != -100])
+            loss = loss + settings.hold * held
+            holds.append(float(held.detach()))
+        apply_update(model, optimizer, loss)
         clipped.append(out.clip_fraction)
-    return {"loss": float(out.loss.detach()), "kl": out.kl, "clip_fraction": sum(clipped) / len(clipped),
-            "logprob_error": error}, advantages
+    row = {"loss": float(loss.detach()), "kl": out.kl, "clip_fraction": sum(clipped) / len(clipped),
+           "logprob_error": error}
+    if holds:
+        row["hold_kl"] = holds[0]  # KL(start || policy), both read STANDARD, per response token before the update
+    return row, advantages
 
 
 def kept_rows(rewards: Tensor, lengths: Sequence[int], group: int, accept: float, keep: str) -> list[int]:
@@ -220,15 +241,12 @@ def _rejection_sft(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Ro
         return row
     kept = Rollout([r.prompts[i] for i in keep], [r.responses[i] for i in keep], r.logprobs[keep], r.states[keep],
                    r.mode)
-    ids, plen, prompt, _ = sequences(model, kept)
-    end = plen + torch.tensor([len(y) for y in kept.responses], device=ids.device)
-    q = torch.arange(1, ids.shape[1], device=ids.device)[None, :]  # the position each target sits at
-    targets = torch.where((q >= plen[:, None]) & (q < end[:, None]), ids[:, 1:], -100)
+    inputs, targets, prompt = response_targets(model, kept)
     passes = 1 if not r.mode.feeds_state else settings.sft_passes
     plain = r.mode.read(prompt.shape[1]).plain(prompt)  # the prompts as the mode reads them (fed: FUSED k > 0)
     plain = None if plain is None else plain[:, :-1]
-    gen = torch.Generator(device=ids.device).manual_seed(seed)
-    out = objective(model, ids[:, :-1], targets, passes, plain_mask=plain, generator=gen, noise=True)
+    gen = torch.Generator(device=inputs.device).manual_seed(seed)
+    out = objective(model, inputs, targets, passes, plain_mask=plain, generator=gen, noise=True)
     apply_update(model, optimizer, out.loss)
     row["loss"] = float(out.loss.detach())
     return row
