@@ -27,9 +27,9 @@ from torch import Tensor
 from fullband.decode.sampling import Sampling
 from fullband.errors import InputError, TrainingDiverged
 from fullband.model.core import FeedbackModel
+from fullband.model.objective import distill_kl, scored_log_probs
 from fullband.rl.logprob import (Rollout, logprobs, parse_path, response_targets, rl_mode, rollout,
                                  standard_logprobs, standard_response_logits)
-from fullband.model.objective import distill_kl, scored_log_probs
 from fullband.rl.objective import distill_advantages, group_advantages, policy_loss
 from fullband.validate import integer, number
 
@@ -183,7 +183,7 @@ def _updates(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout,
              reference: FeedbackModel | None, advantages_of: Callable[[Tensor], Tensor]) -> tuple[dict, Tensor]:
     """settings.updates optimiser steps of the clipped loss on the rollout; advantages_of(the first update's
     log-probabilities, detached) gives the advantages (per response or per token). -> the row, the advantages."""
-    ref = held = None
+    ref = None
     if reference is not None and settings.kl_coef > 0:
         with torch.no_grad():
             ref = logprobs(reference, r, settings.logprob)
@@ -191,8 +191,9 @@ def _updates(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout,
         if reference is None:
             raise InputError("rl.hold > 0 needs the starting model: pass rl_step's reference")
         inputs, targets, _ = response_targets(model, r)
+        scored = targets[targets != -100]  # the response tokens, in order
         with torch.no_grad():
-            teacher = scored_log_probs(standard_response_logits(reference, inputs, targets), targets[targets != -100])
+            teacher = scored_log_probs(standard_response_logits(reference, inputs, targets), scored)
     old = error = advantages = None
     clipped, holds = [], []
     for _ in range(settings.updates):
@@ -205,7 +206,7 @@ def _updates(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout,
                           ref=ref, kl_coef=settings.kl_coef)
         loss = out.loss
         if settings.hold > 0:
-            held = distill_kl(teacher, standard_response_logits(model, inputs, targets), targets[targets != -100])
+            held = distill_kl(teacher, standard_response_logits(model, inputs, targets), scored)
             loss = loss + settings.hold * held
             holds.append(float(held.detach()))
         apply_update(model, optimizer, loss)
