@@ -173,27 +173,51 @@ def _distill(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout,
     update."""
     if settings.teacher == "reference" and reference is None:
         raise InputError("rl.teacher='reference' needs the starting model: pass rl_step's reference")
-    teacher = standard_logprobs(reference if settings.teacher == "reference" else model, r)
+    held = _held(model, r, settings, reference)
+    if held is not None and settings.teacher == "reference":  # the hold read the start already: its tokens' values
+        teacher = torch.zeros(r.mask.shape, dtype=held.start.dtype, device=held.start.device)
+        teacher[r.mask.to(teacher.device)] = held.start.gather(-1, held.scored[:, None])[:, 0]
+    else:
+        teacher = standard_logprobs(reference if settings.teacher == "reference" else model, r)
     row, advantages = _updates(model, optimizer, r, settings, reference,
-                               lambda old: distill_advantages(teacher, old, r.mask))
+                               lambda old: distill_advantages(teacher, old, r.mask), held)
     return {**row, "teacher_kl": -float(advantages.sum() / r.mask.sum().clamp(min=1))}
 
 
+@dataclass
+class _Hold:
+    """rl.hold's batch: prompt + response (inputs, targets: response_targets), the response tokens in order and the
+    starting model's STANDARD log-distribution at each (N, V)."""
+
+    inputs: Tensor
+    targets: Tensor
+    scored: Tensor
+    start: Tensor
+
+
+def _held(model: FeedbackModel, r: Rollout, settings: RLSettings, reference: FeedbackModel | None) -> _Hold | None:
+    if settings.hold <= 0:
+        return None
+    if reference is None:
+        raise InputError("rl.hold > 0 needs the starting model: pass rl_step's reference")
+    inputs, targets, _ = response_targets(model, r)
+    scored = targets[targets != -100]
+    with torch.no_grad():
+        start = scored_log_probs(standard_response_logits(reference, inputs, targets), scored)
+    return _Hold(inputs, targets, scored, start)
+
+
 def _updates(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout, settings: RLSettings,
-             reference: FeedbackModel | None, advantages_of: Callable[[Tensor], Tensor]) -> tuple[dict, Tensor]:
+             reference: FeedbackModel | None, advantages_of: Callable[[Tensor], Tensor],
+             held: _Hold | None = None) -> tuple[dict, Tensor]:
     """settings.updates optimiser steps of the clipped loss on the rollout; advantages_of(the first update's
-    log-probabilities, detached) gives the advantages (per response or per token). -> the row, the advantages."""
+    log-probabilities, detached) gives the advantages (per response or per token); `held`: rl.hold's batch, if the
+    caller read it already. -> the row, the advantages."""
     ref = None
     if reference is not None and settings.kl_coef > 0:
         with torch.no_grad():
             ref = logprobs(reference, r, settings.logprob)
-    if settings.hold > 0:
-        if reference is None:
-            raise InputError("rl.hold > 0 needs the starting model: pass rl_step's reference")
-        inputs, targets, _ = response_targets(model, r)
-        scored = targets[targets != -100]  # the response tokens, in order
-        with torch.no_grad():
-            teacher = scored_log_probs(standard_response_logits(reference, inputs, targets), scored)
+    held = held or _held(model, r, settings, reference)
     old = error = advantages = None
     clipped, holds = [], []
     for _ in range(settings.updates):
@@ -205,10 +229,10 @@ def _updates(model: FeedbackModel, optimizer: torch.optim.Optimizer, r: Rollout,
         out = policy_loss(logp, old, advantages, r.mask, clip_low=settings.clip_low, clip_high=settings.clip_high,
                           ref=ref, kl_coef=settings.kl_coef)
         loss = out.loss
-        if settings.hold > 0:
-            held = distill_kl(teacher, standard_response_logits(model, inputs, targets), scored)
-            loss = loss + settings.hold * held
-            holds.append(float(held.detach()))
+        if held is not None:
+            kl = distill_kl(held.start, standard_response_logits(model, held.inputs, held.targets), held.scored)
+            loss = loss + settings.hold * kl
+            holds.append(float(kl.detach()))
         apply_update(model, optimizer, loss)
         clipped.append(out.clip_fraction)
     row = {"loss": float(loss.detach()), "kl": out.kl, "clip_fraction": sum(clipped) / len(clipped),
