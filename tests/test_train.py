@@ -244,6 +244,18 @@ def test_wrong_types(tmp_path, corpus, cache):
         load_run_config(path, ["model.d_model=3.5"])
 
 
+def test_null_override_unsets_an_optional_key(tmp_path, corpus, cache):
+    """TOML has no null: the bare word null in an override is one (what the type errors call it), so a recipe's
+    optional setting can be taken back; a key that is not optional refuses it by name, and "null" quoted is text."""
+    path = write_config(tmp_path, corpus, cache)
+    assert load_run_config(path, ["model.sliding_window=8"]).model.sliding_window == 8
+    assert load_run_config(path, ["model.sliding_window=8", "model.sliding_window= null"]).model.sliding_window is None
+    with pytest.raises(ConfigError, match=r"train.steps=None must be int"):
+        load_run_config(path, ["train.steps=null"])
+    with pytest.raises(ConfigError, match=r"model.sliding_window='null' has the wrong type; accepted: int or null"):
+        load_run_config(path, ['model.sliding_window="null"'])
+
+
 def test_seq_len_longer_than_max_seq_len(tmp_path, corpus, cache):
     with pytest.raises(ConfigError, match=r"train.seq_len=256 exceeds model.max_seq_len=128"):
         load_run_config(write_config(tmp_path, corpus, cache), ["train.seq_len=256", "train.global_batch_tokens=1024"])

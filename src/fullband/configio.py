@@ -107,14 +107,15 @@ def to_dict(obj: Any) -> Any:
 
 def apply_overrides(data: dict, pairs: list[str] | None) -> dict:
     """Apply ['train.steps=100', 'model.fusion="additive"'] to a nested mapping (values parsed as TOML; a bare
-    word that is not TOML is a string)."""
+    word that is not TOML is a string; the bare word null unsets an optional key, as a JSON run record writes it,
+    since TOML has no null: 'model.sliding_window=null')."""
     for pair in pairs or []:
         key, sep, raw = pair.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {pair!r} is not key=value (e.g. --set train.steps=100)")
         try:
-            value = tomllib.loads(f"v = {raw}")["v"]
+            value = None if raw.strip() == "null" else tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
         node = data
