@@ -86,6 +86,24 @@ progress = false
 """
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory):
+    """The suite's temporary files, and those of the processes it starts (vLLM's IPC sockets and rendezvous files,
+    torchrun's log folders, which they make in TMPDIR and leave), under pytest's base folder, which pytest prunes,
+    instead of loose in the machine's /tmp (500 sockets after a few dozen runs)."""
+    import tempfile
+
+    path = str(tmp_path_factory.mktemp("tmp"))
+    before = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = path, path
+    yield path
+    if before[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[0]
+    tempfile.tempdir = before[1]
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small real-text corpus: 40 standard-library modules copied into a folder."""
