@@ -116,7 +116,8 @@ def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData
         what = f"the {split} split of {data.corpus!r}" + (f" (val_percent={data.val_percent})" if split == "val" else "")
         packed[split] = pack_chats(sequences, t.seq_len, tokenizer.pad_id, too_long=data.chat_too_long, what=what)
         if d.main:
-            print(f"chat data ({split}): {packed[split].describe()}", flush=True)
+            words = ("chat", "conversations", "assistant tokens") if template else ("tracking", "examples", "answers")
+            print(f"{words[0]} data ({split}): {packed[split].describe(*words[1:])}", flush=True)
     sampler = ChatSampler(packed["train"], t.global_windows, t.micro_batch, t.seed, fused_prompts=data.fused_prompts,
                           rank=d.rank, world_size=d.world)
     val = chat_validation_batches(packed["val"], cfg.log.eval_windows, t.micro_batch)

@@ -55,10 +55,10 @@ class PackedChat:
     def loss_tokens(self) -> int:
         return int((self.targets != IGNORE).sum())
 
-    def describe(self) -> str:
+    def describe(self, items: str = "conversations", targets: str = "assistant tokens") -> str:
         n, t = self.ids.shape
-        parts = [f"{self.conversations} conversations in {n} windows of {t}",
-                 f"{self.loss_tokens} assistant tokens ({self.loss_tokens / max(n * t, 1):.0%} of positions)"]
+        parts = [f"{self.conversations} {items} in {n} windows of {t}",
+                 f"{self.loss_tokens} {targets} ({self.loss_tokens / max(n * t, 1):.0%} of positions)"]
         if self.dropped:
             parts.append(f"{self.dropped} dropped (longer than a window)")
         if self.truncated:
