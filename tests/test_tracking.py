@@ -59,6 +59,64 @@ def test_the_length_split_holds():
         make_example("x", 3, __import__("random").Random(0))
 
 
+
+# The training data of every task as a run drew it before data.repeat existed (300 examples up to 12 steps, seed 0):
+# repeat = 0 must draw exactly these, or a recorded run would no longer be its recipe's
+DRAWN = {"parity": "c20840ded42c9176", "counter": "500b4124d16cd658", "s5": "6b7c157a010ffb99",
+         "registers": "5634ea4a1a60b465"}
+
+
+def _digest(exs) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr([(e.text, e.label) for e in exs]).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_repeat_holds_runs_of_one_step_and_zero_draws_as_before(task):
+    """data.repeat: each step repeats the one before with that probability (so a symbol's runs grow: the share of
+    steps equal to the one before is repeat + (1 - repeat) / alphabet), labels still right; 0 draws as before."""
+    assert _digest(examples(task, 300, max_length=12, seed=0)) == DRAWN[task]
+    assert _digest(examples(task, 300, max_length=12, seed=0, repeat=0.0)) == DRAWN[task]
+    exs = examples(task, 2000, min_length=8, max_length=24, seed=3, repeat=0.5)
+    assert all(_direct(task, e.text) == e.label and 8 <= e.length <= 24 for e in exs)
+    step = (lambda e: re.findall(r"[A-H]\d", e.text[:-2])) if task == "registers" else (lambda e: list(e.text[:-1]))
+    alphabet = {"parity": 2, "counter": COUNTER_P, "s5": 2, "registers": 80}[task]
+    for repeat in (0.0, 0.5):
+        pairs = [(a, b) for e in examples(task, 2000, min_length=8, max_length=24, seed=3, repeat=repeat)
+                 for a, b in zip(step(e), step(e)[1:])]
+        same = sum(a == b for a, b in pairs) / len(pairs)
+        assert abs(same - (repeat + (1 - repeat) / alphabet)) < 0.02, (repeat, same)
+    for bad in (-0.1, 1.0, float("nan"), True):
+        with pytest.raises(InputError, match="repeat="):
+            examples(task, 3, max_length=4, repeat=bad)
+
+
+def test_data_repeat_is_a_tracking_setting():
+    from fullband.train.config import DataConfig
+
+    assert DataConfig(format="tracking", corpus="parity:8", repeat=0.5).repeat == 0.5
+    with pytest.raises(ConfigError, match=r"data.repeat=0.5 shapes a tracking task's inputs; accepted for "
+                                          r"data.format='text': 0"):
+        DataConfig(repeat=0.5)
+    with pytest.raises(ConfigError, match=r"data.repeat=1 is invalid; accepted: "):
+        DataConfig(format="tracking", corpus="parity:8", repeat=1)
+
+
+def test_a_run_recorded_before_data_repeat_resumes_and_another_repeat_is_refused(tmp_path):
+    import json
+
+    from fullband.train.config import load_run_config
+    from fullband.train.rundir import resume_differences
+
+    (tmp_path / "r.toml").write_text(RECIPE.format(corpus="parity:8", run_dir=tmp_path / "run"))
+    now = load_run_config(tmp_path / "r.toml").to_dict()
+    old = json.loads(json.dumps(now))
+    del old["data"]["repeat"]
+    assert resume_differences(old, now) == []
+    assert resume_differences({**old, "data": {**old["data"], "repeat": 0.5}}, now) == [
+        "data: run has repeat=0.5, config has repeat=0.0"]
+
 # ---------------------------------------------------------------------- training and eval tracking
 RECIPE = """
 [model]

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 
 from fullband.errors import InputError
-from fullband.validate import integer
+from fullband.validate import integer, number
 
 QUERY = "="
 TASKS = ("parity", "counter", "s5", "registers")
@@ -63,39 +63,50 @@ def compose(p: tuple[int, ...], q: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(p[q[i]] for i in range(len(q)))
 
 
-def make_example(task: str, length: int, rng: random.Random) -> Example:
-    """One example of `task` with `length` input steps, drawn from `rng`."""
+def make_example(task: str, length: int, rng: random.Random, repeat: float = 0.0) -> Example:
+    """One example of `task` with `length` input steps, drawn from `rng`. `repeat` > 0: each step after the first
+    repeats the step before it with that probability (else it is drawn afresh), so inputs hold longer runs of one
+    symbol; 0 draws every step independently (and draws from `rng` exactly as before repeat existed)."""
     integer("length", length, 1, error=InputError)
     task = _task(task)
+
+    def steps(draw):
+        out = []
+        for i in range(length):
+            out.append(out[-1] if i and repeat and rng.random() < repeat else draw())
+        return out
+
     if task == "parity":
-        bits = [rng.randint(0, 1) for _ in range(length)]
+        bits = steps(lambda: rng.randint(0, 1))
         return Example("".join(map(str, bits)) + QUERY, "eo"[sum(bits) % 2], length)
     if task == "counter":
-        incs = [rng.randrange(COUNTER_P) for _ in range(length)]
+        incs = steps(lambda: rng.randrange(COUNTER_P))
         return Example("".join(chr(ord("a") + i) for i in incs) + QUERY, str(sum(incs) % COUNTER_P), length)
     if task == "s5":
-        word = [rng.choice("xy") for _ in range(length)]
+        word = steps(lambda: rng.choice("xy"))
         f = tuple(range(5))
         for g in word:
             f = compose(f, S5_GENERATORS[g])
         return Example("".join(word) + QUERY, str(f[0]), length)
     # registers: `length` writes, scratch between them, the query names a register written at least once
     parts, last = [], {}
-    for _ in range(length):
-        reg, val = rng.choice(REGISTERS), rng.randrange(10)
+    for reg, val, scratch in steps(lambda: (rng.choice(REGISTERS), rng.randrange(10), rng.randint(0, 3))):
         last[reg] = val
-        parts.append(reg + str(val) + SCRATCH * rng.randint(0, 3))
+        parts.append(reg + str(val) + SCRATCH * scratch)
     reg = rng.choice(sorted(last))
     return Example("".join(parts) + reg + QUERY, "abcdefghij"[last[reg]], length)
 
 
-def examples(task: str, n: int, *, min_length: int = 1, max_length: int, seed: int = 0) -> list[Example]:
-    """`n` examples with lengths uniform in [min_length, max_length], deterministic from (task, seed)."""
+def examples(task: str, n: int, *, min_length: int = 1, max_length: int, seed: int = 0,
+             repeat: float = 0.0) -> list[Example]:
+    """`n` examples with lengths uniform in [min_length, max_length], deterministic from (task, seed) (and `repeat`,
+    make_example's)."""
     integer("n", n, 1, error=InputError)
+    number("repeat", repeat, low=0, high=1, high_open=True, error=InputError)
     integer("min_length", min_length, 1, error=InputError)
     integer("max_length", max_length, min_length, error=InputError)
     rng = random.Random(f"{_task(task)}:{seed}")
-    return [make_example(task, rng.randint(min_length, max_length), rng) for _ in range(n)]
+    return [make_example(task, rng.randint(min_length, max_length), rng, repeat) for _ in range(n)]
 
 
 def longest_tokens(task: str, length: int) -> int:
@@ -144,9 +155,10 @@ def parse_spec(spec: str) -> tuple[str, int]:
     return task, int(length)
 
 
-def training_sequences(spec: str, split: str, tokenizer, room: int | None = None):
+def training_sequences(spec: str, split: str, tokenizer, room: int | None = None, repeat: float = 0.0):
     """The ChatSequences of a tracking corpus's split: BOS, the input and query, the label; the loss falls on the
-    label only. Train: TRAIN_EXAMPLES with lengths uniform in [1, L]; val: VAL_EXAMPLES, another seed."""
+    label only. Train: TRAIN_EXAMPLES with lengths uniform in [1, L]; val: VAL_EXAMPLES, another seed; both with
+    `repeat` (data.repeat: make_example's). The test sets (length_sets) always draw every step independently."""
     from fullband.data.chat.templates import IGNORE, ChatSequence
 
     task, length = parse_spec(spec)
@@ -154,7 +166,7 @@ def training_sequences(spec: str, split: str, tokenizer, room: int | None = None
     if room is not None:
         check_fits(task, length, room, f"tracking corpus {spec!r} (train.seq_len={room}: examples are packed whole)")
     n, seed = (TRAIN_EXAMPLES, 0) if split == "train" else (VAL_EXAMPLES, 7)
-    for e in examples(task, n, max_length=length, seed=seed):
+    for e in examples(task, n, max_length=length, seed=seed, repeat=repeat):
         ids = tokenizer.encode(e.text, bos=True) + [answer[e.label]]
         targets = [IGNORE] * (len(ids) - 2) + [answer[e.label], IGNORE]
         yield ChatSequence(ids, targets, [True] * len(ids))

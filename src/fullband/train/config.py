@@ -37,6 +37,8 @@ class DataConfig:
     #                             reads them); the others read prompts plainly (as SOFT does)
     train_tokens: int = 0  # text: > 0 trains on the training split's first N tokens only, repeated for as many
     #                        epochs as the steps need (a data-constrained run); 0: the whole split. Held-out: unchanged
+    repeat: float = 0.0  # tracking: each input step repeats the one before it with this probability (longer runs of
+    #                      one symbol, in both splits; the test sets draw every step independently); 0: independent
 
     def __post_init__(self) -> None:
         number("data.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
@@ -45,6 +47,10 @@ class DataConfig:
         choice("data.chat_too_long", self.chat_too_long, ("drop", "truncate"))
         number("data.fused_prompts", self.fused_prompts, low=0, high=1)
         integer("data.train_tokens", self.train_tokens, 0)
+        number("data.repeat", self.repeat, low=0, high=1, high_open=True)
+        if self.repeat and self.format != "tracking":
+            raise ConfigError(f"data.repeat={self.repeat} shapes a tracking task's inputs; accepted for "
+                              f"data.format={self.format!r}: 0")
         if self.train_tokens and self.format != "text":
             raise ConfigError(f"data.train_tokens={self.train_tokens} limits a text corpus; accepted for "
                               f"data.format={self.format!r}: 0 (the whole split)")

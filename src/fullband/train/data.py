@@ -110,7 +110,7 @@ def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData
     packed = {}
     for split in ("train", "val"):
         if template is None:  # tracking: each example's label is its only target
-            sequences = training_sequences(spec, split, tokenizer, room=t.seq_len)
+            sequences = training_sequences(spec, split, tokenizer, room=t.seq_len, repeat=data.repeat)
         else:
             sequences = (encode_chat(template, m) for m in chat_conversations(spec, split, data.val_percent))
         what = f"the {split} split of {data.corpus!r}" + (f" (val_percent={data.val_percent})" if split == "val" else "")

@@ -188,7 +188,8 @@ _UNSET = object()
 
 # settings added after runs were recorded without them, with the value that trains as those runs did (its default)
 ADDED = {"train.blend_until": 0.0, "train.latent_loss": 0.0, "train.distill": 0.0, "train.distill_until": 1.0,
-         "train.anchor": 0.0, "train.anchor_until": 1.0, "rl.teacher": "reference", "rl.hold": 0.0}
+         "train.anchor": 0.0, "train.anchor_until": 1.0, "rl.teacher": "reference", "rl.hold": 0.0,
+         "data.repeat": 0.0}
 
 
 def resume_differences(saved: dict, now: dict, keys: tuple[str, ...] = MUST_MATCH) -> list[str]:
@@ -202,7 +203,11 @@ def _recorded(saved: dict, dotted: str):
     held = _get(saved, section) if section else saved
     if dotted in ADDED and isinstance(held, dict) and name not in held:
         return ADDED[dotted]
-    return _get(saved, dotted)
+    value = _get(saved, dotted)
+    if isinstance(value, dict):  # a whole section compared (data): the settings added to it since, at their defaults
+        added = {key[len(dotted) + 1:]: v for key, v in ADDED.items() if key.startswith(dotted + ".")}
+        value = {**{k: v for k, v in added.items() if "." not in k}, **value}
+    return value
 
 
 def _differences(a, b, key: str, path: str = "") -> list[str]:
