@@ -237,7 +237,14 @@ WHY = ["What changed: the recipe before grew the pass count over four stages (1;
        "in every run tried on an AMD EPYC; more steps, a wider model, one block, longer windows or local attention "
        "did not, before the fixed point was trained. On an Intel Xeon today's recipe lost the bit in 2 of 20 "
        "trainings; more noise (jitter 0.2) or more steps (250) each saved those two and lost others (2 of 17, 3 of "
-       "19): on that CPU every variant tried fails in about one training in ten, each time in other seeds."]
+       "19): on that CPU every variant tried fails in about one training in ten, each time in other seeds. Where "
+       "such a run goes wrong: on 64-bit inputs its first wrong answer comes a few bits after a run of one symbol "
+       "longer than most 8-bit inputs hold (four to ten zeros after a one, or six to ten ones), and the answers stay "
+       "wrong after it (the state has left the bit's basin); a seed's two trainings, at 1 and 2 threads, start from "
+       "the same weights and data and end in different ones (the rounding grows through training), and one of "
+       "them can generalise while the other does not. Two changes aimed "
+       "at that did worse there: local attention over 16 positions (so only the fed state carries the bit past a "
+       "training example; 4 of 9 lost), and training inputs with runs of one symbol (data.repeat = 0.5; 3 of 13)."]
 
 
 def _screen_lines(path: Path) -> list[str]:
