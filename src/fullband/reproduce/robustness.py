@@ -410,8 +410,11 @@ def _record_lines(rec: dict, recipe_sha256: str) -> list[str]:
     goal = ("" if len(low) != GOAL[1] else
             f" (the goal: {GOAL[0]} of {GOAL[1]}, {'met' if k >= GOAL[0] else '**NOT met** on this machine'})")
     timed = f" Training: {sum(walls) / len(walls):.0f} s per run on average." if walls else ""
+    same = sum(len({json.dumps(rec["exact"][f"race-s{s}-t{t}"]) for t in threads}) == 1 for s in range(seeds))
     lines += ["", f"**{rec['learned']} of {rec['trainings']} trainings learn the recurrence**; at 1 and 2 threads "
-              f"{k} of {len(low)}{goal}. The same weights read standard: "
+              f"{k} of {len(low)}{goal}. "
+              + (f"There {same} of {seeds} seeds score identically at every thread count (so fewer distinct "
+                 "trainings than cells). " if len(threads) > 1 else "") + "The same weights read standard: "
               f"{min(beyond):.2f} to {max(beyond):.2f} beyond L.{timed}"
               + (f" From {rec['from']}." if rec.get("from") else ""), ""]
     return lines
