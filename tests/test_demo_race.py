@@ -184,7 +184,7 @@ def test_reproduce_robustness_race_scale_keeps_each_machine_s_grid(tmp_path, mon
     said = "\n".join(robustness._record_lines(full, demo.recipe_key(demo.RACE)))
     assert "at 1 and 2 threads 18 of 20 (the goal: 19 of 20, **NOT met** on this machine)" in said
     assert "| 4 | 0.99 / 0.95 / 0.84 ✗ | 1.00 / 1.00 / 0.95 ✓ |" in said and "earlier recipe" not in said
-    assert "There 8 of 10 seeds score identically at every thread count (so fewer distinct trainings" in said
+    assert "There 8 of 10 seeds score identically at every thread count. The same weights" in said
     # a record taken from a whole study's kept scores, without per-run training times, says where it came from
     said = "\n".join(robustness._record_lines({**full, "train_seconds": {}, "from": "a whole study"}, "0" * 64))
     assert "beyond L. From a whole study." in said and "Training:" not in said
