@@ -58,8 +58,9 @@ class Registry(Sequence):
 
 
 JSON = opt("--json", help="also write the results to this JSON file")
-SET_MODEL = opt("--set", action="append", metavar="KEY=VALUE", help="override a model field (repeatable)")
-SET_RECIPE = opt("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting (repeatable)")
+OVERRIDE = "repeatable; VALUE read as TOML, null unsets an optional one"
+SET_MODEL = opt("--set", action="append", metavar="KEY=VALUE", help=f"override a model field ({OVERRIDE})")
+SET_RECIPE = opt("--set", action="append", metavar="SECTION.KEY=VALUE", help=f"override a setting ({OVERRIDE})")
 
 
 def dtype(name: str):

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from fullband.cli.args import SEED, SET_MODEL, SET_RECIPE, Command, Registry, check_json_out, dtype, opt
+from fullband.cli.args import OVERRIDE, SEED, SET_MODEL, SET_RECIPE, Command, Registry, check_json_out, dtype, opt
 from fullband.errors import InputError
 from fullband.reproduce import REGISTRY
 from fullband.validate import DTYPES
@@ -85,7 +85,7 @@ TRAIN = Command("train", "train a model from a recipe (configs/*.toml); torchrun
 ))
 RL = Command("rl", "on-policy RL with verifiable rewards from a chat model (a recipe's [rl] table)", cmd_rl, (
     opt("config", help="recipe TOML, e.g. configs/rl-tiny.toml"),
-    opt("--set", action="append", metavar="rl.KEY=VALUE", help="override a setting (repeatable)"), RESUME,
+    opt("--set", action="append", metavar="rl.KEY=VALUE", help=f"override a setting ({OVERRIDE})"), RESUME,
 ))
 TOKENIZER = Command("tokenizer", "tokenizers", (
     Command("train", "train a byte-level BPE (Hugging Face tokenizers) on a corpus", cmd_tokenizer_train, (
