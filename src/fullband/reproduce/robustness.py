@@ -156,6 +156,11 @@ def _cell(acc: list[float], ok: bool | None = None) -> str:
     return " / ".join(f"{a:.2f}" for a in acc[1:]) + ("" if ok is None else (" ✓" if ok else " ✗"))
 
 
+def _identical(exact, seeds: int, threads) -> int:
+    """How many seeds' race runs score the same at every thread count (`exact`: a run name's exact-read row)."""
+    return sum(len({json.dumps(exact(f"race-s{s}-t{t}")) for t in threads}) == 1 for s in range(seeds))
+
+
 def _race_lines(race: dict, learned: dict, counts: dict, seeds: int, threads: tuple[int, ...], walls: dict
                 ) -> list[str]:
     from fullband.demo import RACE, SOLVED
@@ -173,7 +178,7 @@ def _race_lines(race: dict, learned: dict, counts: dict, seeds: int, threads: tu
     for seed in range(seeds):
         names = [f"race-s{seed}-t{t}" for t in threads]
         lines.append(f"| {seed} | " + " | ".join(_cell(_row(race[n], "exact"), learned[n]) for n in names) + " |")
-    same = sum(len({json.dumps(_row(race[f"race-s{s}-t{t}"], "exact")) for t in threads}) == 1 for s in range(seeds))
+    same = _identical(lambda name: _row(race[name], "exact"), seeds, threads)
     k, total = counts["learned_threads_1_2"], counts["trainings_threads_1_2"]
     goal = k >= total - (GOAL[1] - GOAL[0]) * total // GOAL[1]
     mean_wall = sum(walls[n] for n in race) / len(race)
@@ -412,7 +417,7 @@ def _record_lines(rec: dict, recipe_sha256: str) -> list[str]:
     goal = ("" if len(low) != GOAL[1] else
             f" (the goal: {GOAL[0]} of {GOAL[1]}, {'met' if k >= GOAL[0] else '**NOT met** on this machine'})")
     timed = f" Training: {sum(walls) / len(walls):.0f} s per run on average." if walls else ""
-    same = sum(len({json.dumps(rec["exact"][f"race-s{s}-t{t}"]) for t in threads}) == 1 for s in range(seeds))
+    same = _identical(rec["exact"].__getitem__, seeds, threads)
     lines += ["", f"**{rec['learned']} of {rec['trainings']} trainings learn the recurrence**; at 1 and 2 threads "
               f"{k} of {len(low)}{goal}. "
               + (f"There {same} of {seeds} seeds score identically at every thread count. " if len(threads) > 1

@@ -205,8 +205,8 @@ def _recorded(saved: dict, dotted: str):
         return ADDED[dotted]
     value = _get(saved, dotted)
     if isinstance(value, dict):  # a whole section compared (data): the settings added to it since, at their defaults
-        added = {key[len(dotted) + 1:]: v for key, v in ADDED.items() if key.startswith(dotted + ".")}
-        value = {**{k: v for k, v in added.items() if "." not in k}, **value}
+        value = {**{key.rpartition(".")[2]: v for key, v in ADDED.items() if key.rpartition(".")[0] == dotted},
+                 **value}
     return value
 
 
