@@ -192,3 +192,21 @@ def test_reproduce_robustness_race_scale_keeps_each_machine_s_grid(tmp_path, mon
     monkeypatch.setattr("fullband.eval.commands.eval_tracking", lambda *a, **k: pytest.fail("scored again"))
     again = reproduce("robustness", scale="race", **options).read_text()
     assert again.split("\n", 4)[4] == text.split("\n", 4)[4]
+
+
+def test_reproduce_threads_sets_the_race_grids_thread_counts(monkeypatch, capsys):
+    """`--threads` reaches the race's grid (the whole study's or --scale race's), sorted and once each; another
+    experiment refuses it by name."""
+    from fullband.cli import main
+
+    calls = []
+    monkeypatch.setattr("fullband.reproduce.reproduce", lambda exp, **kw: calls.append((exp, kw)))
+    assert main(["reproduce", "robustness", "--scale", "race", "--threads", "4", "1", "2", "4"]) == 0
+    assert main(["reproduce", "robustness", "--threads", "8", "1"]) == 0
+    assert [(exp, kw.get("machine_threads"), kw.get("threads")) for exp, kw in calls] == [
+        ("robustness", (1, 2, 4), None), ("robustness", None, (1, 8))]
+    assert main(["reproduce", "probe", "--threads", "2"]) == 2
+    assert "--threads applies to `fullband reproduce robustness` only, not to 'probe'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["reproduce", "robustness", "--threads", "0"])
+    assert "accepted: an integer 1 <= threads <=" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from fullband.cli.args import OVERRIDE, SEED, SET_MODEL, SET_RECIPE, Command, Registry, check_json_out, dtype, opt
+from fullband.cli.args import OVERRIDE, SEED, SET_MODEL, SET_RECIPE, THREADS, Command, Registry, check_json_out, dtype, opt
 from fullband.errors import InputError
 from fullband.reproduce import REGISTRY
 from fullband.validate import DTYPES
@@ -128,6 +128,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                              "finished runs)")
     if args.model is not None:
         options["model"] = args.model
+    if args.threads is not None:
+        if args.experiment != "robustness":
+            raise InputError(f"--threads applies to `fullband reproduce robustness` only, not to {args.experiment!r}; "
+                             "accepted: drop it (the other experiments fix each run's threads in its recipe)")
+        threads = tuple(sorted(set(args.threads)))
+        options["machine_threads" if args.scale == "race" else "threads"] = threads
     for exp in REGISTRY if args.experiment == "all" else [args.experiment]:
         reproduce(exp, root=args.root, docs=args.docs, seeds=args.seeds, **options)
     return 0
@@ -152,6 +158,9 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
     opt("--budget", type=float, default=None, metavar="MIN", help="compare: start no new run after MIN minutes, "
         "then report the finished runs and list the rest (a rerun goes on); warmstart-long: train at most MIN "
         "minutes in this invocation (default 90), then report the curve so far (a rerun extends it)"),
+    opt("--threads", type=THREADS, nargs="+", default=None, metavar="T", help="robustness: the torch thread counts "
+        "of the race's grid (default 1 2 4 8 for the whole study, 1 2 for --scale race; the goal counts 1 and 2; "
+        "finished runs are reused, so a rerun with more counts adds columns)"),
     opt("--seeds", type=int, default=None, metavar="N", help="train every run with N seeds (0..N-1; seed 0 is the "
         "recipes as written) and report each finding's spread across them; default per experiment: "
         + ", ".join(f"{name} {e.seeds}" for name, e in REGISTRY.items())),

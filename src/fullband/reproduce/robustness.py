@@ -384,8 +384,8 @@ def _machine_report(root: Path, figs: Path, settings: Settings, seeds: int, n: i
     (figs / MACHINES).mkdir(parents=True, exist_ok=True)
     replace_file(figs / MACHINES / f"{slug}.json", json.dumps(record, indent=1) + "\n")
     records = _records(figs / MACHINES)
-    lines = [f"The demo's race (`{demo.RACE}`) trained with seeds 0-{seeds - 1} at {', '.join(map(str, threads))} "
-             "torch threads on each machine that ran `fullband reproduce robustness --scale race` (its record is "
+    lines = [f"The demo's race (`{demo.RACE}`) trained with seeds 0-{seeds - 1} at the torch thread counts of its "
+             "table (`--threads`) on each machine that ran `fullband reproduce robustness --scale race` (its record is "
              f"kept in `{figs.name}/{MACHINES}/`; a machine reruns it to add or refresh its own), each scored with the "
              f"exact read on {n} inputs per length. Cells: accuracy at 2L / 4L / 8L; ✓ when all are ≥ "
              f"{demo.SOLVED}. The whole study on one machine: [robustness.md](robustness.md).", ""]
