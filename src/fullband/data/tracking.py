@@ -20,6 +20,7 @@ training length L: L, 2L, 4L, 8L."""
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -105,8 +106,15 @@ def examples(task: str, n: int, *, min_length: int = 1, max_length: int, seed: i
     number("repeat", repeat, low=0, high=1, high_open=True, error=InputError)
     integer("min_length", min_length, 1, error=InputError)
     integer("max_length", max_length, min_length, error=InputError)
-    rng = random.Random(f"{_task(task)}:{seed}")
-    return [make_example(task, rng.randint(min_length, max_length), rng, repeat) for _ in range(n)]
+    return list(_drawn(_task(task), n, min_length, max_length, seed, float(repeat)))
+
+
+@functools.lru_cache(maxsize=8, typed=True)
+def _drawn(task: str, n: int, min_length: int, max_length: int, seed: int, repeat: float) -> tuple[Example, ...]:
+    """examples()' draw, kept for the process (a study trains many runs on one task's data: drawing 50,000 examples
+    takes about a second in pure Python; Example is frozen, so the runs share them safely)."""
+    rng = random.Random(f"{task}:{seed}")
+    return tuple(make_example(task, rng.randint(min_length, max_length), rng, repeat) for _ in range(n))
 
 
 def longest_tokens(task: str, length: int) -> int:
