@@ -593,12 +593,16 @@ def read_text(path: str | Path, what: str, *, error: type[FullbandError], limit:
     return decode_text(data, str(path), error=error)
 
 
+SURROGATE_ESCAPE = re.compile("\\\\u[dD][89a-fA-F]|[\ud800-\udfff]")  # an escape, or one in the text itself
+
+
 def parse_json(text: str, where: str, *, error: type[FullbandError]):
     """Any JSON value, or `error` naming `where`: malformed, nested too deeply, or holding text that is not Unicode
     (a lone surrogate escape)."""
     try:
         value = json.loads(text)
-        json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape decodes, but is not text
+        if SURROGATE_ESCAPE.search(text):  # a lone surrogate escape decodes, but is not text (a pair is: re-encode)
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
     except RecursionError:
         raise error(f"{where}: JSON nested too deeply to read; accepted: at most a few hundred levels") from None
     except json.JSONDecodeError as err:
