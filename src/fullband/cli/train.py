@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from fullband.cli.args import OVERRIDE, SEED, SET_MODEL, SET_RECIPE, THREADS, Command, Registry, check_json_out, dtype, opt
+from fullband.cli.args import (OVERRIDE, SEED, SET_MODEL, SET_RECIPE, THREADS, Command, Registry, check_json_out,
+                               dtype, opt)
 from fullband.errors import InputError
 from fullband.reproduce import REGISTRY
 from fullband.validate import DTYPES
