@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -60,6 +61,53 @@ def test_the_summary_names_each_row_by_its_mode_and_says_when_the_effect_is_miss
     # a standard model above chance beyond L is pointed out
     odd = demo._race_sentence(_race([0.95, .80, .5, .5], [1.0, 1.0, 1.0, 1.0]))
     assert "The standard model scores 0.80 at 16 bits: above chance beyond its training length" in odd
+
+
+def test_a_race_trained_again_says_so_with_both_trainings():
+    race = _race([0.95, .54, .58, .50], [1.0, .445, .43, .56])
+    race["rows"].append({"mode": "full-bandwidth model, seed 1, read exact", "accuracy": [1.0, .99, .97, .95]})
+    said = demo._race_sentence(race, {"learned": 97, "trainings": 100})
+    assert ("**This run's full-bandwidth model did not learn the recurrence** (exact read 0.43 at 32 bits, below 0.9); "
+            "97 of 100 trainings") in said
+    assert ("Trained again with train.seed=1 (the demo does so when seed 0's does not learn), the full-bandwidth "
+            "model read exact scores 1.00 at 8 bits and 0.99 / 0.97 / 0.95 at 16, 32, 64: it learned the recurrence, "
+            "so 1 of the 2 trainings here did.") in said
+    race["rows"][-1]["accuracy"] = [1.0, .6, .5, .5]
+    assert "it did not either, so none of the 2 trainings here did." in demo._race_sentence(race)
+
+
+def test_the_race_trains_seed_1_when_seed_0_does_not_learn_and_reports_both(tmp_path, monkeypatch, capsys):
+    """_race with the retry on (the demo's default outside --quick), quick trainings: a seed 0 that learns trains
+    no second seed; made a miss (every score below the bar), seed 1 is trained (its own run, train.seed = 1),
+    scored and kept beside the others, and a rerun reuses it."""
+    from fullband.eval import commands
+
+    real, miss = commands.eval_tracking, [False]
+
+    def scored(ckpt, **kw):
+        out = real(ckpt, **kw)
+        for r in out["rows"]:
+            r["accuracy"] = [1.0, .5, .5, .5] if miss[0] else [1.0, 1.0, 1.0, 1.0]
+        return out
+
+    monkeypatch.setattr(demo, "eval_tracking", scored)
+    out = tmp_path / "out"
+    assert set(demo._race(out, demo.RACE, True, retry=True)["runs"]) == {"standard", "standard-compute",
+                                                                         "full-bandwidth"}
+    assert "training it again" not in capsys.readouterr().out
+    miss[0] = True
+    for saved in out.glob("parity-*/step_*/eval"):
+        shutil.rmtree(saved)  # scored again, now a miss
+    race = demo._race(out, demo.RACE, True, retry=True)
+    assert "training it again with train.seed=1, and reporting both" in capsys.readouterr().out
+    assert set(race["runs"]) == {"standard", "standard-compute", "full-bandwidth", "full-bandwidth-seed-1"}
+    run = json.loads((out / "parity-full-bandwidth-seed-1" / "run.json").read_text())["train"]
+    assert run["seed"] == 1 and run["steps"] == 12
+    assert [r["mode"] for r in race["rows"]][-1] == "full-bandwidth model, seed 1, read exact"
+    assert json.loads((out / "race.json").read_text())["rows"] == race["rows"]
+    again = demo._race(out, demo.RACE, True, retry=True)
+    said = capsys.readouterr().out
+    assert "reusing" in said and "steps of" not in said and again["rows"] == race["rows"]
 
 
 def test_the_race_figure_s_title_fits_the_figure():

@@ -35,6 +35,9 @@ RACERS = {"standard": (STANDARD, ["standard"], "standard model"),
           "standard-compute": ([*STANDARD, EQUAL_COMPUTE], ["standard"],
                                "standard model at the same compute"),
           "full-bandwidth": ([], ["standard", "fused:1", "fused:4", "exact"], "full-bandwidth model")}
+# when the full-bandwidth racer (seed 0) does not learn the recurrence (about one training in 30: docs/results/
+# robustness.md), the demo trains it again with this seed and reports both: k of 2, never only the lucky one
+RETRY = ("full-bandwidth-seed-1", ["train.seed=1"], "full-bandwidth model, seed 1")
 CODE_STEPS = 100  # the code LM: configs/tiny.toml's 200 steps shortened to leave time for the race
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 SAMPLE_MODES = [("standard", 0), ("soft", 0), ("fused", 1), ("exact", 0)]
@@ -104,15 +107,28 @@ def race_title(length: int) -> str:
             "same compute) and a full-bandwidth one of the same size")
 
 
-def _race(out: Path, config: str | Path, quick: bool) -> dict:
+def _race(out: Path, config: str | Path, quick: bool, *, retry: bool | None = None) -> dict:
+    """The racers trained (or reused) and scored; `retry` (default: unless `quick`): the full-bandwidth racer
+    trained again with RETRY's seed when seed 0's exact read does not learn the recurrence."""
     n, runs, rows = 16 if quick else 200, {}, []
-    for name, (_, modes, label) in RACERS.items():
-        ckpt, runs[name] = _trained(config, out / f"parity-{name}",
-                                    racer_overrides(name, config, QUICK["race"] if quick else []), f"parity, {label}")
+    extra = QUICK["race"] if quick else []
+
+    def score(name: str, overrides: list[str], modes: list[str], label: str) -> dict:
+        ckpt, runs[name] = _trained(config, out / f"parity-{name}", overrides, f"parity, {label}")
         result = _fresh(ckpt / "eval" / "tracking_parity.json", ckpt, n=n, modes=modes) or \
             {**eval_tracking(ckpt, n=n, modes=modes), "modes": modes}
         replace_file(ckpt / "eval" / "tracking_parity.json", json.dumps(result, indent=2) + "\n")
-        rows += [{**r, "model": name, "mode": f"{label}, read {r['mode']}"} for r in result["rows"]]
+        rows.extend({**r, "model": name, "mode": f"{label}, read {r['mode']}"} for r in result["rows"])
+        return result
+
+    for name, (_, modes, label) in RACERS.items():
+        result = score(name, racer_overrides(name, config, extra), modes, label)
+    exact = next(r["accuracy"] for r in rows if r["mode"] == "full-bandwidth model, read exact")
+    if (not quick if retry is None else retry) and min(exact[1:]) < SOLVED:
+        name, seed, label = RETRY
+        print(f"== the full-bandwidth model did not learn the recurrence (exact read {min(exact[1:]):.2f} beyond "
+              f"{result['train_length']} bits): training it again with {seed[0]}, and reporting both", flush=True)
+        score(name, racer_overrides("full-bandwidth", config, [*extra, *seed]), ["exact"], label)
     race = {**{k: result[k] for k in ("task", "train_length", "lengths", "chance", "n")}, "rows": rows, "runs": runs,
             "title": race_title(result["train_length"])}
     save_figure(tracking_figure(race), out / "race.png")
@@ -203,6 +219,13 @@ def _race_sentence(race: dict, robustness: dict | None = None) -> str:
                   f"; {ROBUSTNESS} counts how often this recipe does across seeds and thread counts")
         text += (f" **This run's full-bandwidth model did not learn the recurrence** (exact read {exact[worst]:.2f} at "
                  f"{lengths[worst]} bits, below {SOLVED}){counts}.")
+        again = rows.get(f"{RETRY[2]}, read exact")
+        if again is not None:
+            learned = min(again[1:]) >= SOLVED
+            text += (f" Trained again with {RETRY[1][0]} (the demo does so when seed 0's does not learn), the "
+                     f"full-bandwidth model read exact scores {acc(f'{RETRY[2]}, read exact')}: "
+                     + ("it learned the recurrence, so 1 of the 2 trainings here did." if learned else
+                        "it did not either, so none of the 2 trainings here did."))
     for m in std_rows:
         above = [i for i in range(1, len(lengths)) if rows[m][i] > race["chance"] + ABOVE_CHANCE]
         if above:
@@ -220,14 +243,15 @@ def _summary(out: Path, race: dict, code: dict, seconds: float, robustness: dict
         r = runs[name]
         passes = r["compute_tokens"] / max(r["tokens"], 1)
         per = "one pass each" if passes == 1 else f"{passes:.1f} passes per token on average"
-        return (f"- parity, {RACERS[name][2]}: {r['parameters'] / 1e3:.0f}k parameters, {r['steps']} steps, "
+        label = RETRY[2] if name == RETRY[0] else RACERS[name][2]
+        return (f"- parity, {label}: {r['parameters'] / 1e3:.0f}k parameters, {r['steps']} steps, "
                 f"{r['tokens'] / 1e6:.2f}M tokens, {per} ({r['compute_tokens'] / max(std['compute_tokens'], 1):.1f}x "
                 f"the first standard model's compute), {r['train_seconds']:.0f} s")
 
     lines = [
         "# fullband demo: what latent feedback buys", "",
         f"Machine: {hardware()}; this run {seconds / 60:.1f} min of wall time (reused phases cost nothing).", "",
-        "What was trained:", "", *(trained(name) for name in RACERS if name in runs),
+        "What was trained:", "", *(trained(name) for name in [*RACERS, RETRY[0]] if name in runs),
         f"- the code LM: {code['parameters'] / 1e6:.2f}M parameters, {code['steps']} steps, {code['tokens'] / 1e6:.2f}M "
         f"tokens of the Python standard library, {code['train_seconds']:.0f} s", "",
         "Results:", "",
@@ -238,7 +262,7 @@ def _summary(out: Path, race: dict, code: dict, seconds: float, robustness: dict
         f"{code['parameters'] / 1e6:.1f}M-parameter model after {code['tokens'] / 1e6:.1f}M tokens (one seed; "
         f"{ROBUSTNESS} trains it with three).", "",
         f"Files in {out}/: summary.md, race.png, race.json, samples.md, samples.json, and the runs ("
-        + ", ".join(f"parity-{name}/" for name in RACERS) + ", code/: metrics, loss.png, checkpoints; each final "
+        + ", ".join(f"parity-{name}/" for name in [*RACERS, RETRY[0]] if name in runs) + ", code/: metrics, loss.png, checkpoints; each final "
         "checkpoint's eval/ holds its evaluation, table and figure).",
     ]
     text = "\n".join(lines) + "\n"
