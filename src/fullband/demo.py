@@ -171,8 +171,10 @@ def _verdict(diff: float, se: float) -> str:
 
 ABOVE_CHANCE = 0.15  # a standard model this far above chance beyond L is not at chance (4 s.e. at 200 examples)
 SOLVED = 0.9  # accuracy at which a length counts as solved (the robustness report's bar)
+ROBUSTNESS_RACE = "docs/results/robustness-race.md"  # every machine's grid
 ROBUSTNESS = "docs/results/robustness.md"  # how often the race's recipe learns the recurrence, across seeds and threads
 COUNTS = Path("docs/results/robustness/race.json")  # its counts (reproduce robustness), which the summary quotes
+MACHINE_RECORDS = Path("docs/results/robustness-race/machines")  # each machine's grid (--scale race), quoted first
 
 
 def recipe_key(config: str | Path) -> str:
@@ -181,12 +183,19 @@ def recipe_key(config: str | Path) -> str:
 
 
 def robustness_counts(config: str | Path) -> dict | None:
-    """The robustness report's counts for the race recipe `config`: from the checkout the demo runs in (the current
-    folder, or the one that holds this package's source), None when there are none for this recipe."""
+    """The robustness report's counts for the race recipe `config`, and under "machines" each machine's grid
+    (`reproduce robustness --scale race`'s records: cpu, learned, trainings) for it: from the checkout the demo runs
+    in (the current folder, or the one that holds this package's source), None when there are none for this
+    recipe."""
+    key = recipe_key(config)
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         data = read_json(root / COUNTS)
-        if data and data.get("recipe_sha256") == recipe_key(config):
-            return data
+        data = data if isinstance(data, dict) and data.get("recipe_sha256") == key else {}
+        records = [read_json(p) for p in sorted((root / MACHINE_RECORDS).glob("*.json"))]
+        machines = [{k: r[k] for k in ("cpu", "learned", "trainings")} for r in records
+                    if isinstance(r, dict) and r.get("recipe_sha256") == key]
+        if data or machines:
+            return {**data, "machines": machines}
     return None
 
 
@@ -214,9 +223,15 @@ def _race_sentence(race: dict, robustness: dict | None = None) -> str:
         text += (f" The full-bandwidth model learned the recurrence: {exact[worst]:.2f} or better up to "
                  f"{lengths[-1] // L}x its longest training input.")
     else:
-        counts = (f"; {robustness['learned']} of {robustness['trainings']} trainings of this recipe across seeds and "
-                  f"thread counts do ({ROBUSTNESS})" if robustness else
-                  f"; {ROBUSTNESS} counts how often this recipe does across seeds and thread counts")
+        machines = (robustness or {}).get("machines")
+        if machines:
+            counts = ("; across seeds and thread counts, trainings of this recipe learn it " + " and ".join(
+                f"{m['learned']} of {m['trainings']} times on {m['cpu']}" for m in machines) + f" ({ROBUSTNESS_RACE})")
+        elif robustness:
+            counts = (f"; {robustness['learned']} of {robustness['trainings']} trainings of this recipe across seeds "
+                      f"and thread counts do ({ROBUSTNESS})")
+        else:
+            counts = f"; {ROBUSTNESS} counts how often this recipe does across seeds and thread counts"
         text += (f" **This run's full-bandwidth model did not learn the recurrence** (exact read {exact[worst]:.2f} at "
                  f"{lengths[worst]} bits, below {SOLVED}){counts}.")
         again = rows.get(f"{RETRY[2]}, read exact")
