@@ -66,7 +66,8 @@ def test_the_summary_names_each_row_by_its_mode_and_says_when_the_effect_is_miss
 def test_a_race_trained_again_says_so_with_both_trainings():
     race = _race([0.95, .54, .58, .50], [1.0, .445, .43, .56])
     race["rows"].append({"mode": "full-bandwidth model, seed 1, read exact", "accuracy": [1.0, .99, .97, .95]})
-    machines = [{"cpu": "AMD EPYC", "learned": 40, "trainings": 40}, {"cpu": "Some CPU", "learned": 37, "trainings": 40}]
+    machines = [{"cpu": "AMD EPYC", "learned": 40, "trainings": 40},
+                {"cpu": "Some CPU", "learned": 37, "trainings": 40}]
     said = demo._race_sentence(race, {"learned": 40, "trainings": 40, "machines": machines})
     assert ("**This run's full-bandwidth model did not learn the recurrence** (exact read 0.43 at 32 bits, below 0.9); "
             "across seeds and thread counts, trainings of this recipe learn it 40 of 40 times on AMD EPYC and 37 of "
@@ -122,6 +123,12 @@ def test_the_race_trains_seed_1_when_seed_0_does_not_learn_and_reports_both(tmp_
     again = demo._race(out, demo.RACE, True, retry=True)
     said = capsys.readouterr().out
     assert "reusing" in said and "steps of" not in said and again["rows"] == race["rows"]
+    code = {"loss": {"rows": [{"mode": "standard", "nats_per_token": 1.7},
+                              {"mode": "fused k=1", "minus_first": -0.04, "minus_first_stderr": 0.003}], "windows": 4},
+            "parameters": 9e5, "steps": 4, "tokens": 1000, "train_seconds": 1.0}
+    summary = demo._summary(out, race, code, 60.0)
+    assert "- parity, full-bandwidth model, seed 1: " in summary and "parity-full-bandwidth-seed-1/, code/" in summary
+    assert "Trained again with train.seed=1" in summary
 
 
 def test_the_race_figure_s_title_fits_the_figure():

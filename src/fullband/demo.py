@@ -277,8 +277,8 @@ def _summary(out: Path, race: dict, code: dict, seconds: float, robustness: dict
         f"{code['parameters'] / 1e6:.1f}M-parameter model after {code['tokens'] / 1e6:.1f}M tokens (one seed; "
         f"{ROBUSTNESS} trains it with three).", "",
         f"Files in {out}/: summary.md, race.png, race.json, samples.md, samples.json, and the runs ("
-        + ", ".join(f"parity-{name}/" for name in [*RACERS, RETRY[0]] if name in runs) + ", code/: metrics, loss.png, checkpoints; each final "
-        "checkpoint's eval/ holds its evaluation, table and figure).",
+        + ", ".join(f"parity-{name}/" for name in [*RACERS, RETRY[0]] if name in runs) + ", code/: metrics, loss.png, "
+        "checkpoints; each final checkpoint's eval/ holds its evaluation, table and figure).",
     ]
     text = "\n".join(lines) + "\n"
     replace_file(out / "summary.md", text)
