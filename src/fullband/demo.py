@@ -124,7 +124,7 @@ def _race(out: Path, config: str | Path, quick: bool, *, retry: bool | None = No
     for name, (_, modes, label) in RACERS.items():
         result = score(name, racer_overrides(name, config, extra), modes, label)
     exact = next(r["accuracy"] for r in rows if r["mode"] == "full-bandwidth model, read exact")
-    if (not quick if retry is None else retry) and min(exact[1:]) < SOLVED:
+    if (not quick if retry is None else retry) and not learned(exact):
         name, seed, label = RETRY
         print(f"== the full-bandwidth model did not learn the recurrence (exact read {min(exact[1:]):.2f} beyond "
               f"{result['train_length']} bits): training it again with {seed[0]}, and reporting both", flush=True)
@@ -171,6 +171,11 @@ def _verdict(diff: float, se: float) -> str:
 
 ABOVE_CHANCE = 0.15  # a standard model this far above chance beyond L is not at chance (4 s.e. at 200 examples)
 SOLVED = 0.9  # accuracy at which a length counts as solved (the robustness report's bar)
+
+
+def learned(accuracy: list[float]) -> bool:
+    """The race's bar: an accuracy row (L, 2L, 4L, 8L) at SOLVED or above at every length beyond training."""
+    return min(accuracy[1:]) >= SOLVED
 ROBUSTNESS_RACE = "docs/results/robustness-race.md"  # every machine's grid
 ROBUSTNESS = "docs/results/robustness.md"  # how often the race's recipe learns the recurrence, across seeds and threads
 COUNTS = Path("docs/results/robustness/race.json")  # its counts (reproduce robustness), which the summary quotes
@@ -187,13 +192,14 @@ def robustness_counts(config: str | Path) -> dict | None:
     (`reproduce robustness --scale race`'s records: cpu, learned, trainings) for it: from the checkout the demo runs
     in (the current folder, or the one that holds this package's source), None when there are none for this
     recipe."""
+    from fullband.reproduce.robustness import _records
+
     key = recipe_key(config)
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         data = read_json(root / COUNTS)
         data = data if isinstance(data, dict) and data.get("recipe_sha256") == key else {}
-        records = [read_json(p) for p in sorted((root / MACHINE_RECORDS).glob("*.json"))]
-        machines = [{k: r[k] for k in ("cpu", "learned", "trainings")} for r in records
-                    if isinstance(r, dict) and r.get("recipe_sha256") == key]
+        machines = [{k: r[k] for k in ("cpu", "learned", "trainings")} for r in _records(root / MACHINE_RECORDS)
+                    if r.get("recipe_sha256") == key]
         if data or machines:
             return {**data, "machines": machines}
     return None
@@ -219,7 +225,7 @@ def _race_sentence(race: dict, robustness: dict | None = None) -> str:
             f"exact (the recurrence over the input) scores {acc('full-bandwidth model, read exact')}, and the same "
             f"weights read standard {acc('full-bandwidth model, read standard')}.")
     worst = min(range(1, len(lengths)), key=lambda i: exact[i])
-    if exact[worst] >= SOLVED:
+    if learned(exact):
         text += (f" The full-bandwidth model learned the recurrence: {exact[worst]:.2f} or better up to "
                  f"{lengths[-1] // L}x its longest training input.")
     else:
@@ -236,10 +242,9 @@ def _race_sentence(race: dict, robustness: dict | None = None) -> str:
                  f"{lengths[worst]} bits, below {SOLVED}){counts}.")
         again = rows.get(f"{RETRY[2]}, read exact")
         if again is not None:
-            learned = min(again[1:]) >= SOLVED
             text += (f" Trained again with {RETRY[1][0]} (the demo does so when seed 0's does not learn), the "
                      f"full-bandwidth model read exact scores {acc(f'{RETRY[2]}, read exact')}: "
-                     + ("it learned the recurrence, so 1 of the 2 trainings here did." if learned else
+                     + ("it learned the recurrence, so 1 of the 2 trainings here did." if learned(again) else
                         "it did not either, so none of the 2 trainings here did."))
     for m in std_rows:
         above = [i for i in range(1, len(lengths)) if rows[m][i] > race["chance"] + ABOVE_CHANCE]
