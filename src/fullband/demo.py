@@ -187,19 +187,23 @@ def recipe_key(config: str | Path) -> str:
     return hashlib.sha256(recipe_path(config).read_bytes()).hexdigest()
 
 
+def machine_records(folder: Path) -> list[dict]:
+    """Each machine's record of the race grid in `folder` (`reproduce robustness --scale race` writes them), in
+    name order; a file that is not a JSON object is skipped."""
+    return [r for r in (read_json(p) for p in sorted(folder.glob("*.json"))) if isinstance(r, dict)]
+
+
 def robustness_counts(config: str | Path) -> dict | None:
     """The robustness report's counts for the race recipe `config`, and under "machines" each machine's grid
     (`reproduce robustness --scale race`'s records: cpu, learned, trainings) for it: from the checkout the demo runs
     in (the current folder, or the one that holds this package's source), None when there are none for this
     recipe."""
-    from fullband.reproduce.robustness import _records
-
     key = recipe_key(config)
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         data = read_json(root / COUNTS)
         data = data if isinstance(data, dict) and data.get("recipe_sha256") == key else {}
-        machines = [{k: r[k] for k in ("cpu", "learned", "trainings")} for r in _records(root / MACHINE_RECORDS)
-                    if r.get("recipe_sha256") == key]
+        machines = [{k: r[k] for k in ("cpu", "learned", "trainings")} for r in machine_records(root / MACHINE_RECORDS)
+                    if r.get("recipe_sha256") == key and {"cpu", "learned", "trainings"} <= r.keys()]
         if data or machines:
             return {**data, "machines": machines}
     return None

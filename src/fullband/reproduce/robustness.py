@@ -385,7 +385,7 @@ def _machine_report(root: Path, figs: Path, settings: Settings, seeds: int, n: i
               "train_seconds": {k: round(w, 1) for k, w in walls.items()}}
     (figs / MACHINES).mkdir(parents=True, exist_ok=True)
     replace_file(figs / MACHINES / f"{slug}.json", json.dumps(record, indent=1) + "\n")
-    records = _records(figs / MACHINES)
+    records = demo.machine_records(figs / MACHINES)
     lines = [f"The demo's race (`{demo.RACE}`) trained with seeds 0-{seeds - 1} at the torch thread counts of its "
              "table (`--threads`) on each machine that ran `fullband reproduce robustness --scale race` (its record is "
              f"kept in `{figs.name}/{MACHINES}/`; a machine reruns it to add or refresh its own), each scored with the "
@@ -394,12 +394,6 @@ def _machine_report(root: Path, figs: Path, settings: Settings, seeds: int, n: i
     for rec in sorted(records, key=lambda r: r["cpu"] != record["cpu"]):
         lines += _record_lines(rec, demo.recipe_key(demo.RACE))
     return lines
-
-
-def _records(folder: Path) -> list[dict]:
-    from fullband.files import read_json
-
-    return [r for r in (read_json(p) for p in sorted(folder.glob("*.json"))) if isinstance(r, dict)]
 
 
 def _record_lines(rec: dict, recipe_sha256: str) -> list[str]:
@@ -432,7 +426,9 @@ def _record_lines(rec: dict, recipe_sha256: str) -> list[str]:
 
 def _machine_lines(folder: Path) -> list[str]:
     """The whole study's section on the race's grid on other machines (robustness-race's records), if any."""
-    records = _records(folder / MACHINES)
+    from fullband.demo import machine_records
+
+    records = machine_records(folder / MACHINES)
     if not records:
         return []
     lines = ["## The race on other machines", "",
