@@ -87,6 +87,7 @@ def test_the_summary_quotes_every_machine_s_grid_of_this_recipe(tmp_path, monkey
         (machines / f"{name}.json").write_text(json.dumps({"cpu": f"CPU {name}", "recipe_sha256": sha,
                                                            "learned": learned, "trainings": 40}))
     (machines / "c.json").write_text("[1, 2]")  # not a record
+    (machines / "d.json").write_text(json.dumps({"cpu": "CPU d", "recipe_sha256": key}))  # this recipe's, but no counts
     monkeypatch.chdir(tmp_path)
     assert demo.robustness_counts(demo.RACE) == {"machines": [{"cpu": "CPU a", "learned": 37, "trainings": 40}]}
 
