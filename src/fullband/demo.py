@@ -171,15 +171,16 @@ def _verdict(diff: float, se: float) -> str:
 
 ABOVE_CHANCE = 0.15  # a standard model this far above chance beyond L is not at chance (4 s.e. at 200 examples)
 SOLVED = 0.9  # accuracy at which a length counts as solved (the robustness report's bar)
+ROBUSTNESS_RACE = "docs/results/robustness-race.md"  # every machine's grid
+ROBUSTNESS = "docs/results/robustness.md"  # how often the race's recipe learns the recurrence, across seeds and threads
+COUNTS = Path("docs/results/robustness/race.json")  # its counts (reproduce robustness), which the summary quotes
+MACHINE_RECORDS = Path("docs/results/robustness-race/machines")  # each machine's grid (--scale race), quoted first
+COUNT_KEYS = ("cpu", "learned", "trainings")  # what the summary quotes of each machine's record
 
 
 def learned(accuracy: list[float]) -> bool:
     """The race's bar: an accuracy row (L, 2L, 4L, 8L) at SOLVED or above at every length beyond training."""
     return min(accuracy[1:]) >= SOLVED
-ROBUSTNESS_RACE = "docs/results/robustness-race.md"  # every machine's grid
-ROBUSTNESS = "docs/results/robustness.md"  # how often the race's recipe learns the recurrence, across seeds and threads
-COUNTS = Path("docs/results/robustness/race.json")  # its counts (reproduce robustness), which the summary quotes
-MACHINE_RECORDS = Path("docs/results/robustness-race/machines")  # each machine's grid (--scale race), quoted first
 
 
 def recipe_key(config: str | Path) -> str:
@@ -202,8 +203,8 @@ def robustness_counts(config: str | Path) -> dict | None:
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         data = read_json(root / COUNTS)
         data = data if isinstance(data, dict) and data.get("recipe_sha256") == key else {}
-        machines = [{k: r[k] for k in ("cpu", "learned", "trainings")} for r in machine_records(root / MACHINE_RECORDS)
-                    if r.get("recipe_sha256") == key and {"cpu", "learned", "trainings"} <= r.keys()]
+        machines = [{k: r[k] for k in COUNT_KEYS} for r in machine_records(root / MACHINE_RECORDS)
+                    if r.get("recipe_sha256") == key and set(COUNT_KEYS) <= r.keys()]
         if data or machines:
             return {**data, "machines": machines}
     return None
