@@ -98,6 +98,27 @@ def test_a_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, model):
     assert other.returncode == 2 and "OMP_NUM_THREADS=2, but the run started with 1 thread(s) (rl.threads" in other.stderr
 
 
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, model):
+    """SIGTERM (a scheduler's preemption, torchrun's shutdown) to a running `fullband rl`: the step it lands in
+    finishes, its checkpoint is written even where ckpt_every would not write one, and the process exits with the
+    shell's status for SIGTERM (143). (A resume from such a checkpoint equals the run that never stopped:
+    tests/test_train.py, for both signals.)"""
+    config = recipe(tmp_path, model, "cut")
+    proc = subprocess.Popen([*CLI, "rl", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "cut" / "step_000002").is_dir() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "SIGTERM: stopping after this step, with a checkpoint (SIGTERM again stops now, without one)" in err
+    kept = sorted(p.name for p in (tmp_path / "cut").glob("step_*"))
+    assert kept[0] == "step_000002" and kept[-1] in {"step_000003", "step_000004", "step_000005"}, kept
+    assert f"interrupted after step {int(kept[-1][5:])}: checkpoint {tmp_path / 'cut' / kept[-1]}" in out + err
+    assert run("doctor", str(tmp_path / "cut" / kept[-1])).returncode == 0
+
+
 @pytest.mark.parametrize("override,words", [
     ("rl.group=1", "rl.group=1 is invalid"),
     ("rl.teacher='self'", "rl.teacher='self' is unknown; accepted: standard, reference"),

@@ -562,23 +562,27 @@ def test_tensorboard_and_wandb_receive_every_step(tmp_path, corpus, cache, monke
     assert wandb.run is None  # finished, not left open
 
 
-def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_bitwise(tmp_path, corpus, cache, monkeypatch,
-                                                                          capsys):
-    """The first Ctrl-C (SIGINT) lets the step it lands in finish, writes that step's checkpoint (here one the
-    schedule would not have written) and stops; --resume then ends with the uninterrupted run's weights. The memory
-    estimate is printed before the first step."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_after_the_step_with_a_checkpoint_and_resumes_bitwise(tmp_path, corpus, cache,
+                                                                                     monkeypatch, capsys, signum):
+    """The first Ctrl-C (SIGINT), or SIGTERM (a scheduler's preemption, torchrun's shutdown), lets the step it lands
+    in finish, writes that step's checkpoint (here one the schedule would not have written) and stops (SIGTERM: with
+    the shell's status for it, 143); --resume then ends with the uninterrupted run's weights. The memory estimate is
+    printed before the first step."""
     from fullband.train.trainer import Trainer
 
-    # Python's own SIGINT handler, as a program started from a terminal has it, whatever this test process inherited
+    # Python's own handlers, as a program started from a terminal has them, whatever this test process inherited
     # (a background start ignores SIGINT); one CI run here saw no Ctrl-C reach the trainer, cause not found
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+    previous = signal.signal(signum, default)
     try:
-        _ctrl_c_then_resume(tmp_path, corpus, cache, monkeypatch, capsys, Trainer)
+        _stop_then_resume(tmp_path, corpus, cache, monkeypatch, capsys, Trainer, signum)
+        assert signal.getsignal(signum) is default  # put back
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signum, previous)
 
 
-def _ctrl_c_then_resume(tmp_path, corpus, cache, monkeypatch, capsys, Trainer) -> None:
+def _stop_then_resume(tmp_path, corpus, cache, monkeypatch, capsys, Trainer, signum) -> None:
     whole = write_config(tmp_path, corpus, cache, "whole")
     part = write_config(tmp_path, corpus, cache, "part")
     train(load_run_config(whole))
@@ -588,17 +592,22 @@ def _ctrl_c_then_resume(tmp_path, corpus, cache, monkeypatch, capsys, Trainer) -
 
     def interrupted(self, i):
         stats = step(self, i)
-        if i == 2:  # in the middle of the run's third step, as a user's Ctrl-C would land
-            os.kill(os.getpid(), signal.SIGINT)
+        if i == 2:  # in the middle of the run's third step, as a user's Ctrl-C or a scheduler's SIGTERM would land
+            os.kill(os.getpid(), signum)
         return stats
 
     monkeypatch.setattr(Trainer, "train_step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train(load_run_config(part))
+    if signum == signal.SIGINT:
+        with pytest.raises(KeyboardInterrupt):
+            train(load_run_config(part))
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            train(load_run_config(part))
+        assert stopped.value.code == 143
     out = capsys.readouterr()
-    assert "Ctrl-C: stopping after this step" in out.err
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"{name}: stopping after this step, with a checkpoint ({name} again stops now" in out.err
     assert f"interrupted after step 3: checkpoint {tmp_path / 'part' / 'step_000003'}" in out.out
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     monkeypatch.setattr(Trainer, "train_step", step)
     train(load_run_config(part), resume=tmp_path / "part")
     assert losses(tmp_path / "part") == losses(tmp_path / "whole")

@@ -222,8 +222,8 @@ def _prepare(recipe: RLRecipe) -> _Run:
 
 
 def _train_loop(s: _Run, rundir: RunDir, state: dict) -> None:
-    """Steps from the one `state` holds to rl.steps: each logged, evaluated and checkpointed when due; a Ctrl-C
-    stops after the step it is in, with a checkpoint."""
+    """Steps from the one `state` holds to rl.steps: each logged, evaluated and checkpointed when due; a Ctrl-C or
+    SIGTERM stops after the step it is in, with a checkpoint."""
     from fullband.rl.step import rl_step
 
     cfg, stops = s.cfg, list(s.tokenizer.stop_ids)
@@ -258,9 +258,9 @@ def _train_loop(s: _Run, rundir: RunDir, state: dict) -> None:
                          "config": s.recipe.to_dict()}
                 path = ckpt.save_checkpoint(rundir.path, step, s.model, s.optimizer, state, d=s.d,
                                             tokenizer=s.tokenizer, keep_last=cfg.keep_last)
-            if interrupted:  # Ctrl-C: the step is whole and kept; stop here
+            if interrupted:  # Ctrl-C or SIGTERM: the step is whole and kept; stop here
                 s.bar.write(rundir.interrupted(step, path, "rl"))
-                raise KeyboardInterrupt
+                raise stop.stopped()
 
 
 def _score(s: _Run, idx: list[int]):

@@ -250,10 +250,12 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 class StopRequest:
-    """Set by the first Ctrl-C (SIGINT) while a run trains: the loop finishes the step it is in, writes a checkpoint
-    and stops; a second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint)."""
+    """Set by the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, torchrun's shutdown, `kill`) while a
+    run trains: the loop finishes the step it is in, writes a checkpoint and stops (`stopped()`); a second one stops
+    at once, without a checkpoint."""
 
     requested = False
+    signum: int | None = None
 
     def agreed(self, d: Dist) -> bool:
         """Whether to stop now: any rank was interrupted (every rank stops after the same step)."""
@@ -261,30 +263,45 @@ class StopRequest:
             return self.requested
         return float(all_reduce_max(torch.tensor(float(self.requested), device=d.device), d)) > 0
 
+    def stopped(self) -> BaseException:
+        """What a run stopped by request raises once its checkpoint is written: KeyboardInterrupt after a Ctrl-C (or
+        on a rank that saw none), SystemExit with the shell's status for SIGTERM (128 + 15) after a SIGTERM."""
+        import signal
+
+        if self.signum == signal.SIGTERM:
+            return SystemExit(128 + signal.SIGTERM)
+        return KeyboardInterrupt()
+
 
 @contextlib.contextmanager
 def stop_after_step():
-    """A StopRequest the SIGINT handler sets for the time of the block (only in the main thread, and only where
-    Ctrl-C would otherwise raise KeyboardInterrupt: another handler installed by the caller is left alone)."""
+    """A StopRequest that SIGINT and SIGTERM set for the time of the block (only in the main thread, and each only
+    where it would otherwise end the program: KeyboardInterrupt for SIGINT, the default action for SIGTERM; a handler
+    installed by the caller is left alone)."""
     import signal
     import sys
     import threading
 
     stop = StopRequest()
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if threading.current_thread() is not threading.main_thread():
         yield stop
         return
+    ours = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    ours = {signum: default for signum, default in ours.items() if signal.getsignal(signum) is default}
 
     def handler(signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if stop.requested:
-            raise KeyboardInterrupt
-        stop.requested = True
-        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again stops now, without one)",
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        stop.requested, stop.signum = True, signum
+        print(f"\n{name}: stopping after this step, with a checkpoint ({name} again stops now, without one)",
               file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {signum: signal.signal(signum, handler) for signum in ours}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler_before in previous.items():
+            signal.signal(signum, handler_before)

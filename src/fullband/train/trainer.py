@@ -265,7 +265,7 @@ class Trainer:
                                     tokenizer=self.data.tokenizer, keep_last=self.cfg.log.keep_last)
 
     def run(self) -> dict:
-        """Train to the last step (from a resumed one); a Ctrl-C stops after the step it is in, with a checkpoint."""
+        """Train to the last step (from a resumed one); a Ctrl-C or SIGTERM stops after the step it is in, with a checkpoint."""
         d = self.d
         bar = progress_bar(self.cfg, d, self.step, self.cfg.train.steps)
         self.last_eval: dict[str, float] = {}
@@ -343,12 +343,12 @@ class Trainer:
             path = self.save() if due else None
             if done:
                 continue
-            interrupted = stop.agreed(d)  # Ctrl-C
+            interrupted = stop.agreed(d)  # Ctrl-C or SIGTERM
             if interrupted or self.out_of_time():  # this step is whole: keep it, then stop
                 path = path or (None if due else self.save())
                 if interrupted:
                     _print0(d, self.rundir.interrupted(self.step, path, "train"))
-                    raise KeyboardInterrupt
+                    raise stop.stopped()
                 _print0(d, self.rundir.out_of_time(self.step, total, cfg.train.stop_after_minutes, path))
                 return
 
