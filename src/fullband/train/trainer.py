@@ -265,7 +265,8 @@ class Trainer:
                                     tokenizer=self.data.tokenizer, keep_last=self.cfg.log.keep_last)
 
     def run(self) -> dict:
-        """Train to the last step (from a resumed one); a Ctrl-C or SIGTERM stops after the step it is in, with a checkpoint."""
+        """Train to the last step (from a resumed one); a Ctrl-C or SIGTERM stops after the step it is in, with a
+        checkpoint."""
         d = self.d
         bar = progress_bar(self.cfg, d, self.step, self.cfg.train.steps)
         self.last_eval: dict[str, float] = {}
