@@ -676,6 +676,13 @@ def test_a_resume_keeps_the_runs_thread_count_on_any_machine_load(tmp_path, corp
     monkeypatch.delenv("FULLBAND_THREADS")
     with pytest.raises(ConfigError, match=r"train.threads=3, but the run started with train.threads=1"):
         trainer_module.Trainer(load_run_config(part, ["train.threads=3"]), resume=run)
+    # FULLBAND_THREADS sets a new run's count from Python too (not only through the CLI): it was honoured on resume
+    # and ignored at the start, so a run started from Python could not be resumed under the same setting
+    monkeypatch.setenv("FULLBAND_THREADS", "2")
+    fresh = write_config(tmp_path, corpus, cache, "fresh", steps=2, ckpt_every=2, model=WIDE_MODEL)
+    train(load_run_config(fresh))
+    assert json.loads((tmp_path / "fresh" / "run.json").read_text())["train"]["threads"] == 2
+    assert torch.get_num_threads() == 1  # the caller's count back
 
 
 def test_the_memory_estimate_counts_every_block_run_of_a_looped_or_ponder_model():

@@ -106,8 +106,8 @@ def fit_threads() -> str | None:
 def run_threads(asked: int, key: str, *, resume: bool = False, recorded: int | None = None) -> tuple[int, str | None]:
     """Set torch's threads for a run and return (the count it records, a line to print or None). torch's results
     differ in the last bits with the thread count, so a run keeps one count from its start to its end:
-    - a new run takes `asked` (its recipe's `key`) or, for 0, the count this process runs with (the free cores, or
-      FULLBAND_THREADS / OMP_NUM_THREADS);
+    - a new run takes `asked` (its recipe's `key`) or, for 0, FULLBAND_THREADS when set, else the count this process
+      runs with (the free cores, or OMP_NUM_THREADS);
     - a resumed run takes the count it `recorded` at its start (None: a run from before counts were recorded keeps
       this process's); a recipe's count, FULLBAND_THREADS or OMP_NUM_THREADS that differ are refused (ConfigError
       naming both), and the line says when this process would have chosen another count (the machine's load)."""
@@ -116,6 +116,7 @@ def run_threads(asked: int, key: str, *, resume: bool = False, recorded: int | N
     from fullband.errors import ConfigError
 
     if not resume:
+        asked = asked or env_threads(OVERRIDE) or 0  # the CLI set it already; a Python caller's run takes it too
         if asked:
             torch.set_num_threads(asked)
         return torch.get_num_threads(), None
