@@ -145,10 +145,12 @@ def test_hf_run_under_two_process_ddp_matches_one_process(tmp_path, corpus, cach
 
 
 def test_hf_run_with_activation_checkpointing_gives_the_same_losses(tmp_path, corpus, cache, hf_folders):
+    """With the block match on, whose forward hooks see a wrapped block's output once (its recompute not again)."""
     hf_path = hf_folders / "llama"
-    plain = train(load_run_config(recipe(tmp_path, corpus, cache, hf_path, "plain", steps=4)))
+    match = ["train.block_match=1.0"]
+    plain = train(load_run_config(recipe(tmp_path, corpus, cache, hf_path, "plain", steps=4), match))
     trainer = Trainer(load_run_config(recipe(tmp_path, corpus, cache, hf_path, "ckpt", steps=4),
-                                      ["train.activation_checkpointing=true"]))
+                                      ["train.activation_checkpointing=true", *match]))
     try:
         assert all(type(block).__name__ == "CheckpointWrapper" for block in trainer.model.blocks)
         trainer.run()
@@ -157,6 +159,9 @@ def test_hf_run_with_activation_checkpointing_gives_the_same_losses(tmp_path, co
     a, b = losses(tmp_path / "plain"), losses(tmp_path / "ckpt")
     assert len(a) == 4 and all(abs(x - y) <= 1e-6 for r, s in zip(a, b) for x, y in zip(r, s))
     assert plain["steps"] == 4
+    terms = [[json.loads(line).get("block_match") for line in (tmp_path / run / "metrics.jsonl").read_text()
+              .splitlines() if "loss_pass" in line] for run in ("plain", "ckpt")]
+    assert any(t > 0 for t in terms[0]) and all(abs(x - y) <= 1e-6 for x, y in zip(*terms))
 
 
 def test_every_tool_loads_a_wrapped_checkpoint(tmp_path, corpus, cache, hf_folders):

@@ -249,15 +249,15 @@ def _warm(root: Path, name: str, **sets) -> list[str]:
 
 
 def _cli(root: Path, name: str, *more: str) -> subprocess.Popen:
-    sets = [arg for s in _warm(root, name) for arg in ("--set", s)]
+    sets = [arg for s in _warm(root, name, **{"train.block_match": 5.0}) for arg in ("--set", s)]
     return subprocess.Popen([sys.executable, "-m", "fullband.cli", "train", "configs/warmstart-smollm2.toml", *sets,
                              *more], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 def test_micro_warm_start_trains_a_part_and_resumes_bit_for_bit_after_sigkill(tiny_llama):
-    """The warm-start recipe on a tiny Llama (a part trained, the blend, the identity start): frozen weights are
-    bitwise the Llama's after training; a run killed after its second checkpoint and resumed equals the
+    """The warm-start recipe on a tiny Llama (a part trained, the blend, the identity start, the block match): frozen
+    weights are bitwise the Llama's after training; a run killed after its second checkpoint and resumed equals the
     uninterrupted run bit for bit."""
     from safetensors.torch import load_file
 
@@ -278,6 +278,8 @@ def test_micro_warm_start_trains_a_part_and_resumes_bit_for_bit_after_sigkill(ti
     assert ref.returncode == 0, err
     assert "training" in out and "weights (train.trainable" in out
     assert losses(tiny_llama / "part") == losses(tiny_llama / "whole")
+    rows = [json.loads(line) for line in (tiny_llama / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["block_match"] > 0 for r in rows if "loss_pass" in r and 2 <= r["step"] <= 6)  # blend, weight > 0
     a = load_file(str(tiny_llama / "whole" / "step_000012" / "model.safetensors"))
     b = load_file(str(tiny_llama / "part" / "step_000012" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -299,6 +301,7 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
     for part in ("## Held-out loss by mode", "| feedback-only-blend |", "| everything-blend-distill |",
                  "| everything-blend-identity |", "- self-distillation (every weight, the blend): FUSED k=1 - STANDARD",
                  "| everything-blend-anchor |", "- the anchor (every weight, the blend): FUSED k=1 - STANDARD",
+                 "| everything-blend-match |", "- the block match (every weight, the blend): FUSED k=1 - STANDARD",
                  "| everything-blend-additive |",
                  "- the additive fusion in place of the gate (every weight, the blend)",
                  "the difference of the gaps, paired by window, ", "| continued-2x |",
@@ -308,7 +311,7 @@ def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_ru
         assert part in text, part
     assert (tmp_path / "docs" / "warmstart-micro" / "curves.png").is_file()
     first = capsys.readouterr().out
-    assert first.count("== training ") == 11
+    assert first.count("== training ") == 12
     again = reproduce("warmstart", root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
                       model=str(tiny_llama / "llama"), extra=extra)
     assert "== training " not in capsys.readouterr().out  # every run reused, every evaluation cached

@@ -4,15 +4,18 @@ each term plus z_loss * mean(logsumexp(logits)^2) when z_loss > 0, plus latent_l
 next-latent error (latent_error) when latent_loss > 0, plus distill * the mean over passes 2..k of the KL divergence
 from pass 1's next-token distribution, not differentiated, to that pass's (distill_kl) when distill > 0, plus anchor *
 the mean over every pass of the KL divergence from a frozen model's next-token distribution (`anchor_logp`, the run's
-starting point read STANDARD) to that pass's (distill_kl again) when anchor > 0, and the training-time inputs of the
-later passes
-(uniform jitter on the fed state, a random plain prefix per sequence, detaching between passes). Called by the
-trainer and the transformers class's labels path; eval.loss scores with the same `ntp`.
+starting point read STANDARD) to that pass's (distill_kl again) when anchor > 0, plus block_match * the mean over
+passes 2..k of every block's output drawn to the first pass's, not differentiated (block_distance) when block_match > 0,
+and the training-time inputs of the later passes (uniform jitter on the fed state, a random plain prefix per sequence,
+detaching between passes). Called by the trainer and the transformers class's labels path; eval.loss scores with the
+same `ntp`.
 
 Shipped as source with every transformers folder (fullband.hf.remote): it imports only other shipped modules."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,8 @@ class Objective:
     latent: Tensor | None = None  # the mean over passes of latent_error (None unless latent_loss > 0)
     distill: Tensor | None = None  # the mean over passes 2..k of distill_kl (None unless distill > 0 and k > 1)
     anchor: Tensor | None = None  # the mean over passes 1..k of distill_kl from anchor_logp (None unless anchor > 0)
+    block_match: Tensor | None = None  # the mean over passes 2..k of block_distance (None unless block_match > 0
+    # and k > 1)
 
 
 def ntp(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
@@ -68,6 +73,36 @@ def distill_kl(teacher: Tensor, logits: Tensor, targets: Tensor) -> Tensor:
     return kl / max(teacher.shape[0], 1)
 
 
+def block_distance(outputs: list[Tensor], first: list[Tensor]) -> Tensor:
+    """The block-match term of one fed pass: the mean over blocks of mean((y - sg(y_1))^2) / mean(sg(y_1)^2), `outputs`
+    the pass's block outputs (B, T, D) in the order the blocks ran, `first` the first pass's, paired in that order (a
+    block run once per pass, below config.feedback_target, is not in `outputs`: only the blocks both passes ran are
+    paired, from the top). In float32 at least."""
+    dtype = torch.promote_types(outputs[0].dtype, torch.float32)
+    terms = []
+    for y, y1 in zip(outputs, first[len(first) - len(outputs):]):
+        goal = y1.detach().to(dtype)
+        terms.append((y.to(dtype) - goal).pow(2).mean() / goal.pow(2).mean().clamp_min(torch.finfo(dtype).tiny))
+    return torch.stack(terms).mean()
+
+
+@contextmanager
+def block_outputs(blocks) -> Iterator[list[Tensor]]:
+    """Every output of `blocks` (a ModuleList) while inside, in the order they ran (forward hooks, removed on exit; a
+    block wrapped for activation checkpointing reports once, not again when its backward recomputes it)."""
+    seen: list[Tensor] = []
+
+    def hook(module, args, output):
+        seen.append(output[0] if isinstance(output, tuple) else output)
+
+    handles = [b.register_forward_hook(hook) for b in blocks]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def prefix_mixin(B: int, T: int, prob: float, device: torch.device, generator: torch.Generator | None) -> Tensor:
     """(B, T) bool: with probability `prob` a sequence reverts positions t <= p, p ~ U[0, T), to plain inputs."""
     use = torch.rand(B, device=device, generator=generator) < prob
@@ -99,8 +134,8 @@ def training_feed(cfg, *, noise: bool, generator: torch.Generator | None):
 
 def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_mask: Tensor | None = None,
               generator: torch.Generator | None = None, z_loss: float = 0.0, latent_loss: float = 0.0,
-              distill: float = 0.0, anchor: float = 0.0, anchor_logp: Tensor | None = None, noise: bool | None = None,
-              cache=None) -> Objective:
+              distill: float = 0.0, anchor: float = 0.0, anchor_logp: Tensor | None = None, block_match: float = 0.0,
+              noise: bool | None = None, cache=None) -> Objective:
     """The objective of `passes` Jacobi passes over input_ids (B, T) against targets (B, T) (-100 = ignore).
     `model` is a FeedbackModel or its data-parallel wrapper (the loss is computed inside its forward). `noise`
     (default: the model's training mode) adds the jitter and prefix mixin; without it passes beyond T repeat the
@@ -108,8 +143,10 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     times the mean over passes of latent_error through the model's latent_head (model.latent_head); `distill` > 0
     adds that weight times the mean over passes 2..k of distill_kl from pass 1's distribution (no extra forward: pass
     1's logits are the teacher). `anchor` > 0 adds that weight times the mean over every pass of distill_kl from
-    `anchor_logp`, a frozen model's log-probabilities over the scored positions (N, V), computed by the caller. A
-    `cache` receives the last pass's keys and values."""
+    `anchor_logp`, a frozen model's log-probabilities over the scored positions (N, V), computed by the caller.
+    `block_match` > 0 adds that weight times the mean over passes 2..k of block_distance, every block's output in the
+    pass against the first pass's (read by forward hooks on the model's `blocks`; no extra forward). A `cache`
+    receives the last pass's keys and values."""
     net = getattr(model, "module", model)  # DDP: the model inside
     cfg = net.config
     head = getattr(net, "latent_head", None) if latent_loss > 0 else None
@@ -127,6 +164,8 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     kls: list[Tensor] = []
     teacher: list[Tensor] = []  # pass 1's log-probabilities over the scored positions, when distill > 0
     anchors: list[Tensor] = []
+    matches: list[Tensor] = []
+    first: list[Tensor] = []  # the first pass's block outputs, when block_match > 0
 
     def each_pass(j: int, state: Tensor, top: Tensor) -> Tensor:
         logits = net.head(top)
@@ -141,10 +180,18 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
                 kls.append(distill_kl(teacher[0], logits, targets))
         if anchor > 0:
             anchors.append(distill_kl(anchor_logp, logits, targets))
+        if outputs is not None:
+            if j == 0:
+                first.extend(outputs)
+            else:
+                matches.append(block_distance(outputs, first))
+            outputs.clear()
         return ce + z_loss * logits.float().logsumexp(-1).pow(2).mean() if z_loss > 0 else ce
 
-    out = model(input_ids, passes=run, plain_mask=plain_mask, cache=cache, return_logits=False,
-                feed=training_feed(cfg, noise=noise, generator=generator), each_pass=each_pass)
+    watch = block_match > 0 and passes > 1
+    with block_outputs(net.blocks) if watch else nullcontext() as outputs:
+        out = model(input_ids, passes=run, plain_mask=plain_mask, cache=cache, return_logits=False,
+                    feed=training_feed(cfg, noise=noise, generator=generator), each_pass=each_pass)
     terms = out.per_pass + [out.per_pass[-1]] * (passes - run)
     ntps += [ntps[-1]] * (passes - run)
     loss = terms[0]
@@ -164,5 +211,9 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
     if anchors:
         held = torch.stack(anchors + [anchors[-1]] * (passes - run)).mean()
         loss = loss + anchor * held
+    match = None
+    if matches:
+        match = torch.stack(matches + [matches[-1]] * (passes - run)).mean()
+        loss = loss + block_match * match
     return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top, latent=latent, distill=kl,
-                     anchor=held)
+                     anchor=held, block_match=match)

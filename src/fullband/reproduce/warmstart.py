@@ -52,6 +52,7 @@ ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}"]
 PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"  # every key the recipe sets is pinned here
 DISTILL = "train.distill=1.0"
 ANCHOR = "train.anchor=1.0"
+MATCH = "train.block_match=40.0"
 IDENTITY = ['model.fusion_init="identity"', "model.fusion_gate_scale=0"]
 RUNS = (
     ("feedback-only", "the fusion and norm_in alone, the trunk frozen", [*PART, PLAIN]),
@@ -67,6 +68,8 @@ RUNS = (
      [*ALL, BLEND, *IDENTITY]),
     ("everything-blend-anchor", "as everything-blend, every pass drawn towards the pretrained model's STANDARD read "
      "(train.anchor: 1 falling to 0 over the run)", [*ALL, BLEND, ANCHOR]),
+    ("everything-blend-match", "as everything-blend, every block's output in the fed pass drawn towards the first "
+     "pass's (train.block_match: 40 falling to 0 over the run)", [*ALL, BLEND, MATCH]),
     ("everything-blend-additive", "as everything-blend, the additive fusion e + h W in place of the paper's gate (a "
      "comparison, never the default: the token keeps its own path, and the model may ignore the state)",
      [*ALL, BLEND, 'model.fusion="additive"']),
@@ -440,6 +443,7 @@ def _outcome(trained: dict, evaluated: dict, runs: list[Run], sc: Scale) -> list
                        ("everything-blend-identity", "everything-blend",
                         "the identity start (every weight, the blend)"),
                        ("everything-blend-anchor", "everything-blend", "the anchor (every weight, the blend)"),
+                       ("everything-blend-match", "everything-blend", "the block match (every weight, the blend)"),
                        ("everything-blend-additive", "everything-blend",
                         "the additive fusion in place of the gate (every weight, the blend)")):
         if a in feedback and b in feedback:

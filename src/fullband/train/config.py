@@ -96,6 +96,10 @@ class TrainConfig:
     # starting model read STANDARD, frozen || the pass's next-token distribution), the weight falling linearly to 0
     # at anchor_until x steps; needs a starting model (train.init_from or model.hf_path); 0: off (nothing computed)
     anchor_until: float = 1.0  # the fraction of the steps at which train.anchor's weight reaches 0 (0 < x <= 1)
+    block_match: float = 0.0  # the block match (docs/method.md, section 6): block_match * the mean over passes 2..k
+    # and over blocks of the block's output's squared distance from the first pass's (not differentiated), relative to
+    # the latter's mean square; the weight falling linearly to 0 at block_match_until x steps; 0: off
+    block_match_until: float = 1.0  # the fraction of the steps at which train.block_match's weight reaches 0
     trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
     memory_check: bool = True  # refuse to start when the largest step's memory estimate exceeds what is available
@@ -122,6 +126,8 @@ class TrainConfig:
         number("train.distill_until", self.distill_until, low=0, high=1, low_open=True)
         number("train.anchor", self.anchor, low=0)
         number("train.anchor_until", self.anchor_until, low=0, high=1, low_open=True)
+        number("train.block_match", self.block_match, low=0)
+        number("train.block_match_until", self.block_match_until, low=0, high=1, low_open=True)
         number("train.stop_after_minutes", self.stop_after_minutes, low=0)
         if self.global_batch_tokens % self.seq_len:
             raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
@@ -205,14 +211,14 @@ class RunConfig:
             raise ConfigError(f"train.latent_loss={self.train.latent_loss} trains a next-latent head, but "
                               'model.latent_head = "none"; accepted: model.latent_head = "linear", or '
                               "train.latent_loss = 0")
-        if self.train.distill > 0 and (not self.model.has_feedback or self.model.ponder
-                                       or self.train.schedule.max_passes < 2):
-            why = ("model.fusion='none' feeds nothing" if not self.model.has_feedback else
-                   "a ponder model trains its last pass alone" if self.model.ponder else
-                   f"train.passes={self.train.passes!r} runs one pass, the teacher itself")
-            raise ConfigError(f"train.distill={self.train.distill} draws fed passes towards the first pass's "
-                              f"distribution, but {why}; accepted: train.distill = 0, or a model with feedback "
-                              "trained with several passes")
+        for key, weight, what in (("distill", self.train.distill, "distribution"),
+                                  ("block_match", self.train.block_match, "block outputs")):
+            if weight > 0 and (not self.model.has_feedback or self.model.ponder or self.train.schedule.max_passes < 2):
+                why = ("model.fusion='none' feeds nothing" if not self.model.has_feedback else
+                       "a ponder model trains its last pass alone" if self.model.ponder else
+                       f"train.passes={self.train.passes!r} runs one pass, the teacher itself")
+                raise ConfigError(f"train.{key}={weight} draws fed passes towards the first pass's {what}, but {why}; "
+                                  f"accepted: train.{key} = 0, or a model with feedback trained with several passes")
         if self.train.anchor > 0 and not (self.train.init_from or self.model.hf_path):
             raise ConfigError(f"train.anchor={self.train.anchor} draws every pass towards the model the run starts "
                               "from, but this run starts from a random initialisation; accepted: train.anchor = 0, "

@@ -69,9 +69,9 @@ def blend_weight(step: int, total_steps: int, until: float) -> float:
 
 
 def distill_weight(step: int, total_steps: int, weight: float, until: float) -> float:
-    """A distillation term's weight at 0-based optimizer step `step` (train.distill and train.distill_until, or
-    train.anchor and train.anchor_until): `weight` at step 0, falling linearly to 0 at round(until * total_steps),
-    0 after; a function of the step only."""
+    """A distillation term's weight at 0-based optimizer step `step` (train.distill and train.distill_until,
+    train.anchor and train.anchor_until, or train.block_match and train.block_match_until): `weight` at step 0,
+    falling linearly to 0 at round(until * total_steps), 0 after; a function of the step only."""
     end = max(1, round(until * total_steps))
     return weight * max(0.0, 1.0 - step / end)
 

@@ -52,6 +52,8 @@ class StepStats:
     distill_weight: float = 0.0  # its weight in this step (train.distill falling to 0 at train.distill_until)
     anchor: float = 0.0  # the anchor's KL (Objective.anchor; 0 when off)
     anchor_weight: float = 0.0  # its weight in this step (train.anchor falling to 0 at train.anchor_until)
+    block_match: float = 0.0  # the block-match term (Objective.block_match; 0 when off or in a one-pass step)
+    block_match_weight: float = 0.0  # its weight in this step (train.block_match falling to 0 at its _until)
 
 
 def noise_seed(seed: int, step: int, block: int) -> int:
@@ -146,10 +148,11 @@ class Trainer:
         model = self.model
         model.train()
         accum = sampler.accum_steps
-        sums = torch.zeros(k + 5, device=d.device)  # per-pass NTP, objective, state RMS, next-latent error, KLs
+        sums = torch.zeros(k + 6, device=d.device)  # per-pass NTP, objective, state RMS, next-latent, KLs, match
         blend = blend_weight(step, cfg.train.steps, cfg.train.blend_until)
         distill = distill_weight(step, cfg.train.steps, cfg.train.distill, cfg.train.distill_until)
         anchor = distill_weight(step, cfg.train.steps, cfg.train.anchor, cfg.train.anchor_until)
+        match = distill_weight(step, cfg.train.steps, cfg.train.block_match, cfg.train.block_match_until)
         net = unwrap(model)
         with (net.looping(r) if cfg.model.has_loop else contextlib.nullcontext()), \
                 (net.blended(blend) if blend < 1 else contextlib.nullcontext()):
@@ -162,7 +165,7 @@ class Trainer:
                     held = self.anchor_logp(inputs, targets) if anchor > 0 else None
                     out = objective(model, inputs, targets, k, plain_mask=plain[0] if plain else None, generator=gen,
                                     z_loss=z_loss, latent_loss=cfg.train.latent_loss, distill=distill,
-                                    anchor=anchor, anchor_logp=held)
+                                    anchor=anchor, anchor_logp=held, block_match=match)
                     (out.loss / accum).backward()
                 with torch.no_grad():
                     sums[:k] += torch.stack(out.pass_losses).detach().float()
@@ -174,6 +177,8 @@ class Trainer:
                         sums[k + 3] += out.distill.detach().float()
                     if out.anchor is not None:
                         sums[k + 4] += out.anchor.detach().float()
+                    if out.block_match is not None:
+                        sums[k + 5] += out.block_match.detach().float()
         sums = all_reduce_mean(sums / accum, d)
         values = sums.tolist()
         bad = [j + 1 for j, v in enumerate(values[:k]) if not math.isfinite(v)]
@@ -183,7 +188,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             where = f"pass {bad[0]}" if bad[0] else "the z-loss term" + (" or the next-latent term"
                                                                           if cfg.train.latent_loss else "") + (
-                " or the self-distillation term" if distill else "") + (" or the anchor's term" if anchor else "")
+                " or the self-distillation term" if distill else "") + (" or the anchor's term" if anchor else "") + (
+                " or the block-match term" if match else "")
             raise TrainingDiverged(f"non-finite loss at step {step + 1} in {where} (losses per pass: {values[:k]}); "
                                    f"stopped before applying it. {self.rundir.last_good()}. Try a lower learning rate "
                                    "(optim.lr / optim.adam_lr), more warmup, or gradient clipping (optim.grad_clip).")
@@ -194,7 +200,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(k=k, loss=values[k], pass_losses=values[:k], grad_norm=grad_norm, state_rms=values[k + 1],
                          loops=r, blend=blend, latent=values[k + 2], distill=values[k + 3], distill_weight=distill,
-                         anchor=values[k + 4], anchor_weight=anchor)
+                         anchor=values[k + 4], anchor_weight=anchor, block_match=values[k + 5],
+                         block_match_weight=match)
 
     @torch.no_grad()
     def anchor_logp(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -324,6 +331,8 @@ class Trainer:
                 row["distill"], row["distill_weight"] = stats.distill, stats.distill_weight
             if cfg.train.anchor > 0:
                 row["anchor"], row["anchor_weight"] = stats.anchor, stats.anchor_weight
+            if cfg.train.block_match > 0:
+                row["block_match"], row["block_match_weight"] = stats.block_match, stats.block_match_weight
             if self.loggers:
                 self.loggers.log(row)
             if bar is not None:
