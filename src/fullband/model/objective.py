@@ -199,21 +199,11 @@ def objective(model, input_ids: Tensor, targets: Tensor, passes: int, *, plain_m
         loss = terms[-1]
     elif len(terms) > 1:
         loss = loss + cfg.pass_loss_weight * torch.stack(terms[1:]).mean()
-    latent = None
-    if head is not None:
-        latent = torch.stack(latents + [latents[-1]] * (passes - run)).mean()
-        loss = loss + latent_loss * latent
-    kl = None
-    if kls:  # passes run beyond a noise-free fixed point repeat the last pass's term, as its NTP
-        kl = torch.stack(kls + [kls[-1]] * (passes - run)).mean()
-        loss = loss + distill * kl
-    held = None
-    if anchors:
-        held = torch.stack(anchors + [anchors[-1]] * (passes - run)).mean()
-        loss = loss + anchor * held
-    match = None
-    if matches:
-        match = torch.stack(matches + [matches[-1]] * (passes - run)).mean()
-        loss = loss + block_match * match
+    # passes run beyond a noise-free fixed point repeat the last pass's terms, as its NTP
+    latent, kl, held, match = (torch.stack(t + [t[-1]] * (passes - run)).mean() if t else None
+                               for t in (latents, kls, anchors, matches))
+    for weight, term in ((latent_loss, latent), (distill, kl), (anchor, held), (block_match, match)):
+        if term is not None:
+            loss = loss + weight * term
     return Objective(loss=loss, pass_losses=ntps, state=out.hidden, top=out.top, latent=latent, distill=kl,
                      anchor=held, block_match=match)
