@@ -48,6 +48,25 @@ def random_ids(batch: int, length: int, *, seed: int = 1, vocab: int = 256) -> t
     return torch.randint(0, vocab, (batch, length), generator=g)
 
 
+class _Term(torch.nn.Module):
+    def __init__(self, model, term: str, args, kw):
+        super().__init__()
+        self.m, self.term, self.args, self.kw = model, term, args, kw
+
+    def forward(self):
+        from fullband.model.objective import objective
+
+        return getattr(objective(self.m, *self.args, **self.kw), self.term)
+
+
+def objective_term(model, term: str, *args, **kw):
+    """The objective's `term` (an Objective field) for objective(model, *args, **kw) as a function of a dict of some
+    of the model's weights by name (torch.func.functional_call puts them in place): what a gradient check
+    differentiates."""
+    module = _Term(model, term, args, kw)
+    return lambda weights: torch.func.functional_call(module, {f"m.{k}": v for k, v in weights.items()}, ())
+
+
 MICRO_MODEL = """vocab_size = 259
 d_model = 32
 n_layers = 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_resume_is_bitwise, micro_start, random_ids, tiny_model, write_config
+from conftest import assert_resume_is_bitwise, micro_start, objective_term, random_ids, tiny_model, write_config
 from fullband.errors import ConfigError, InputError
 from fullband.model.objective import objective
 from test_distill import SMALL, _pass_logits, _targets  # the same small model, targets and per-pass logits
@@ -55,16 +55,10 @@ def test_the_terms_gradient_matches_finite_differences_in_float64():
     names = ["fusion.w_u.weight", "blocks.0.mlp_norm.weight"]
     params = dict(model.named_parameters())
 
-    class Term(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self):
-            return objective(self.m, ids, targets, 2, anchor=1.0, anchor_logp=frozen, noise=False).anchor
+    of = objective_term(model, "anchor", ids, targets, 2, anchor=1.0, anchor_logp=frozen, noise=False)
 
     def term(w_u, w_in):
-        return torch.func.functional_call(Term(), {f"m.{names[0]}": w_u, f"m.{names[1]}": w_in}, ())
+        return of({names[0]: w_u, names[1]: w_in})
 
     inputs = tuple(params[n].detach().clone().requires_grad_(True) for n in names)
     assert torch.autograd.gradcheck(term, inputs, eps=1e-6, atol=1e-7)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import random_ids, tiny_model, write_config
+from conftest import objective_term, random_ids, tiny_model, write_config
 from fullband.errors import ConfigError
 from fullband.model.objective import objective
 from test_distill import SMALL, _targets  # the same small model and targets
@@ -106,16 +106,10 @@ def test_the_terms_gradient_matches_finite_differences_in_float64():
     targets = _targets(ids)
     params = dict(model.named_parameters())
 
-    class Term(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self):
-            return objective(self.m, ids, targets, 2, block_match=1.0, noise=False).block_match
+    of = objective_term(model, "block_match", ids, targets, 2, block_match=1.0, noise=False)
 
     def whole(w_u):
-        return torch.func.functional_call(Term(), {"m.fusion.w_u.weight": w_u}, ())
+        return of({"fusion.w_u.weight": w_u})
 
     w_u = params["fusion.w_u.weight"].detach().clone().requires_grad_(True)
     assert torch.autograd.gradcheck(whole, (w_u,), eps=1e-6, atol=1e-7)
@@ -129,7 +123,7 @@ def test_the_terms_gradient_matches_finite_differences_in_float64():
     w = params[name].detach().clone().requires_grad_(True)
     assert torch.autograd.gradcheck(to_goal, (w,), eps=1e-6, atol=1e-7)
     (want,) = torch.autograd.grad(to_goal(w), (w,))
-    (got,) = torch.autograd.grad(Term()(), (params[name],))
+    (got,) = torch.autograd.grad(of({}), (params[name],))
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-14) and float(got.abs().sum()) > 0
 
 
