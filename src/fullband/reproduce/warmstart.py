@@ -47,9 +47,10 @@ SCALES = {
 
 # what each run changes: the feedback runs (two passes every step) and the controls (one pass, no state)
 FEEDBACK_LR, TRUNK_LR, MULT = "3e-3", "1e-4", "30"
-PART = [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", "optim.feedback_lr_mult=1"]
-ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}"]
-PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"  # every key the recipe sets is pinned here
+NO_MATCH = "train.block_match=0.0"  # every key the recipe sets is pinned here
+PART = [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", "optim.feedback_lr_mult=1", NO_MATCH]
+ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}", NO_MATCH]
+PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"
 DISTILL = "train.distill=1.0"
 ANCHOR = "train.anchor=1.0"
 MATCH = "train.block_match=40.0"
@@ -82,8 +83,8 @@ CONTROLS = (
 
 def runs() -> list[Run]:
     out = [Run(name, ['train.passes="two-pass"', *sets], RECIPE) for name, _, sets in RUNS]
-    return out + [Run(name, ['train.passes="none"', f"optim.adam_lr={TRUNK_LR}", "optim.feedback_lr_mult=1", PLAIN],
-                      RECIPE) for name, _, _ in CONTROLS]
+    return out + [Run(name, ['train.passes="none"', f"optim.adam_lr={TRUNK_LR}", "optim.feedback_lr_mult=1", PLAIN,
+                             NO_MATCH], RECIPE) for name, _, _ in CONTROLS]
 
 
 def check(*, scale: str = "cpu", model: str = "", **_) -> None:

@@ -25,8 +25,8 @@ NAME = "everything-blend"
 
 
 def runs() -> list[Run]:
-    # the shipped recipe (every weight, the blend), with a constant learning rate after warm-up (no cooldown): each
-    # point of the curve is the same recipe stopped there, not a schedule's end
+    # the blend recipe (every weight, the blend; shipped before the block match), with a constant learning rate
+    # after warm-up (no cooldown): each point of the curve is the same recipe stopped there, not a schedule's end
     sets = dict((name, s) for name, _, s in warmstart.RUNS)[NAME]
     return [Run(NAME, ['train.passes="two-pass"', *sets], warmstart.RECIPE)]
 
@@ -74,8 +74,9 @@ def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated
            budget: float) -> list[str]:
     step, tokens = state["step"], state["tokens"]
     finished = step >= sc.steps
-    lines = ["The shipped warm-start recipe (every weight trained, the feedback weights at 30x the trunk's learning "
-             f"rate, two passes every step, the blend curriculum over the first {BLEND_STEPS} steps) trained long "
+    lines = ["The blend warm-start recipe (shipped before the block match: every weight trained, the feedback weights "
+             "at 30x the trunk's learning rate, two passes every step, the blend curriculum over the first "
+             f"{BLEND_STEPS} steps) trained long "
              "with a constant learning rate after warm-up, to measure how many tokens the fed reads take to come "
              f"within {GOAL} nats/token of the same model's STANDARD read. "
              + (f"**Finished: {step:,} steps, {tokens:,} tokens.**" if finished else
