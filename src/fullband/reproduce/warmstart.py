@@ -47,7 +47,8 @@ SCALES = {
 
 # what each run changes: the feedback runs (two passes every step) and the controls (one pass, no state)
 FEEDBACK_LR, TRUNK_LR, MULT = "3e-3", "1e-4", "30"
-NO_MATCH = "train.block_match=0.0"  # every key the recipe sets is pinned here
+# every key the shipped recipe sets is pinned here, so each run stays what the study trained whatever it ships
+NO_MATCH = "train.block_match=0.0"
 PART = [f"train.trainable={FEEDBACK_ONLY}", f"optim.adam_lr={FEEDBACK_LR}", "optim.feedback_lr_mult=1", NO_MATCH]
 ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}", NO_MATCH]
 PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"
