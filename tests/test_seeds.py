@@ -123,3 +123,45 @@ def test_a_report_s_command_sets_each_key_once_with_the_value_the_run_used():
     printed = [w for w in shlex.split(line.strip("`"))[3:] if w != "--set"]
     everything = [*run.overrides, "train.cooldown_fraction=0.0", "train.blend_until=0.025", "log.eval_passes=[1, 2]"]
     assert load_run_config("configs/tiny.toml", printed) == load_run_config("configs/tiny.toml", everything)
+
+
+def test_a_kept_evaluation_is_reused_only_for_the_weights_it_read(tmp_path):
+    """A kept evaluation records the weights it read: rewritten weights at the same checkpoint path are read again,
+    even when the kept file is newer (a report's files restored after retraining); a run whose weights are gone
+    keeps its record; an evaluation that writes its own file (save=False) gets the stamp there too."""
+    import os
+
+    from fullband.reproduce.runner import kept
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(b"first")
+    saved, calls = tmp_path / "eval" / "x.json", []
+
+    def compute():
+        calls.append(weights.read_bytes() if weights.is_file() else None)
+        return {"loss": len(calls)}
+
+    def read():
+        return kept(saved, {"checkpoint": str(ckpt)}, ckpt, compute)
+
+    assert read()["loss"] == 1 and read()["loss"] == 1 and calls == [b"first"]
+    weights.write_bytes(b"second")
+    t = saved.stat().st_mtime
+    os.utime(weights, (t - 100, t - 100))  # older than the kept file, yet other weights
+    assert read()["loss"] == 2 and calls == [b"first", b"second"]
+    assert read()["loss"] == 2 and len(calls) == 2
+    assert kept(saved, {"checkpoint": "elsewhere"}, ckpt, compute)["loss"] == 3  # another key: read again
+    weights.unlink()
+    assert read()["loss"] == 4 and read()["loss"] == 4  # the key changed back; then the record holds without weights
+    weights.write_bytes(b"third")
+    own = tmp_path / "eval" / "own.json"
+
+    def writes():
+        own.write_text(json.dumps({"checkpoint": str(ckpt), "loss": 9}))
+        return {"loss": 9}
+
+    assert kept(own, {"checkpoint": str(ckpt)}, ckpt, writes, save=False)["loss"] == 9
+    assert "weights" in json.loads(own.read_text())
+    assert kept(own, {"checkpoint": str(ckpt)}, ckpt, lambda: pytest.fail("read again"), save=False)["loss"] == 9

@@ -168,23 +168,32 @@ def _reused(run: Run, run_dir: Path, steps: int, start: Callable[[Path | None], 
 def kept(path: Path, key: dict, checkpoint: Path | None, compute: Callable[[], dict], *,
          valid: Callable[[dict], bool] | None = None, save: bool = True) -> dict:
     """An evaluation kept beside the report at `path`: reused while it holds every field of `key` with its value
-    (and `valid`, a report's further conditions, holds) and is newer than the checkpoint's weights (or there is no
-    checkpoint, or its weights are gone: a run reused from its record); else compute()'s result, kept there as
-    {**key, **result} (save=False: compute() writes `path` itself, as fullband eval does)."""
+    (and `valid`, a report's further conditions, holds) and was computed from the checkpoint's weights as they are now
+    (their size and modification time, recorded with it; or there is no checkpoint, or its weights are gone: a run
+    reused from its record); else compute()'s result, kept there as {**key, **result} (save=False: compute() writes
+    `path` itself, as fullband eval does, and the weights' stamp is added to it)."""
     from fullband.files import read_json
 
     old = read_json(path)
     weights = checkpoint / "model.safetensors" if checkpoint is not None else None
-    fresh = (weights is None or not weights.is_file()
-             or (path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime))
-    if old and fresh and all(old.get(k) == v for k, v in key.items()) and (valid is None or valid(old)):
+    stamp = _stamp(weights) if weights is not None and weights.is_file() else None
+    if (old and (stamp is None or old.get("weights") == stamp) and all(old.get(k) == v for k, v in key.items())
+            and (valid is None or valid(old))):
         return old
     result = compute()
     if save:
-        result = {**key, **result}
+        result = {**key, **result, **({"weights": stamp} if stamp else {})}
         path.parent.mkdir(parents=True, exist_ok=True)
         replace_file(path, json.dumps(result))
+    elif stamp is not None and (written := read_json(path)):
+        replace_file(path, json.dumps({**written, "weights": stamp}))
     return result
+
+
+def _stamp(weights: Path) -> str:
+    """The weights' identity for a kept evaluation: a retrained or rewritten checkpoint at the same path differs."""
+    st = weights.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def run_threads(run_dir: Path) -> int | None:
