@@ -1,4 +1,4 @@
-"""`fullband reproduce warmstart-long`: the warm start's recipe trained long, to measure (not extrapolate) how many
+"""`fullband reproduce warmstart-long`: the shipped warm-start recipe trained long, to measure (not extrapolate) how many
 tokens the fed reads of SmolLM2-135M-Instruct need to reach the same model's STANDARD read. One run, far longer than
 one sitting: each invocation trains for at most `budget` minutes (train.stop_after_minutes) and stops with a
 checkpoint; the next invocation resumes it and extends the curve. The report is the curve of the gap (fed read minus
@@ -21,12 +21,13 @@ SCALES = {  # the warm start's scales with the long run's length; the held-out r
     "micro": replace(warmstart.SCALES["micro"], steps=8),
     "cpu": replace(warmstart.SCALES["cpu"], steps=4000, eval_every=50),  # 2.05M tokens
 }
-NAME = "everything-blend"
+NAME = "everything-blend-match"  # the shipped recipe; the blend alone was trained long before it: warmstart-long-blend.md
 
 
 def runs() -> list[Run]:
-    # the blend recipe (every weight, the blend; shipped before the block match), with a constant learning rate
-    # after warm-up (no cooldown): each point of the curve is the same recipe stopped there, not a schedule's end
+    # the shipped recipe (every weight, the blend, the block match), with a constant learning rate after warm-up (no
+    # cooldown): each point of the curve is the recipe stopped there, not a schedule's end. The block match falls
+    # over the nominal steps, as in the shipped recipe, so its weight is nearly constant over the curve's first part
     sets = dict((name, s) for name, _, s in warmstart.RUNS)[NAME]
     return [Run(NAME, ['train.passes="two-pass"', *sets], warmstart.RECIPE)]
 
@@ -74,9 +75,9 @@ def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated
            budget: float) -> list[str]:
     step, tokens = state["step"], state["tokens"]
     finished = step >= sc.steps
-    lines = ["The blend warm-start recipe (shipped before the block match: every weight trained, the feedback weights "
-             "at 30x the trunk's learning rate, two passes every step, the blend curriculum over the first "
-             f"{BLEND_STEPS} steps) trained long "
+    lines = ["The shipped warm-start recipe (every weight trained, the feedback weights at 30x the trunk's learning "
+             f"rate, two passes every step, the blend curriculum over the first {BLEND_STEPS} steps, the block match at "
+             f"40 falling linearly to 0 at step {sc.steps:,}) trained long "
              "with a constant learning rate after warm-up, to measure how many tokens the fed reads take to come "
              f"within {GOAL} nats/token of the same model's STANDARD read. "
              + (f"**Finished: {step:,} steps, {tokens:,} tokens.**" if finished else
