@@ -1,6 +1,6 @@
-"""`fullband reproduce warmstart-long`: the shipped warm-start recipe trained long, to measure (not extrapolate) how many
-tokens the fed reads of SmolLM2-135M-Instruct need to reach the same model's STANDARD read. One run, far longer than
-one sitting: each invocation trains for at most `budget` minutes (train.stop_after_minutes) and stops with a
+"""`fullband reproduce warmstart-long`: the shipped warm-start recipe trained long, to measure (not extrapolate) how
+many tokens the fed reads of SmolLM2-135M-Instruct need to reach the same model's STANDARD read. One run, far longer
+than one sitting: each invocation trains for at most `budget` minutes (train.stop_after_minutes) and stops with a
 checkpoint; the next invocation resumes it and extends the curve. The report is the curve of the gap (fed read minus
 STANDARD, on the run's held-out windows) against tokens and FLOPs, and the latest checkpoint read by mode and in chat
 as `fullband reproduce warmstart` reads its models."""
@@ -21,7 +21,7 @@ SCALES = {  # the warm start's scales with the long run's length; the held-out r
     "micro": replace(warmstart.SCALES["micro"], steps=8),
     "cpu": replace(warmstart.SCALES["cpu"], steps=4000, eval_every=50),  # 2.05M tokens
 }
-NAME = "everything-blend-match"  # the shipped recipe; the blend alone was trained long before it: warmstart-long-blend.md
+NAME = "everything-blend-match"  # the shipped recipe (the blend alone was trained long before: warmstart-long-blend.md)
 
 
 def runs() -> list[Run]:
@@ -75,9 +75,10 @@ def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated
            budget: float) -> list[str]:
     step, tokens = state["step"], state["tokens"]
     finished = step >= sc.steps
+    match = float(warmstart.MATCH.split("=")[1])
     lines = ["The shipped warm-start recipe (every weight trained, the feedback weights at 30x the trunk's learning "
-             f"rate, two passes every step, the blend curriculum over the first {BLEND_STEPS} steps, the block match at "
-             f"40 falling linearly to 0 at step {sc.steps:,}) trained long "
+             f"rate, two passes every step, the blend curriculum over the first {BLEND_STEPS} steps, the block match "
+             f"at {match:g} falling linearly to 0 at step {sc.steps:,}) trained long "
              "with a constant learning rate after warm-up, to measure how many tokens the fed reads take to come "
              f"within {GOAL} nats/token of the same model's STANDARD read. "
              + (f"**Finished: {step:,} steps, {tokens:,} tokens.**" if finished else
