@@ -54,7 +54,8 @@ ALL = [f"optim.adam_lr={TRUNK_LR}", f"optim.feedback_lr_mult={MULT}", NO_MATCH]
 PLAIN, BLEND = "train.blend_until=0.0", "train.blend_until=0.5"
 DISTILL = "train.distill=1.0"
 ANCHOR = "train.anchor=1.0"
-MATCH = "train.block_match=40.0"
+MATCH_WEIGHT = 40.0  # the block match's weight at step 0 (falling to 0 over the run)
+MATCH = f"train.block_match={MATCH_WEIGHT}"
 IDENTITY = ['model.fusion_init="identity"', "model.fusion_gate_scale=0"]
 RUNS = (
     ("feedback-only", "the fusion and norm_in alone, the trunk frozen", [*PART, PLAIN]),

@@ -75,7 +75,7 @@ def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated
            budget: float) -> list[str]:
     step, tokens = state["step"], state["tokens"]
     finished = step >= sc.steps
-    match = float(warmstart.MATCH.split("=")[1])
+    match = warmstart.MATCH_WEIGHT
     lines = ["The shipped warm-start recipe (every weight trained, the feedback weights at 30x the trunk's learning "
              f"rate, two passes every step, the blend curriculum over the first {BLEND_STEPS} steps, the block match "
              f"at {match:g} falling linearly to 0 at step {sc.steps:,}) trained long "
