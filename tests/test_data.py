@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,31 @@ def test_bpe_save_load(bpe, tmp_path):
     assert (again.bos_id, again.eos_id, again.pad_id) == (bpe.bos_id, bpe.eos_id, bpe.pad_id)
     assert again.encode(TEXT[:200]) == bpe.encode(TEXT[:200])
     assert again.fingerprint != ByteTokenizer().fingerprint
+
+
+def test_a_folder_read_again_gives_the_tokenizer_its_files_hold_now(bpe, tmp_path):
+    """load_tokenizer keeps what it read (a reproduction reads one folder dozens of times): the same files give the
+    same object; a rewritten tokenizer.json, special_ids.json or chat template is read again, a corrupted one
+    refused, and a folder copied elsewhere is its own."""
+    (tmp_path / "a").mkdir()
+    bpe.save(tmp_path / "a")
+    first = load_tokenizer(tmp_path / "a")
+    assert load_tokenizer(tmp_path / "a") is first
+    other = train_bpe([TEXT[::-1]], 280, show_progress=False)
+    other.save(tmp_path / "a")
+    again = load_tokenizer(tmp_path / "a")
+    assert again is not first and again.vocab_size == 280 and again.fingerprint == other.fingerprint
+    write(tmp_path / "a" / "special_ids.json", json.dumps({"bos_id": 1, "eos_id": 2, "pad_id": 3, "add_bos": False}))
+    held = load_tokenizer(tmp_path / "a")
+    assert (held.bos_id, held.add_bos, held.chat_template) == (1, False, None)
+    write(tmp_path / "a" / "chat_template.jinja", "{{ messages }}")
+    assert load_tokenizer(tmp_path / "a").chat_template == "{{ messages }}"
+    write(tmp_path / "a" / "special_ids.json", "{not json")
+    with pytest.raises(CheckpointError, match="special_ids.json"):
+        load_tokenizer(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    write(tmp_path / "b" / "special_ids.json", json.dumps({"bos_id": 4, "eos_id": 2, "pad_id": 3}))
+    assert load_tokenizer(tmp_path / "b").bos_id == 4
 
 
 def test_load_tokenizer_errors(tmp_path, bpe):

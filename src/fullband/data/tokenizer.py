@@ -6,6 +6,7 @@ A checkpoint's `tokenizer.json` is our small JSON (`"fullband_tokenizer": "byte"
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -374,9 +375,45 @@ class TextStream:
         return piece
 
 
+# the tokenizers load_tokenizer read, by the identity of the files it read them from (path, inode, size, mtime): a
+# reproduction reads the same folder's 49K vocabulary dozens of times, a second each; a rewritten file is read again.
+# Nothing changes a tokenizer once made (what adds tokens copies its backend first), so callers may share one.
+_LOADED: OrderedDict = OrderedDict()
+_LOADED_MAX = 8
+
+
 def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | PretrainedTokenizer:
     """The tokenizer saved in a checkpoint folder (a transformers folder of ours: the byte tokenizer kept beside it,
     else its tokenizer.json); a folder without one gets the byte tokenizer."""
+    key = _files_identity(Path(directory))
+    if key in _LOADED:
+        _LOADED.move_to_end(key)
+        return _LOADED[key]
+    tokenizer = _read_tokenizer(directory)
+    if key is not None and isinstance(tokenizer, BPETokenizer):
+        _LOADED[key] = tokenizer
+        while len(_LOADED) > _LOADED_MAX:
+            _LOADED.popitem(last=False)
+    return tokenizer
+
+
+def _files_identity(directory: Path) -> tuple | None:
+    """What identifies the files load_tokenizer reads in `directory` (None: one cannot be examined)."""
+    key = []
+    for name in (BYTE_TOKENIZER_FILE, TOKENIZER_FILE, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE):
+        path = directory / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            key.append(None)
+            continue
+        except OSError:
+            return None
+        key.append((str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(key)
+
+
+def _read_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | PretrainedTokenizer:
     path = Path(directory) / BYTE_TOKENIZER_FILE
     if not path.is_file():
         path = Path(directory) / TOKENIZER_FILE
