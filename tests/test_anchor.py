@@ -116,8 +116,8 @@ def test_config_errors():
     cases = [(lambda: TrainConfig(anchor=-0.1), r"train\.anchor=-0\.1 is invalid; accepted: a finite number >= 0"),
              (lambda: TrainConfig(anchor=float("nan")),
               r"train\.anchor=nan is not a finite number; accepted: a finite number >= 0"),
-             (lambda: TrainConfig(anchor_until=0.0), r"train\.anchor_until=0\.0 is invalid; accepted: 0 < "),
-             (lambda: TrainConfig(anchor_until=1.5), r"train\.anchor_until=1\.5 is invalid"),
+             (lambda: TrainConfig(anchor_until=0.0), r"train\.anchor_until=0\.0 is invalid; accepted: a finite number > 0"),
+             (lambda: TrainConfig(anchor_until=-1.5), r"train\.anchor_until=-1\.5 is invalid; accepted: a finite number > 0"),
              (lambda: RunConfig(train=TrainConfig(anchor=0.1)),
               r"train\.anchor=0\.1 draws every pass towards the model the run starts from, but this run starts from "
               r"a random initialisation; accepted: train\.anchor = 0, or a warm start")]

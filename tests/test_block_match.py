@@ -164,8 +164,8 @@ def test_config_errors():
     cases = [(lambda: TrainConfig(block_match=-1.0),
               r"train\.block_match=-1\.0 is invalid; accepted: a finite number >= 0"),
              (lambda: TrainConfig(block_match=float("inf")), r"train\.block_match=inf is not a finite number"),
-             (lambda: TrainConfig(block_match_until=0.0), r"train\.block_match_until=0\.0 is invalid; accepted: 0 < "),
-             (lambda: TrainConfig(block_match_until=2.0), r"train\.block_match_until=2\.0 is invalid"),
+             (lambda: TrainConfig(block_match_until=0.0), r"train\.block_match_until=0\.0 is invalid; accepted: a finite number > 0"),
+             (lambda: TrainConfig(block_match_until=float("inf")), r"train\.block_match_until=inf is not a finite"),
              (lambda: RunConfig(model=ModelConfig(fusion="none"), train=TrainConfig(block_match=1.0, **three)),
               r"train\.block_match=1\.0 draws fed passes towards the first pass's block outputs, but "
               r"model\.fusion='none' feeds nothing; accepted: train\.block_match = 0"),

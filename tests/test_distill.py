@@ -87,6 +87,8 @@ def test_the_weight_falls_linearly_to_zero_at_distill_until():
 
     assert [distill_weight(s, 10, 0.5, 0.4) for s in range(6)] == [0.5, 0.375, 0.25, 0.125, 0.0, 0.0]
     assert distill_weight(0, 10, 0.0, 1.0) == 0.0 and distill_weight(9, 10, 1.0, 1.0) == pytest.approx(0.1)
+    # past 1: the weight of a run that much longer, still above 0 at the last step
+    assert [distill_weight(s, 10, 4.0, 4.0) for s in (0, 9, 39, 40)] == pytest.approx([4.0, 3.1, 0.1, 0.0])
 
 
 def test_training_logs_the_term_and_its_weight_and_resumes_bitwise(tmp_path, corpus, cache, monkeypatch):
@@ -128,8 +130,8 @@ def test_config_errors():
 
     three = dict(passes="three-pass", warmup_steps=0)
     cases = [(lambda: TrainConfig(distill=-0.1), r"train\.distill=-0\.1 is invalid; accepted: a finite number >= 0"),
-             (lambda: TrainConfig(distill_until=0.0), r"train\.distill_until=0\.0 is invalid; accepted: 0 < "),
-             (lambda: TrainConfig(distill_until=1.5), r"train\.distill_until=1\.5 is invalid"),
+             (lambda: TrainConfig(distill_until=0.0), r"train\.distill_until=0\.0 is invalid; accepted: a finite number > 0"),
+             (lambda: TrainConfig(distill_until=-1.5), r"train\.distill_until=-1\.5 is invalid"),
              (lambda: RunConfig(model=ModelConfig(fusion="none"), train=TrainConfig(distill=0.1, **three)),
               r"train\.distill=0\.1 .* model\.fusion='none' feeds nothing; accepted: train\.distill = 0"),
              (lambda: RunConfig(train=TrainConfig(distill=0.1, passes="none")), r"runs one pass, the teacher itself")]

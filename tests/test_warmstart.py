@@ -352,6 +352,26 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
     assert "**Finished: 8 steps, 512 tokens.**" in text and "| 8 | 512 |" in text and "| 6 | 384 |" in text
     assert "FUSED k=1 - STANDARD went from " in text and "## Chat kept?" in text
     assert (tmp_path / "docs" / "warmstart-long-micro" / "gap.png").is_file()
+    # at step 2 the blend (to step 4) left no room for a cooled branch; at step 8 one cools down over 2 more steps
+    assert "## The latest checkpoint by mode (512 tokens), and cooled (640 tokens)" in text
+    assert "| cooled | 640 |" in text and "- Goal (both fed reads within 0.05 of STANDARD), cooled: " in text
+    assert "| cooled | SOFT |" in text and "The cooled branch: its directory starts as a copy" in text
+    # the branch resumed from the long run's step 8 equals its recipe trained from scratch, bit for bit
+    from safetensors.torch import load_file
+
+    from fullband.reproduce import warmstart_long as long
+    from fullband.reproduce.runner import Settings, train_run
+
+    runs = tmp_path / "runs" / "warmstart-long-micro"
+    branch = runs / "everything-blend-match-cooled-8"
+    sets = long.branch_settings(runs / "everything-blend-match" / "step_000008", 2)["sets"]
+    assert sets[:3] == ["train.steps=10", "train.cooldown_fraction=0.2", "train.stop_after_minutes=0.0"]
+    scratch, _ = train_run(tmp_path / "scratch", long.runs()[0], Settings(extra=tuple(extra)),
+                           [*long._overrides(long.SCALES["micro"], str(tiny_llama / "llama"), 60), *sets])
+    assert scratch.name == "step_000010" and (branch / "step_000010").is_dir()
+    mine, theirs = (load_file(str(c / "step_000010" / "model.safetensors")) for c in (branch, scratch.parent))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert (runs / "everything-blend-match" / "step_000008" / "model.safetensors").is_file()
     for bad in (0, float("inf"), float("nan")):
         with pytest.raises(InputError, match=f"--budget {bad}: accepted: a finite number of minutes > 0"):
             reproduce("warmstart-long", budget=bad, **args)

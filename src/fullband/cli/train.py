@@ -158,7 +158,8 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
         "latent feedback to (a .gguf file or a transformers folder; default shipped:smollm2)"),
     opt("--budget", type=float, default=None, metavar="MIN", help="compare: start no new run after MIN minutes, "
         "then report the finished runs and list the rest (a rerun goes on); warmstart-long: train at most MIN "
-        "minutes in this invocation (default 90), then report the curve so far (a rerun extends it)"),
+        "minutes in this invocation (default 90), then report the curve so far and the latest checkpoint cooled "
+        "over 100 more steps (about 10 min more on 2 cores; a rerun extends the curve)"),
     opt("--threads", type=THREADS, nargs="+", default=None, metavar="T", help="robustness: the torch thread counts "
         "of the race's grid (default 1 2 4 8 for the whole study, 1 2 for --scale race; the goal counts 1 and 2; "
         "finished runs are reused, so a rerun with more counts adds columns)"),

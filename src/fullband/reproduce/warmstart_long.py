@@ -22,6 +22,9 @@ SCALES = {  # the warm start's scales with the long run's length; the held-out r
     "cpu": replace(warmstart.SCALES["cpu"], steps=4000, eval_every=50),  # 2.05M tokens
 }
 NAME = "everything-blend-match"  # the shipped recipe (the blend alone was trained long before: warmstart-long-blend.md)
+COOLDOWN = {"micro": 2, "cpu": 100}  # steps of the cooled branch read beside the latest checkpoint (cpu: 51K tokens)
+# the recipe's weights that fall over a fraction of the steps (train.X_until): a branch keeps their step counts
+UNTIL = ("blend_until", "distill_until", "anchor_until", "block_match_until")
 
 
 def runs() -> list[Run]:
@@ -59,20 +62,99 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     ckpt, _ = train_run(root, run, settings, extra, eval_every=sc.eval_every)
     state = read_trainer_state(ckpt)
     curve = warmstart._curve(root / run.name)
+    reads = [("pretrained", warmstart._base(root, model)), (run.name, ckpt)]
+    cool = _cooled(root, run, ckpt, COOLDOWN[scale])
+    if cool["run"] is not None:
+        cooled_ckpt, _ = train_run(root, cool["run"], settings, [*extra, *cool["sets"]])
+        reads.append((COOLED, cooled_ckpt))
+        cool["state"] = read_trainer_state(cooled_ckpt)
     held = val_batches(ckpt, sc.final_windows, sc.seq_len)
-    base = warmstart._base(root, model)
     evaluated = {name: kept(figs / "eval" / f"{name}.json", {"checkpoint": str(c)}, c,
-                            lambda: warmstart._evaluated(c, held, sc))
-                 for name, c in (("pretrained", base), (run.name, ckpt))}
-    for row in evaluated[run.name]["text"]:
-        if row["mode"] != "STANDARD":
-            settings.findings.diff(f"{run.name} at {state['tokens']:,} tokens: {row['mode']} minus STANDARD "
-                                   "(nats/token)", row["minus_first"], row["minus_first_stderr"])
-    return _write(run, extra, state, curve, evaluated, sc, figs, budget)
+                            lambda: warmstart._evaluated(c, held, sc)) for name, c in reads}
+    for name, c in reads[1:]:
+        tokens = read_trainer_state(c)["tokens"]
+        for row in evaluated[name]["text"]:
+            if row["mode"] != "STANDARD":
+                settings.findings.diff(f"{run.name}{' cooled' if name == COOLED else ''} at {tokens:,} tokens: "
+                                       f"{row['mode']} minus STANDARD (nats/token)", row["minus_first"],
+                                       row["minus_first_stderr"])
+    return _write(run, extra, state, curve, evaluated, sc, figs, budget, cool)
+
+
+COOLED = "cooled"  # the cooled branch's name in the report and its kept evaluation
+
+
+def _cooled(root: Path, run: Run, ckpt: Path, steps: int) -> dict:
+    """The long run's checkpoint `ckpt` (step S) continued with a cooldown: the learning rate falling linearly to 0
+    over `steps` more steps, what the recipe gives when stopped at S + steps. It is a run of its own whose recipe is
+    the long run's with S + steps steps, the cooldown over the last `steps` and every weight that falls over a
+    fraction of the steps (train.*_until) ending at the same step as in the long run, so its first S steps are the
+    long run's: its directory starts as a copy of the long run's at S (its settings, tokenizer and metrics, the
+    checkpoint's files linked, not copied) and it resumes from there (trained from scratch, it gives the same model).
+    A later invocation branches again from its own latest checkpoint. -> {"run": the branch, "sets": the settings it
+    changes (applied after the long run's), "steps"}; run None (and "why") while S + steps is inside the blend
+    curriculum, which a branch cannot end where the long run does."""
+    branch = branch_settings(ckpt, steps)
+    if "why" in branch:
+        return {"run": None, "steps": steps, "why": branch["why"]}
+    run = Run(f"{run.name}-{COOLED}-{branch['start']}", run.overrides, run.config)
+    if not (root / run.name).exists():
+        _branch_from(ckpt, root / run.name, branch["settings"])
+    return {"run": run, "sets": branch["sets"], "steps": steps}
+
+
+def branch_settings(ckpt: Path, steps: int) -> dict:
+    """The settings of the cooled branch from `ckpt` (see _cooled): {"start": its step, "settings": the run.json it
+    starts with, "sets": the --set lines that make the long run's recipe its own} or {"why": it cannot be made}."""
+    from fullband.errors import ConfigError
+    from fullband.files import read_json_file
+    from fullband.train.checkpoint import read_trainer_state
+    from fullband.train.config import TrainConfig
+    from fullband.train.rundir import RUN_FILE
+
+    start = read_trainer_state(ckpt)["step"]
+    saved = read_json_file(ckpt.parent / RUN_FILE, "the long run's settings", error=ConfigError)
+    total = start + steps
+    train = dict(saved["train"])
+    ends = {key: round(train.get(key, getattr(TrainConfig, key)) * train["steps"]) for key in UNTIL}
+    if ends["blend_until"] >= total:
+        return {"why": f"the latest checkpoint (step {start:,}) is too close to the blend curriculum's end (step "
+                       f"{ends['blend_until']:,}) for a branch of {steps} steps"}
+    train.update(steps=total, cooldown_fraction=steps / total, stop_after_minutes=0.0,
+                 **{key: end / total for key, end in ends.items() if end > 0})
+    sets = [f"train.{k}={train[k]!r}" for k in ("steps", "cooldown_fraction", "stop_after_minutes",
+                                               *(k for k, end in ends.items() if end > 0))]
+    return {"start": start, "settings": {**saved, "train": train}, "sets": sets}
+
+
+def _branch_from(ckpt: Path, run_dir: Path, settings: dict) -> None:
+    """A run directory that starts where `ckpt`'s run was at its step, with `settings` as its run.json: written whole
+    or not at all."""
+    import json
+    import os
+    import shutil
+
+    from fullband.data.tokenizer import BYTE_TOKENIZER_FILE, CHAT_TEMPLATE_FILE, SPECIAL_IDS_FILE, TOKENIZER_FILE
+    from fullband.files import Kind, atomic_folder
+    from fullband.train.metrics import METRICS_FILE
+    from fullband.train.rundir import RUN_FILE
+
+    with atomic_folder(run_dir, Kind("run directory", frozenset()), action="start the cooled branch") as tmp:
+        (tmp / RUN_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+        for name in (TOKENIZER_FILE, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE, BYTE_TOKENIZER_FILE, METRICS_FILE):
+            if (ckpt.parent / name).is_file():  # the run's tokenizer, and its metrics (a resume cuts them at the step)
+                shutil.copy2(ckpt.parent / name, tmp / name)
+        (tmp / ckpt.name).mkdir()
+        for entry in ckpt.iterdir():
+            if entry.is_file():
+                try:
+                    os.link(entry, tmp / ckpt.name / entry.name)
+                except OSError:  # another file system, or links refused
+                    shutil.copy2(entry, tmp / ckpt.name / entry.name)
 
 
 def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated: dict, sc, figs: Path,
-           budget: float) -> list[str]:
+           budget: float, cool: dict) -> list[str]:
     step, tokens = state["step"], state["tokens"]
     finished = step >= sc.steps
     match = warmstart.MATCH_WEIGHT
@@ -83,14 +165,24 @@ def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated
              f"within {GOAL} nats/token of the same model's STANDARD read. "
              + (f"**Finished: {step:,} steps, {tokens:,} tokens.**" if finished else
                 f"**Trained so far: step {step:,} of {sc.steps:,} ({tokens:,} tokens, {state['elapsed'] / 60:.0f} "
-                f"min of training); each invocation trains at most {budget:g} minutes and the next one extends "
+                f"min of training); this invocation trained at most {budget:g} minutes, and the next one extends "
                 "the curve.**"),
+             f"Each invocation also reads the latest checkpoint **cooled**: continued for {cool['steps']} more steps "
+             "with the learning rate falling linearly to 0 (and the weights that fall over the run on their own "
+             "line), what the recipe gives when stopped there, as a schedule with a cooldown would stop it; the "
+             "curve's points are the run without it."
+             + (f" No cooled read in this invocation: {cool['why']}." if cool["run"] is None else ""),
              "One run, one seed: the curve is measured, not extrapolated, and its spread across seeds is not.", ""]
     lines += _curve_lines(curve, figs)
-    lines += _read_lines(run, evaluated, tokens)
-    lines += [*warmstart._chat_lines(evaluated, [run]), "Command (the run also gets `--set log.run_dir=...` and "
-              f"`--set log.eval_every={sc.eval_every}`; `--resume` on the run directory goes on):", "",
+    lines += _read_lines(run, evaluated, tokens, cool)
+    lines += [*warmstart._chat_lines(evaluated, [run] + ([Run(COOLED)] if cool["run"] else [])),
+              "Commands (each run also gets `--set log.run_dir=...`; the long run `--set log.eval_every="
+              f"{sc.eval_every}`; `--resume` on a run directory goes on). The long run:", "",
               config_line(run, *extra), ""]
+    if cool["run"] is not None:
+        lines += [f"The cooled branch: its directory starts as a copy of the long run's at step {step:,} and it "
+                  "resumes from there (the same recipe trained from scratch gives the same model):", "",
+                  config_line(cool["run"], *extra, *cool["sets"]), ""]
     return lines
 
 
@@ -134,23 +226,30 @@ def _curve_lines(curve: list[dict], figs: Path) -> list[str]:
     return lines
 
 
-def _read_lines(run: Run, evaluated: dict, tokens: int) -> list[str]:
-    lines = [f"## The latest checkpoint by mode ({tokens:,} tokens)", "",
+def _read_lines(run: Run, evaluated: dict, tokens: int, cool: dict) -> list[str]:
+    cooled_tokens = cool["state"]["tokens"] if cool["run"] is not None else None
+    lines = [f"## The latest checkpoint by mode ({tokens:,} tokens)"
+             + (f", and cooled ({cooled_tokens:,} tokens)" if cooled_tokens else ""), "",
              "Held-out windows read as `fullband reproduce warmstart` reads its models; each fed read minus STANDARD "
              "paired by window (mean ± standard error).", "",
-             "| model | STANDARD | FUSED k=1 - STD | FUSED k=2 - STD | SOFT-like (exact) - STD |",
-             "|---|---|---|---|---|"]
-    read = {n: {r["mode"]: r for r in evaluated[n]["text"]} for n in ("pretrained", run.name)}
+             "| model | tokens | STANDARD | FUSED k=1 - STD | FUSED k=2 - STD | SOFT-like (exact) - STD |",
+             "|---|---|---|---|---|---|"]
+    names = {"pretrained": 0, run.name: tokens, **({COOLED: cooled_tokens} if cooled_tokens else {})}
+    read = {n: {r["mode"]: r for r in evaluated[n]["text"]} for n in names}
     for name, rows in read.items():
         cells = [f"{rows[m]['minus_first']:+.3f} ± {rows[m]['minus_first_stderr']:.3f}"
                  for m in ("FUSED k=1", "FUSED k=2", "SOFT-like (exact)")]
-        lines.append(f"| {name} | {rows['STANDARD']['nats_per_token']:.4f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {names[name]:,} | {rows['STANDARD']['nats_per_token']:.4f} | "
+                     + " | ".join(cells) + " |")
     std = {n: rows["STANDARD"]["nats_per_token"] for n, rows in read.items()}
-    soft, fused = (read[run.name][m]["minus_first"] for m in ("SOFT-like (exact)", "FUSED k=1"))
-    met = max(soft, fused) <= GOAL
-    lines += ["", f"- Goal (both fed reads within {GOAL} of STANDARD): {'met' if met else 'not met'} "
-              f"(FUSED k=1 {fused:+.3f}, SOFT-like {soft:+.3f}).",
-              f"- STANDARD against the pretrained model: {std[run.name] - std['pretrained']:+.4f} nats/token "
+    lines.append("")
+    for name, what in ((run.name, "the latest checkpoint"), (COOLED, "cooled"))[:len(names) - 1]:
+        soft, fused = (read[name][m]["minus_first"] for m in ("SOFT-like (exact)", "FUSED k=1"))
+        lines.append(f"- Goal (both fed reads within {GOAL} of STANDARD), {what}: "
+                     f"{'met' if max(soft, fused) <= GOAL else 'not met'} (FUSED k=1 {fused:+.3f}, SOFT-like "
+                     f"{soft:+.3f}).")
+    cooled = f", cooled {std[COOLED] - std['pretrained']:+.4f}" if COOLED in std else ""
+    lines += [f"- STANDARD against the pretrained model: {std[run.name] - std['pretrained']:+.4f} nats/token{cooled} "
               "(negative: the domain gain of training on this corpus; the trunk is not damaged where it is not "
               "above +0.02).", ""]
     return lines

@@ -91,15 +91,18 @@ class TrainConfig:
     distill: float = 0.0  # self-distillation (docs/method.md, section 6): distill * the mean over passes 2..k of
     # KL(pass 1's next-token distribution, not differentiated || the pass's), the weight falling linearly to 0 at
     # distill_until x steps (the paper's pure next-token loss after); 0: off (nothing computed)
-    distill_until: float = 1.0  # the fraction of the steps at which train.distill's weight reaches 0 (0 < x <= 1)
+    distill_until: float = 1.0  # the fraction of the steps at which train.distill's weight reaches 0 (> 0; above 1:
+    # still above 0 at the last step, falling as in a run that much longer)
     anchor: float = 0.0  # the anchor (docs/method.md, section 6): anchor * the mean over every pass of KL(the run's
     # starting model read STANDARD, frozen || the pass's next-token distribution), the weight falling linearly to 0
     # at anchor_until x steps; needs a starting model (train.init_from or model.hf_path); 0: off (nothing computed)
-    anchor_until: float = 1.0  # the fraction of the steps at which train.anchor's weight reaches 0 (0 < x <= 1)
+    anchor_until: float = 1.0  # the fraction of the steps at which train.anchor's weight reaches 0 (> 0; above 1:
+    # still above 0 at the last step, falling as in a run that much longer)
     block_match: float = 0.0  # the block match (docs/method.md, section 6): block_match * the mean over passes 2..k
     # and over blocks of the block's output's squared distance from the first pass's (not differentiated), relative to
     # the latter's mean square; the weight falling linearly to 0 at block_match_until x steps; 0: off
-    block_match_until: float = 1.0  # the fraction of the steps at which train.block_match's weight reaches 0
+    block_match_until: float = 1.0  # the fraction of the steps at which train.block_match's weight reaches 0 (> 0,
+    # as distill_until)
     trainable: list[str] = field(default_factory=lambda: ["*"])  # the weights trained, as name patterns (fnmatch,
     # e.g. ["fusion.*", "norm_in.*", "blocks.[0-3].*"]); the rest stay frozen (no gradients, no optimizer state)
     memory_check: bool = True  # refuse to start when the largest step's memory estimate exceeds what is available
@@ -123,11 +126,11 @@ class TrainConfig:
         number("train.blend_until", self.blend_until, low=0, high=1, high_open=True)
         number("train.latent_loss", self.latent_loss, low=0)
         number("train.distill", self.distill, low=0)
-        number("train.distill_until", self.distill_until, low=0, high=1, low_open=True)
+        number("train.distill_until", self.distill_until, low=0, low_open=True)
         number("train.anchor", self.anchor, low=0)
-        number("train.anchor_until", self.anchor_until, low=0, high=1, low_open=True)
+        number("train.anchor_until", self.anchor_until, low=0, low_open=True)
         number("train.block_match", self.block_match, low=0)
-        number("train.block_match_until", self.block_match_until, low=0, high=1, low_open=True)
+        number("train.block_match_until", self.block_match_until, low=0, low_open=True)
         number("train.stop_after_minutes", self.stop_after_minutes, low=0)
         if self.global_batch_tokens % self.seq_len:
             raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
