@@ -111,12 +111,14 @@ def branch_settings(ckpt: Path, steps: int) -> dict:
     from fullband.train.checkpoint import read_trainer_state
     from fullband.train.config import TrainConfig
     from fullband.train.rundir import RUN_FILE
+    from fullband.train.schedule import blend_end, falling_end
 
     start = read_trainer_state(ckpt)["step"]
     saved = read_json_file(ckpt.parent / RUN_FILE, "the long run's settings", error=ConfigError)
     total = start + steps
     train = dict(saved["train"])
-    ends = {key: round(train.get(key, getattr(TrainConfig, key)) * train["steps"]) for key in UNTIL}
+    ends = {key: (blend_end if key == "blend_until" else falling_end)(train["steps"], train.get(key, getattr(
+        TrainConfig, key))) for key in UNTIL}  # the steps they end at, as the trainer's schedule computes them
     if ends["blend_until"] >= total:
         return {"why": f"the latest checkpoint (step {start:,}) is too close to the blend curriculum's end (step "
                        f"{ends['blend_until']:,}) for a branch of {steps} steps"}

@@ -60,11 +60,21 @@ def wsd_factor(step: int, total_steps: int, warmup_steps: int, cooldown_fraction
 LOOP_STREAM = 1  # appended to (seed, step): r's draws never share the pass count's stream
 
 
+def blend_end(total_steps: int, until: float) -> int:
+    """The step at which the blend curriculum's weight reaches 1 (train.blend_until; 0: no curriculum)."""
+    return round(until * total_steps)
+
+
+def falling_end(total_steps: int, until: float) -> int:
+    """The step at which a distillation term's falling weight reaches 0 (train.distill_until and its kin)."""
+    return max(1, round(until * total_steps))
+
+
 def blend_weight(step: int, total_steps: int, until: float) -> float:
     """The blend curriculum's weight a at 0-based optimizer step `step` (train.blend_until): fed inputs are
     (1 - a) * plain + a * fused, a rising linearly from 0 at step 0 to 1 at round(until * total_steps) and 1 after
     (until 0: no curriculum, a = 1 from the start)."""
-    end = round(until * total_steps)
+    end = blend_end(total_steps, until)
     return 1.0 if end <= 0 else min(1.0, step / end)
 
 
@@ -72,8 +82,7 @@ def distill_weight(step: int, total_steps: int, weight: float, until: float) -> 
     """A distillation term's weight at 0-based optimizer step `step` (train.distill and train.distill_until,
     train.anchor and train.anchor_until, or train.block_match and train.block_match_until): `weight` at step 0,
     falling linearly to 0 at round(until * total_steps), 0 after; a function of the step only."""
-    end = max(1, round(until * total_steps))
-    return weight * max(0.0, 1.0 - step / end)
+    return weight * max(0.0, 1.0 - step / falling_end(total_steps, until))
 
 
 def sample_loops(model_cfg, step: int, seed: int) -> int:
