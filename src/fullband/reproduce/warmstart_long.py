@@ -208,8 +208,11 @@ def _curve_lines(curve: list[dict], figs: Path) -> list[str]:
             pts = [(p[key], _gap(p, passes)) for p in curve if _gap(p, passes) is not None]
             ax.plot(*zip(*pts), marker="o", ms=3, label=name)
         ax.axhline(GOAL, color="grey", ls="--", lw=1, label=f"goal: {GOAL}")
-        ax.set(xlabel=label, ylabel="nats/token")
-        ax.grid(alpha=0.3)
+        ax.set(xlabel=label, ylabel="nats/token (symmetric log)")
+        # linear within 0.1 of 0, logarithmic beyond: the first points (nats) do not flatten the tail (hundredths)
+        # and a read below STANDARD still shows
+        ax.set_yscale("symlog", linthresh=0.1)
+        ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=8)
     fig.suptitle("Fed read minus STANDARD while the warm start trains (held-out)")
     lines += saved_figure(fig, figs, "gap.png", "the gap against tokens and FLOPs")[:2]
