@@ -15,6 +15,7 @@ from fullband.data import (
     train_bpe, train_tokenizer_cli, validation_batches,
 )
 from fullband.data.corpus import in_val
+from fullband.data.sampler import MixSampler, block_counts
 from fullband.errors import CheckpointError, ConfigError, DataError
 
 TEXT = (
@@ -500,3 +501,104 @@ def test_sampler_reads_token_shards(tmp_path):
     w = int(s.windows(0, 1)[0])
     assert x[0].tolist() == stream.slice(w * 16, w * 16 + 16).tolist() and torch.equal(x[:, 1:], y[:, :-1])
     assert s.state_dict()["stream_fingerprint"] == stream.fingerprint
+
+
+def _mix_order(sampler, steps: int, accum: int) -> list[tuple[int, int]]:
+    return [pair for step in range(steps) for m in range(accum) for pair in sampler.windows(step, m)]
+
+
+def test_block_counts_are_the_shares_in_whole_samples():
+    assert block_counts([0.8, 0.2]).tolist() == [800, 200]
+    assert block_counts([1 / 3] * 3).tolist() == [334, 333, 333]  # largest remainder: they sum to the block
+    assert block_counts([0.9995, 0.0005]).tolist() == [999, 1]  # a positive share gets at least one sample
+    assert block_counts([0.5, 0.3, 0.2], 4).tolist() == [2, 1, 1]
+
+
+def test_a_mix_draws_each_source_at_its_share_in_a_seeded_order_each_source_its_own_epochs():
+    streams = [ArrayStream(10 * 8 + 1, "a"), ArrayStream(1000 * 8 + 1, "b")]
+    mix = MixSampler(streams, [0.25, 0.75], 8, global_batch=8, micro_batch=4, seed=5)
+    order = _mix_order(mix, 250, 2)  # 2,000 samples: two blocks
+    for start in (0, 1000):
+        sources = [s for s, _ in order[start : start + 1000]]
+        assert sources.count(0) == 250 and sources.count(1) == 750
+    first = [w for s, w in order if s == 0]  # the small source, 50 epochs of 10 windows
+    assert all(sorted(first[i : i + 10]) == list(range(10)) for i in range(0, 500, 10))
+    assert first[:10] != first[10:20]
+    x, y = mix.batch(3, 1)
+    pairs = mix.windows(3, 1)
+    assert torch.equal(y, x + 1) and windows_of(x, 8) == [w for _, w in pairs]
+    # a pure function of (seed, step, sample): the history, the micro-batch and the world size do not matter
+    again = MixSampler(streams, [0.25, 0.75], 8, global_batch=8, micro_batch=2, seed=5)
+    assert _mix_order(again, 250, 4) == order
+    ranks = [MixSampler(streams, [0.25, 0.75], 8, 8, 2, seed=5, rank=r, world_size=2) for r in range(2)]
+    assert sorted(p for r in ranks for m in range(2) for p in r.windows(7, m)) == sorted(order[56:64])
+    assert _mix_order(MixSampler(streams, [0.25, 0.75], 8, 8, 4, seed=6), 10, 2) != order[:80]
+
+
+def test_a_mix_resumes_only_with_the_same_sources_and_shares():
+    streams = [ArrayStream(801, "a"), ArrayStream(1601, "b")]
+    mix = MixSampler(streams, [0.5, 0.5], 8, 8, 4, seed=1)
+    state = json.loads(json.dumps(mix.state_dict()))
+    MixSampler(streams, [0.5, 0.5], 8, 8, 2, seed=1, rank=1, world_size=2).check_state(state)
+    with pytest.raises(DataError, match=r"shares: checkpoint \[0.5, 0.5\], now \[0.25, 0.75\]"):
+        MixSampler(streams, [0.25, 0.75], 8, 8, 4, seed=1).check_state(state)
+    with pytest.raises(DataError, match="sources: checkpoint"):
+        MixSampler([streams[0], ArrayStream(1601, "c")], [0.5, 0.5], 8, 8, 4, seed=1).check_state(state)
+    with pytest.raises(DataError, match="format: checkpoint 'fullband-window-sampler', now 'fullband-mix-sampler'"):
+        mix.check_state(WindowSampler(streams[0], 8, 8, 4, seed=1).state_dict())
+    with pytest.raises(ConfigError, match="2 stream\\(s\\) and 1 share\\(s\\)"):
+        MixSampler(streams, [1.0], 8, 8, 4, seed=1)
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"shares": [0.5, 0.5]}, "2 share\\(s\\) for 1 data.corpus entry"),
+    ({"corpus": ["a", "b"], "shares": [0.5, 0.4]}, "sums to 0.9; accepted: shares summing to 1, e.g. \\[0.5556, 0.4444\\]"),
+    ({"corpus": ["a", "b"], "shares": [1.0, 0.0]}, "data.shares\\[1\\]=0.0"),
+    ({"corpus": ["a", "b"], "shares": [0.5, "x"]}, "data.shares\\[1\\]='x' must be a number"),
+    ({"corpus": ["a", "b"], "shares": 0.5}, "must be a list of numbers"),
+    ({"corpus": ["a", "b"], "shares": [0.5, 0.5], "format": "chat"}, "accepted for data.format='chat': \\[\\]"),
+    ({"corpus": ["a", "b"], "shares": [0.5, 0.5], "train_tokens": 1000}, "data.train_tokens=1000 limits one stream"),
+])
+def test_shares_errors(changes, words):
+    from fullband.train.config import DataConfig
+
+    with pytest.raises(ConfigError, match=words):
+        DataConfig(**changes)
+
+
+def test_a_run_with_shares_trains_on_both_corpora_at_their_shares(tmp_path, cache):
+    from fullband.train.config import load_run_config
+    from fullband.train.data import prepare_data
+    from fullband.train.parallel import Dist
+    from fullband.train.checkpoint import read_trainer_state
+    from fullband.train.rundir import resume_differences
+    from fullband.train.trainer import train
+
+    from conftest import write_config
+
+    text, code = text_dir(tmp_path / "text"), tmp_path / "code"
+    code.mkdir()
+    (code / "a.py").write_text("x = 1\n" * 400)
+    (code / "b.py").write_text("y = 2\n" * 400)
+    path = write_config(tmp_path, "unused", cache, steps=2)
+    shares = [f"data.corpus={json.dumps([str(text), str(code)])}", "data.shares=[0.3, 0.7]", "data.val_percent=50.0"]
+    cfg = load_run_config(path, shares)
+    run = prepare_data(cfg, Dist())
+    assert isinstance(run.sampler, MixSampler) and len(run.val_batches) >= 2
+    seq = cfg.train.seq_len
+    sources = [s for step in range(1000 // cfg.train.global_windows) for m in range(run.sampler.accum_steps)
+               for s, _ in run.sampler.windows(step, m)]
+    assert sources.count(1) == 700
+    x, _ = run.sampler.batch(0, 0)
+    for row, (s, w) in zip(x.tolist(), run.sampler.windows(0, 0)):
+        assert row == run.train[s].slice(w * seq, w * seq + seq).tolist()
+    train(cfg)  # and the trainer runs on it, its checkpoint holding the mix's state
+    state = read_trainer_state(tmp_path / "run" / "step_000002")
+    assert state["sampler"]["shares"] == [0.3, 0.7] and len(state["sampler"]["sources"]) == 2
+    # a run recorded before data.shares existed resumes as the one stream it was; other shares are refused
+    now = load_run_config(path).to_dict()
+    old = json.loads(json.dumps(now))
+    del old["data"]["shares"]
+    assert resume_differences(old, now) == []
+    assert resume_differences(cfg.to_dict(), load_run_config(path, [*shares, "data.shares=[0.5, 0.5]"]).to_dict()) \
+        == ["data: run has shares=[0.3, 0.7], config has shares=[0.5, 0.5]"]

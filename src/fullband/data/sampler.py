@@ -3,7 +3,7 @@ Each batch is a pure function of (seed, step, micro, rank, world_size), so a res
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -112,6 +112,99 @@ class WindowSampler:
             raise DataError("the data does not match the checkpoint's sampler, so resuming would not continue the same "
                             "batches (" + "; ".join(diffs) + "); accepted: the same corpus, tokenizer, seed, seq_len "
                             "and global_batch")
+
+
+MIX_FORMAT = "fullband-mix-sampler"
+MIX_BLOCK = 1000  # a share's resolution: every block of this many global samples holds each source's exact count
+
+
+def block_counts(shares: Sequence[float], block: int = MIX_BLOCK) -> np.ndarray:
+    """Each source's samples per block of `block`: share * block rounded by largest remainder (they sum to block;
+    a positive share gets at least one)."""
+    raw = np.asarray(shares, dtype=np.float64) * block / float(np.sum(shares))
+    counts = np.maximum(np.floor(raw).astype(np.int64), 1)
+    for i in np.argsort(-(raw - np.floor(raw)), kind="stable"):
+        if counts.sum() >= block:
+            break
+        counts[i] += 1
+    while counts.sum() > block:  # the minimum of one pushed it over: take from the largest
+        counts[int(np.argmax(counts))] -= 1
+    return counts
+
+
+class MixSampler:
+    """Windows of several token streams at chosen shares (data.shares): global sample g of step s (g = s *
+    global_batch + j, as WindowSampler numbers them) belongs to block g // MIX_BLOCK, whose MIX_BLOCK slots hold
+    source i exactly block_counts(shares)[i] times in a seeded order; source i's n-th sample is window
+    perm_{i,e}[n % n_i] of its own stream, e = n // n_i (each source is its own epochs). A pure function of (seed,
+    step, sample), so a resumed run sees the same batches and micro_batch / world_size may change."""
+
+    def __init__(self, streams: Sequence[StreamLike], shares: Sequence[float], seq_len: int, global_batch: int,
+                 micro_batch: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        if len(streams) != len(shares) or not streams:
+            raise ConfigError(f"{len(streams)} stream(s) and {len(shares)} share(s); accepted: one share per stream")
+        self.parts = [WindowSampler(s, seq_len, global_batch, micro_batch, seed, rank, world_size) for s in streams]
+        first = self.parts[0]
+        self.seq_len, self.global_batch, self.micro_batch = first.seq_len, first.global_batch, first.micro_batch
+        self.world_size, self.seed, self.rank, self.accum_steps = first.world_size, first.seed, first.rank, \
+            first.accum_steps
+        self.shares = [float(x) for x in shares]
+        self.counts = block_counts(self.shares)
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, n-th sample of that source) of every slot of block b; the latest two blocks are cached."""
+        if b not in self._blocks:
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 2, b])))
+            source = rng.permutation(np.repeat(np.arange(len(self.counts)), self.counts))
+            nth = np.empty(MIX_BLOCK, dtype=np.int64)
+            for i, count in enumerate(self.counts):
+                slots = source == i
+                nth[slots] = b * count + np.arange(count)
+            self._blocks = {k: v for k, v in self._blocks.items() if k == b - 1}
+            self._blocks[b] = (source, nth)
+        return self._blocks[b]
+
+    def windows(self, step: int, micro: int) -> list[tuple[int, int]]:
+        """(source, window) of each sample of this rank's micro-batch `micro` of optimizer step `step`."""
+        self.parts[0].windows(step, micro)  # the same argument checks as one stream's
+        first = (int(micro) * self.world_size + self.rank) * self.micro_batch
+        out = []
+        for g in int(step) * self.global_batch + first + np.arange(self.micro_batch):
+            blk, slot = divmod(int(g), MIX_BLOCK)
+            source, nth = self._block(blk)
+            part = self.parts[int(source[slot])]
+            epoch, at = divmod(int(nth[slot]), part.n_windows)
+            out.append((int(source[slot]), int(part.permutation(epoch)[at])))
+        return out
+
+    def batch(self, step: int, micro: int) -> Batch:
+        rows = [read_windows(self.parts[i].stream, np.array([w]), self.seq_len) for i, w in self.windows(step, micro)]
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+
+    def epoch(self, step: int) -> float:
+        """The passes made over the source read most often (for logging)."""
+        n = step * self.global_batch / MIX_BLOCK
+        return max(n * c / p.n_windows for c, p in zip(self.counts, self.parts))
+
+    def state_dict(self) -> dict:
+        return {"format": MIX_FORMAT, "version": VERSION, "seed": self.seed, "seq_len": self.seq_len,
+                "global_batch": self.global_batch, "shares": self.shares,
+                "sources": [{k: p.state_dict()[k] for k in ("n_windows", "stream_fingerprint", "n_tokens")}
+                            for p in self.parts]}
+
+    def check_state(self, state: dict) -> None:
+        """Raise DataError unless `state` (from a checkpoint) describes the same data order as this sampler."""
+        if not isinstance(state, dict):
+            raise DataError(f"sampler state is a {type(state).__name__}; accepted: a dict from "
+                            "MixSampler.state_dict()")
+        now = self.state_dict()
+        diffs = [f"{k}: checkpoint {state.get(k, '<missing>')!r}, now {now[k]!r}" for k in now
+                 if state.get(k) != now[k]]
+        if diffs:
+            raise DataError("the data does not match the checkpoint's sampler, so resuming would not continue the same "
+                            "batches (" + "; ".join(diffs) + "); accepted: the same corpora, shares, tokenizer, seed, "
+                            "seq_len and global_batch")
 
 
 def validation_batches(stream: StreamLike, seq_len: int, n_windows: int, batch_size: int) -> list[Batch]:

@@ -117,8 +117,8 @@ def branch_settings(ckpt: Path, steps: int) -> dict:
     saved = read_json_file(ckpt.parent / RUN_FILE, "the long run's settings", error=ConfigError)
     total = start + steps
     train = dict(saved["train"])
-    ends = {key: (blend_end if key == "blend_until" else falling_end)(train["steps"], train.get(key, getattr(
-        TrainConfig, key))) for key in UNTIL}  # the steps they end at, as the trainer's schedule computes them
+    end_of = dict.fromkeys(UNTIL, falling_end) | {"blend_until": blend_end}  # as the trainer's schedule ends them
+    ends = {key: end_of[key](train["steps"], train.get(key, getattr(TrainConfig, key))) for key in UNTIL}
     if ends["blend_until"] >= total:
         return {"why": f"the latest checkpoint (step {start:,}) is too close to the blend curriculum's end (step "
                        f"{ends['blend_until']:,}) for a branch of {steps} steps"}

@@ -39,6 +39,9 @@ class DataConfig:
     #                        epochs as the steps need (a data-constrained run); 0: the whole split. Held-out: unchanged
     repeat: float = 0.0  # tracking: each input step repeats the one before it with this probability (longer runs of
     #                      one symbol, in both splits; the test sets draw every step independently); 0: independent
+    shares: list[float] = field(default_factory=list)  # text: one share per data.corpus entry (summing to 1), each
+    #                     entry its own token stream sampled at that share of the windows (and of the held-out ones);
+    #                     empty: the entries are one stream, read in proportion to their sizes
 
     def __post_init__(self) -> None:
         number("data.val_percent", self.val_percent, low=0, high=100, low_open=True, high_open=True)
@@ -60,6 +63,27 @@ class DataConfig:
                               "(its checkpoint)")
         if not self.corpus:
             raise ConfigError("data.corpus is empty; accepted: 'stdlib', a path, a glob, a .jsonl file or 'hf:<name>'")
+        if self.shares:
+            self._check_shares()
+
+    def _check_shares(self) -> None:
+        shares = self.shares
+        if not isinstance(shares, list):
+            raise ConfigError(f"data.shares={shares!r} must be a list of numbers, one per data.corpus entry")
+        for i, x in enumerate(shares):
+            number(f"data.shares[{i}]", x, low=0, low_open=True)
+        entries = self.corpus if isinstance(self.corpus, list) else [self.corpus]
+        if len(shares) != len(entries):
+            raise ConfigError(f"data.shares has {len(shares)} share(s) for {len(entries)} data.corpus entr"
+                              f"{'y' if len(entries) == 1 else 'ies'} ({entries!r}); accepted: one share per entry")
+        if abs(sum(shares) - 1) > 1e-6:
+            raise ConfigError(f"data.shares={shares!r} sums to {sum(shares):.6g}; accepted: shares summing to 1, e.g. "
+                              f"{[round(x / sum(shares), 4) for x in shares]!r}")
+        if self.format != "text":
+            raise ConfigError(f"data.shares mixes text corpora; accepted for data.format={self.format!r}: [] (none)")
+        if self.train_tokens:
+            raise ConfigError(f"data.train_tokens={self.train_tokens} limits one stream, data.shares mixes several; "
+                              "accepted: one of them")
 
 
 @dataclass

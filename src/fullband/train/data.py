@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.data.corpus import resolve_corpus
-from fullband.data.sampler import WindowSampler, validation_batches
+from fullband.data.sampler import MixSampler, WindowSampler, block_counts, validation_batches
 from fullband.data.shards import tokenize_corpus
 from fullband.data.tokenizer import TOKENIZER_KIND, ByteTokenizer, PretrainedTokenizer, load_tokenizer, train_bpe
 from fullband.errors import ConfigError
@@ -21,7 +21,7 @@ class RunData:
     tokenizer: object
     train: object  # TokenStream
     val: object
-    sampler: WindowSampler
+    sampler: WindowSampler | MixSampler
     val_batches: list
     model_config: ModelConfig
 
@@ -75,13 +75,9 @@ def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None, source=None) -> R
     model_cfg = fit_model_config(cfg.model, tokenizer)
     if cfg.data.format in ("chat", "tracking"):
         return _chat_data(cfg, d, corpus, tokenizer, model_cfg)
-    cache = cache_root(cfg.data.cache_dir)
-    streams = {}
-    for rank_turn in (True, False):  # rank 0 tokenises and caches; then everybody opens the cache
-        if d.main == rank_turn:
-            for split in ("train", "val"):
-                streams[split] = tokenize_corpus(corpus, tokenizer, split, cache / "tokens", progress=d.main)
-        barrier(d)
+    if cfg.data.shares:
+        return _mixed_data(cfg, d, tokenizer, model_cfg)
+    streams = _streams(cfg, d, corpus, tokenizer)
     t = cfg.train
     if cfg.data.train_tokens:
         have = len(streams["train"])
@@ -94,6 +90,35 @@ def prepare_data(cfg, d: Dist, *, run_dir: Path | None = None, source=None) -> R
                             rank=d.rank, world_size=d.world)
     val = validation_batches(streams["val"], t.seq_len, cfg.log.eval_windows, t.micro_batch)
     return RunData(tokenizer, streams["train"], streams["val"], sampler, val, model_cfg)
+
+
+def _streams(cfg, d: Dist, corpus, tokenizer) -> dict:
+    """{"train": ..., "val": ...}: the token streams of a corpus's two splits (rank 0 tokenises and caches first, then
+    every rank opens the cache)."""
+    cache = cache_root(cfg.data.cache_dir)
+    streams = {}
+    for rank_turn in (True, False):
+        if d.main == rank_turn:
+            for split in ("train", "val"):
+                streams[split] = tokenize_corpus(corpus, tokenizer, split, cache / "tokens", progress=d.main)
+        barrier(d)
+    return streams
+
+
+def _mixed_data(cfg, d: Dist, tokenizer, model_cfg: ModelConfig) -> RunData:
+    """data.shares: each data.corpus entry its own pair of streams; training windows drawn at the shares (MixSampler),
+    held-out windows split the same way (at least one each)."""
+    data, t = cfg.data, cfg.train
+    entries = data.corpus if isinstance(data.corpus, list) else [data.corpus]
+    streams = [_streams(cfg, d, resolve_corpus(e, text_field=data.text_field, val_percent=data.val_percent),
+                        tokenizer) for e in entries]
+    sampler = MixSampler([s["train"] for s in streams], data.shares, t.seq_len, t.global_windows, t.micro_batch,
+                         t.seed, rank=d.rank, world_size=d.world)
+    windows = block_counts(data.shares, cfg.log.eval_windows) if cfg.log.eval_windows >= len(entries) else \
+        [1] * len(entries)
+    val = [b for s, n in zip(streams, windows) for b in validation_batches(s["val"], t.seq_len, int(n),
+                                                                             t.micro_batch)]
+    return RunData(tokenizer, [s["train"] for s in streams], [s["val"] for s in streams], sampler, val, model_cfg)
 
 
 def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData:

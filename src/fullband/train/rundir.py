@@ -190,7 +190,7 @@ _UNSET = object()
 ADDED = {"train.blend_until": 0.0, "train.latent_loss": 0.0, "train.distill": 0.0, "train.distill_until": 1.0,
          "train.anchor": 0.0, "train.anchor_until": 1.0, "train.block_match": 0.0, "train.block_match_until": 1.0,
          "rl.teacher": "reference", "rl.hold": 0.0,
-         "data.repeat": 0.0}
+         "data.repeat": 0.0, "data.shares": []}
 
 
 def resume_differences(saved: dict, now: dict, keys: tuple[str, ...] = MUST_MATCH) -> list[str]:
