@@ -71,11 +71,12 @@ demo: $(STAMP)
 	$(BIN)/fullband demo --out runs/demo
 
 # The vLLM tests run beside the main suite, which runs in two processes (pytest-xdist; a test file stays in one
-# process, so a file's fixtures are built once): most tests use about one core, and the three together keep a
-# 2-core machine busy to the end. The vLLM tests' output follows the main suite's.
+# process, so a file's fixtures are built once; the longest files first, tests/conftest.py's LONGEST_FIRST): most
+# tests use about one core, and the three together keep a 2-core machine busy to the end. The vLLM tests' output
+# follows the main suite's.
 test: $(STAMP) $(VLLM_STAMP)
 	@$(VLLM_BIN)/python -m pytest -q --durations=10 tests/test_vllm.py > .vllm-tests.log 2>&1 & vllm=$$!; \
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25; main=$$?; wait $$vllm; vllm=$$?; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25; main=$$?; wait $$vllm; vllm=$$?; \
 	echo "--- vLLM tests (.venv-vllm)"; cat .vllm-tests.log; rm -f .vllm-tests.log; \
 	test $$main -eq 0 && test $$vllm -eq 0
 
