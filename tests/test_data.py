@@ -595,6 +595,15 @@ def test_a_run_with_shares_trains_on_both_corpora_at_their_shares(tmp_path, cach
     train(cfg)  # and the trainer runs on it, its checkpoint holding the mix's state
     state = read_trainer_state(tmp_path / "run" / "step_000002")
     assert state["sampler"]["shares"] == [0.3, 0.7] and len(state["sampler"]["sources"]) == 2
+    # the held-out loss is logged for each entry too: the run's is their mean weighted by their windows
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if "eval" in r)
+    counts = dict(run.val_sources)
+    assert list(row["eval_by_corpus"]) == [str(text), str(code)] and sum(counts.values()) == cfg.log.eval_windows
+    for k, nats in row["eval"].items():
+        mixed = sum(counts[name] * by[k] for name, by in row["eval_by_corpus"].items()) / cfg.log.eval_windows
+        assert nats == pytest.approx(mixed, rel=1e-9)
+    assert row["eval_by_corpus"][str(text)]["1"] != row["eval_by_corpus"][str(code)]["1"]
     # a run recorded before data.shares existed resumes as the one stream it was; other shares are refused
     now = load_run_config(path).to_dict()
     old = json.loads(json.dumps(now))

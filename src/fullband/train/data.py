@@ -3,7 +3,7 @@ shards for the train and validation splits, the step-deterministic sampler and f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fullband.data.corpus import resolve_corpus
@@ -24,6 +24,7 @@ class RunData:
     sampler: WindowSampler | MixSampler
     val_batches: list
     model_config: ModelConfig
+    val_sources: list = field(default_factory=list)  # data.shares: (entry, its held-out windows), in val_batches' order
 
 
 def run_tokenizer(cfg, d: Dist, *, run_dir: Path | None = None):
@@ -116,9 +117,10 @@ def _mixed_data(cfg, d: Dist, tokenizer, model_cfg: ModelConfig) -> RunData:
                          t.seed, rank=d.rank, world_size=d.world)
     windows = block_counts(data.shares, cfg.log.eval_windows) if cfg.log.eval_windows >= len(entries) else \
         [1] * len(entries)
-    val = [b for s, n in zip(streams, windows) for b in validation_batches(s["val"], t.seq_len, int(n),
-                                                                             t.micro_batch)]
-    return RunData(tokenizer, [s["train"] for s in streams], [s["val"] for s in streams], sampler, val, model_cfg)
+    parts = [validation_batches(s["val"], t.seq_len, int(n), t.micro_batch) for s, n in zip(streams, windows)]
+    sources = [(str(e), sum(b[0].shape[0] for b in part)) for e, part in zip(entries, parts)]
+    return RunData(tokenizer, [s["train"] for s in streams], [s["val"] for s in streams], sampler,
+                   [b for part in parts for b in part], model_cfg, sources)
 
 
 def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData:

@@ -214,8 +214,13 @@ class Trainer:
         """Mean validation NTP loss (nats/token) for each pass count in log.eval_passes (a model without feedback
         weights: one pass only, which is what any number of its passes would compute)."""
         feedback = self.cfg.model.has_feedback
-        return {str(k): validation_loss(self.model, self.data.val_batches, k, autocast=self.autocast).nats
-                for k in self.cfg.log.eval_passes if k == 1 or feedback}
+        reads = {str(k): validation_loss(self.model, self.data.val_batches, k, autocast=self.autocast)
+                 for k in self.cfg.log.eval_passes if k == 1 or feedback}
+        self.eval_by_corpus, at = {}, 0  # data.shares: each entry's windows, in the order the batches hold them
+        for name, n in self.data.val_sources:
+            self.eval_by_corpus[name] = {k: float(r.per_window[at : at + n].mean()) for k, r in reads.items()}
+            at += n
+        return {k: r.nats for k, r in reads.items()}
 
     def adapt(self) -> dict:
         """The adaptive schedule's measurement and decision: the pass map's perturbation growth per pass over
@@ -277,6 +282,7 @@ class Trainer:
         d = self.d
         bar = progress_bar(self.cfg, d, self.step, self.cfg.train.steps)
         self.last_eval: dict[str, float] = {}
+        self.eval_by_corpus: dict[str, dict[str, float]] = {}
         self.last_gate: dict | None = None
         self.started = time.monotonic()  # this invocation's (train.stop_after_minutes)
         try:
@@ -345,8 +351,11 @@ class Trainer:
                 self.last_gate = gate = self.gate()
                 if self.loggers:
                     self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens,
-                                      "flops": self.flops} | ({"gate": gate} if gate else {}))
+                                      "flops": self.flops} | ({"gate": gate} if gate else {})
+                                     | ({"eval_by_corpus": self.eval_by_corpus} if self.eval_by_corpus else {}))
                 msg = "  ".join(f"passes={k}: {v:.4f}" for k, v in last_eval.items())
+                msg += "".join(f"; {name}: " + " / ".join(f"{v:.4f}" for v in by.values())
+                               for name, by in self.eval_by_corpus.items())
                 msg += f"; {gate['summary']}" if gate else ""
                 (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
             due = (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done
