@@ -558,6 +558,7 @@ def test_a_mix_resumes_only_with_the_same_sources_and_shares():
     ({"corpus": ["a", "b"], "shares": 0.5}, "must be a list of numbers"),
     ({"corpus": ["a", "b"], "shares": [0.5, 0.5], "format": "chat"}, "accepted for data.format='chat': \\[\\]"),
     ({"corpus": ["a", "b"], "shares": [0.5, 0.5], "train_tokens": 1000}, "data.train_tokens=1000 limits one stream"),
+    ({"corpus": ["a", "b", "a"], "shares": [0.5, 0.25, 0.25]}, "data.corpus lists 'a' more than once"),
 ])
 def test_shares_errors(changes, words):
     from fullband.train.config import DataConfig
@@ -592,6 +593,12 @@ def test_a_run_with_shares_trains_on_both_corpora_at_their_shares(tmp_path, cach
     x, _ = run.sampler.batch(0, 0)
     for row, (s, w) in zip(x.tolist(), run.sampler.windows(0, 0)):
         assert row == run.train[s].slice(w * seq, w * seq + seq).tolist()
+    small = tmp_path / "small.txt"
+    small.write_text("too short for a window in both splits")
+    with pytest.raises(DataError, match=f"data.corpus entry '{small}': its train split has .* tokens, fewer than one "
+                                        "window needs \\(33 for train.seq_len=32\\)"):
+        prepare_data(load_run_config(path, [f"data.corpus={json.dumps([str(text), str(small)])}",
+                                            "data.shares=[0.5, 0.5]", "data.val_percent=50.0"]), Dist())
     train(cfg)  # and the trainer runs on it, its checkpoint holding the mix's state
     state = read_trainer_state(tmp_path / "run" / "step_000002")
     assert state["sampler"]["shares"] == [0.3, 0.7] and len(state["sampler"]["sources"]) == 2

@@ -76,6 +76,10 @@ class DataConfig:
         if len(shares) != len(entries):
             raise ConfigError(f"data.shares has {len(shares)} share(s) for {len(entries)} data.corpus entr"
                               f"{'y' if len(entries) == 1 else 'ies'} ({entries!r}); accepted: one share per entry")
+        twice = sorted({str(e) for e in entries if entries.count(e) > 1})
+        if twice:
+            raise ConfigError(f"data.corpus lists {', '.join(map(repr, twice))} more than once; accepted with "
+                              "data.shares: each entry once (its share says how often it is read)")
         if abs(sum(shares) - 1) > 1e-6:
             raise ConfigError(f"data.shares={shares!r} sums to {sum(shares):.6g}; accepted: shares summing to 1, e.g. "
                               f"{[round(x / sum(shares), 4) for x in shares]!r}")

@@ -10,7 +10,7 @@ from fullband.data.corpus import resolve_corpus
 from fullband.data.sampler import MixSampler, WindowSampler, block_counts, validation_batches
 from fullband.data.shards import tokenize_corpus
 from fullband.data.tokenizer import TOKENIZER_KIND, ByteTokenizer, PretrainedTokenizer, load_tokenizer, train_bpe
-from fullband.errors import ConfigError
+from fullband.errors import ConfigError, DataError
 from fullband.files import atomic_folder, cache_root
 from fullband.model.config import ModelConfig
 from fullband.train.parallel import Dist, barrier
@@ -113,6 +113,13 @@ def _mixed_data(cfg, d: Dist, tokenizer, model_cfg: ModelConfig) -> RunData:
     entries = data.corpus if isinstance(data.corpus, list) else [data.corpus]
     streams = [_streams(cfg, d, resolve_corpus(e, text_field=data.text_field, val_percent=data.val_percent),
                         tokenizer) for e in entries]
+    for entry, pair in zip(entries, streams):
+        for split, stream in pair.items():
+            if len(stream) < t.seq_len + 1:
+                raise DataError(f"data.corpus entry {entry!r}: its {split} split has {len(stream):,} tokens, fewer "
+                                f"than one window needs ({t.seq_len + 1} for train.seq_len={t.seq_len}); accepted with "
+                                "data.shares: an entry with a window in each split (more text, a larger "
+                                "data.val_percent or a smaller train.seq_len)")
     sampler = MixSampler([s["train"] for s in streams], data.shares, t.seq_len, t.global_windows, t.micro_batch,
                          t.seed, rank=d.rank, world_size=d.world)
     windows = block_counts(data.shares, cfg.log.eval_windows) if cfg.log.eval_windows >= len(entries) else \
