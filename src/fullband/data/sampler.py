@@ -77,14 +77,17 @@ class WindowSampler:
             self._perms[epoch] = rng.permutation(self.n_windows)
         return self._perms[epoch]
 
-    def windows(self, step: int, micro: int) -> np.ndarray:
-        """Window indices of this rank's micro-batch `micro` of optimizer step `step`."""
+    def samples(self, step: int, micro: int) -> np.ndarray:
+        """Global sample indices (step * global_batch + j) of this rank's micro-batch `micro` of step `step`."""
         integer("step", step, 0, error=DataError)
         if isinstance(micro, bool) or not isinstance(micro, (int, np.integer)) or not 0 <= micro < self.accum_steps:
             raise DataError(f"micro={micro!r}; accepted: an integer in [0, accum_steps={self.accum_steps})")
         first = (int(micro) * self.world_size + self.rank) * self.micro_batch
-        sample = int(step) * self.global_batch + first + np.arange(self.micro_batch)
-        epochs, slots = np.divmod(sample, self.n_windows)
+        return int(step) * self.global_batch + first + np.arange(self.micro_batch)
+
+    def windows(self, step: int, micro: int) -> np.ndarray:
+        """Window indices of this rank's micro-batch `micro` of optimizer step `step`."""
+        epochs, slots = np.divmod(self.samples(step, micro), self.n_windows)
         return np.array([self.permutation(int(e))[s] for e, s in zip(epochs, slots)], dtype=np.int64)
 
     def epoch(self, step: int) -> float:
@@ -167,10 +170,8 @@ class MixSampler:
 
     def windows(self, step: int, micro: int) -> list[tuple[int, int]]:
         """(source, window) of each sample of this rank's micro-batch `micro` of optimizer step `step`."""
-        self.parts[0].windows(step, micro)  # the same argument checks as one stream's
-        first = (int(micro) * self.world_size + self.rank) * self.micro_batch
         out = []
-        for g in int(step) * self.global_batch + first + np.arange(self.micro_batch):
+        for g in self.parts[0].samples(step, micro):  # numbered as one stream's samples
             blk, slot = divmod(int(g), MIX_BLOCK)
             source, nth = self._block(blk)
             part = self.parts[int(source[slot])]
@@ -182,16 +183,11 @@ class MixSampler:
         rows = [read_windows(self.parts[i].stream, np.array([w]), self.seq_len) for i, w in self.windows(step, micro)]
         return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
-    def epoch(self, step: int) -> float:
-        """The passes made over the source read most often (for logging)."""
-        n = step * self.global_batch / MIX_BLOCK
-        return max(n * c / p.n_windows for c, p in zip(self.counts, self.parts))
-
     def state_dict(self) -> dict:
         return {"format": MIX_FORMAT, "version": VERSION, "seed": self.seed, "seq_len": self.seq_len,
                 "global_batch": self.global_batch, "shares": self.shares,
-                "sources": [{k: p.state_dict()[k] for k in ("n_windows", "stream_fingerprint", "n_tokens")}
-                            for p in self.parts]}
+                "sources": [{k: state[k] for k in ("n_windows", "stream_fingerprint", "n_tokens")}
+                            for state in (p.state_dict() for p in self.parts)]}
 
     def check_state(self, state: dict) -> None:
         """Raise DataError unless `state` (from a checkpoint) describes the same data order as this sampler."""
