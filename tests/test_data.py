@@ -89,9 +89,9 @@ def test_bpe_save_load(bpe, tmp_path):
 
 
 def test_a_folder_read_again_gives_the_tokenizer_its_files_hold_now(bpe, tmp_path):
-    """load_tokenizer keeps what it read (a reproduction reads one folder dozens of times): the same files give the
-    same object; a rewritten tokenizer.json, special_ids.json or chat template is read again, a corrupted one
-    refused, and a folder copied elsewhere is its own."""
+    """load_tokenizer keeps what it read (a reproduction reads one vocabulary dozens of times, from as many folders):
+    the same files give the same object, in this folder or a copy of it; a rewritten tokenizer.json, special_ids.json
+    or chat template is read again, a corrupted one refused."""
     (tmp_path / "a").mkdir()
     bpe.save(tmp_path / "a")
     first = load_tokenizer(tmp_path / "a")
@@ -108,7 +108,9 @@ def test_a_folder_read_again_gives_the_tokenizer_its_files_hold_now(bpe, tmp_pat
     write(tmp_path / "a" / "special_ids.json", "{not json")
     with pytest.raises(CheckpointError, match="special_ids.json"):
         load_tokenizer(tmp_path / "a")
+    write(tmp_path / "a" / "special_ids.json", json.dumps({"bos_id": 1, "eos_id": 2, "pad_id": 3, "add_bos": False}))
     shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert load_tokenizer(tmp_path / "b") is load_tokenizer(tmp_path / "a")
     write(tmp_path / "b" / "special_ids.json", json.dumps({"bos_id": 4, "eos_id": 2, "pad_id": 3}))
     assert load_tokenizer(tmp_path / "b").bos_id == 4
 

@@ -5,6 +5,7 @@ A checkpoint's `tokenizer.json` is our small JSON (`"fullband_tokenizer": "byte"
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -282,14 +283,18 @@ class PretrainedTokenizer(BPETokenizer):
             from transformers import AutoTokenizer
         except ImportError:
             raise MissingPackage("a pretrained model's tokenizer needs transformers: pip install 'fullband[hf]'") from None
-        from fullband.gguf_file import gguf_args
+        from fullband.gguf_file import gguf_args, gguf_path
 
         name, extra = gguf_args(path)
+        key = _source_version(gguf_path(path), tuple(stop_ids))
+        if key in _LOADED:
+            _LOADED.move_to_end(key)
+            return _LOADED[key]
         try:
             tok = AutoTokenizer.from_pretrained(name, **extra)
         except (OSError, ValueError) as err:
             raise InputError(f"no tokenizer could be loaded from {str(path)!r}: {err}") from None
-        return cls.from_hf(tok, source=str(path), stop_ids=stop_ids)
+        return _kept(key, cls.from_hf(tok, source=str(path), stop_ids=stop_ids))
 
     @classmethod
     def from_hf(cls, tok: Any, *, source: str, stop_ids: tuple[int, ...] = ()) -> "PretrainedTokenizer":
@@ -375,9 +380,11 @@ class TextStream:
         return piece
 
 
-# the tokenizers load_tokenizer read, by the identity of the files it read them from (path, inode, size, mtime): a
-# reproduction reads the same folder's 49K vocabulary dozens of times, a second each; a rewritten file is read again.
-# Nothing changes a tokenizer once made (what adds tokens copies its backend first), so callers may share one.
+# the tokenizers load_tokenizer read, by the contents of the files it read them from (a reproduction reads the same
+# 49K vocabulary dozens of times from as many run and checkpoint folders, each its own copy: 0.4 s a read against
+# milliseconds to hash the files), and those PretrainedTokenizer.from_pretrained read, by the source's file versions
+# (a GGUF file's vocabulary takes seconds to parse); a rewritten file is read again. Nothing changes a tokenizer once made (what adds
+# tokens copies its backend first) and a tokenizer keeps no path, so callers may share one.
 _LOADED: OrderedDict = OrderedDict()
 _LOADED_MAX = 8
 
@@ -385,32 +392,53 @@ _LOADED_MAX = 8
 def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | PretrainedTokenizer:
     """The tokenizer saved in a checkpoint folder (a transformers folder of ours: the byte tokenizer kept beside it,
     else its tokenizer.json); a folder without one gets the byte tokenizer."""
-    key = _files_identity(Path(directory))
+    key = _files_key(Path(directory))
     if key in _LOADED:
         _LOADED.move_to_end(key)
         return _LOADED[key]
     tokenizer = _read_tokenizer(directory)
-    if key is not None and isinstance(tokenizer, BPETokenizer):
+    return _kept(key, tokenizer) if isinstance(tokenizer, BPETokenizer) else tokenizer
+
+
+def _kept(key: Any, tokenizer: BPETokenizer) -> BPETokenizer:
+    if key is not None:
         _LOADED[key] = tokenizer
         while len(_LOADED) > _LOADED_MAX:
             _LOADED.popitem(last=False)
     return tokenizer
 
 
-def _files_identity(directory: Path) -> tuple | None:
-    """What identifies the files load_tokenizer reads in `directory` (None: one cannot be examined)."""
-    key = []
+def _source_version(path: Path, stop_ids: tuple[int, ...]) -> tuple | None:
+    """What tells two versions of a pretrained model's tokenizer apart (PretrainedTokenizer.from_pretrained): a GGUF
+    file's version (path, size, modification time: hashing it would read gigabytes), a folder's files' versions;
+    None for a hub id or a path that cannot be examined."""
+    from fullband.gguf_file import file_version
+
+    try:
+        if path.is_file():
+            return "pretrained", file_version(path), stop_ids
+        if path.is_dir():
+            files = sorted(p for p in path.iterdir() if p.is_file())
+            return ("pretrained", str(path.resolve()), tuple(file_version(p) for p in files), stop_ids)
+    except OSError:
+        pass
+    return None
+
+
+def _files_key(directory: Path) -> bytes | None:
+    """A digest of what load_tokenizer reads in `directory`: which of its files are there and their bytes (None:
+    one cannot be read)."""
+    digest = hashlib.sha256()
     for name in (BYTE_TOKENIZER_FILE, TOKENIZER_FILE, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE):
-        path = directory / name
         try:
-            st = path.stat()
+            data = (directory / name).read_bytes()
         except FileNotFoundError:
-            key.append(None)
+            digest.update(b"-")
             continue
         except OSError:
             return None
-        key.append((str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(key)
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.digest()
 
 
 def _read_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | PretrainedTokenizer:

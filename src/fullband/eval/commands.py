@@ -97,17 +97,18 @@ def run_data(checkpoint: Path) -> dict:
 
 def bytes_per_token(tokenizer, vocab_size: int) -> torch.Tensor:
     """UTF-8 bytes each id stands for (0 for special ids), for bits/byte."""
-    table = torch.zeros(vocab_size)
     if tokenizer.kind == "byte":
+        table = torch.zeros(vocab_size)
         table[:256] = 1
         return table
-    hf = tokenizer.hf_tokenizer
-    special = {tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id}
-    for i in range(min(vocab_size, tokenizer.vocab_size)):
-        tok = hf.id_to_token(i)
-        if tok is not None and i not in special:
-            table[i] = len(tok)  # byte-level BPE: one alphabet character per byte
-    return table
+    lengths = [0] * vocab_size
+    for tok, i in tokenizer.hf_tokenizer.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size:
+            lengths[i] = len(tok)  # byte-level BPE: one alphabet character per byte
+    for i in {tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id}:
+        if 0 <= i < vocab_size:
+            lengths[i] = 0
+    return torch.tensor(lengths, dtype=torch.get_default_dtype())
 
 
 def _check_counts(**values: tuple[int, int]) -> None:
