@@ -286,14 +286,18 @@ class PretrainedTokenizer(BPETokenizer):
         from fullband.gguf_file import gguf_args, gguf_path
 
         name, extra = gguf_args(path)
-        key = _source_version(gguf_path(path), tuple(stop_ids))
+        version = _source_version(gguf_path(path))
+        key = None if version is None else (version, tuple(stop_ids))
         if key in _LOADED:
             _LOADED.move_to_end(key)
             return _LOADED[key]
-        try:
-            tok = AutoTokenizer.from_pretrained(name, **extra)
-        except (OSError, ValueError) as err:
-            raise InputError(f"no tokenizer could be loaded from {str(path)!r}: {err}") from None
+        tok = _LOADED.get(version)  # transformers' tokenizer, read for other stop ids
+        if tok is None:
+            try:
+                tok = AutoTokenizer.from_pretrained(name, **extra)
+            except (OSError, ValueError) as err:
+                raise InputError(f"no tokenizer could be loaded from {str(path)!r}: {err}") from None
+            _kept(version, tok)
         return _kept(key, cls.from_hf(tok, source=str(path), stop_ids=stop_ids))
 
     @classmethod
@@ -382,9 +386,10 @@ class TextStream:
 
 # the tokenizers load_tokenizer read, by the contents of the files it read them from (a reproduction reads the same
 # 49K vocabulary dozens of times from as many run and checkpoint folders, each its own copy: 0.4 s a read against
-# milliseconds to hash the files), and those PretrainedTokenizer.from_pretrained read, by the source's file versions
-# (a GGUF file's vocabulary takes seconds to parse); a rewritten file is read again. Nothing changes a tokenizer once made (what adds
-# tokens copies its backend first) and a tokenizer keeps no path, so callers may share one.
+# milliseconds to hash the files), and those PretrainedTokenizer.from_pretrained read (with transformers' tokenizer
+# under them), by the source's file versions (a GGUF file's vocabulary takes seconds to parse); a rewritten file is
+# read again. Nothing changes a tokenizer once made (what adds tokens copies its backend first) and a tokenizer keeps
+# no path, so callers may share one.
 _LOADED: OrderedDict = OrderedDict()
 _LOADED_MAX = 8
 
@@ -400,7 +405,7 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | Pret
     return _kept(key, tokenizer) if isinstance(tokenizer, BPETokenizer) else tokenizer
 
 
-def _kept(key: Any, tokenizer: BPETokenizer) -> BPETokenizer:
+def _kept(key: Any, tokenizer: Any) -> Any:
     if key is not None:
         _LOADED[key] = tokenizer
         while len(_LOADED) > _LOADED_MAX:
@@ -408,7 +413,7 @@ def _kept(key: Any, tokenizer: BPETokenizer) -> BPETokenizer:
     return tokenizer
 
 
-def _source_version(path: Path, stop_ids: tuple[int, ...]) -> tuple | None:
+def _source_version(path: Path) -> tuple | None:
     """What tells two versions of a pretrained model's tokenizer apart (PretrainedTokenizer.from_pretrained): a GGUF
     file's version (path, size, modification time: hashing it would read gigabytes), a folder's files' versions;
     None for a hub id or a path that cannot be examined."""
@@ -416,10 +421,10 @@ def _source_version(path: Path, stop_ids: tuple[int, ...]) -> tuple | None:
 
     try:
         if path.is_file():
-            return "pretrained", file_version(path), stop_ids
+            return "pretrained", file_version(path)
         if path.is_dir():
             files = sorted(p for p in path.iterdir() if p.is_file())
-            return ("pretrained", str(path.resolve()), tuple(file_version(p) for p in files), stop_ids)
+            return "pretrained", str(path.resolve()), tuple(file_version(p) for p in files)
     except OSError:
         pass
     return None
