@@ -153,3 +153,61 @@ def test_the_mixed_arithmetic_set_has_the_same_problems_at_three_lengths():
     assert sum(1 for _ in chat_conversations("arithmetic-mixed:50", "train", 2.0)) >= 45
     with pytest.raises(ValueError, match="accepted: a non-empty choice of full, partial, direct"):
         arithmetic_chats(2, styles=("short",))
+
+
+def test_generate_replies_to_writes_the_model_s_own_replies_as_a_corpus_to_train_on(tmp_path, capsys):
+    """`fullband generate --replies-to CHATS --out FILE`: each prompt (a conversation up to its last user turn) read
+    with the model's template, its reply as `fullband.generate` gives it, written whole; the file is a corpus whose
+    rows are conversations (data.corpus); bad arguments are refused before anything is written."""
+    import torch
+
+    from fullband import FullbandLM, ModelConfig
+    from fullband.cli import main
+    from fullband.data.chat.replies import reply_prompts
+    from fullband.data.chat.templates import chat_prompt
+    from fullband.data.corpus import Conversation, resolve_corpus
+    from fullband.data.tokenizer import ByteTokenizer
+    from fullband.decode.generate import generate
+
+    torch.manual_seed(0)
+    folder, tok = tmp_path / "model", ByteTokenizer(chat=True)
+    model = FullbandLM(ModelConfig(vocab_size=263, d_model=32, n_layers=1, n_heads=2, max_seq_len=256,
+                                   bos_token_id=256)).eval()
+    model.save(folder, tokenizer=tok)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "5"}])))  # a reply after the last user turn is answered again
+    out = tmp_path / "replies.jsonl"
+    args = ["generate", "--checkpoint", str(folder), "--replies-to", str(chats), "--out", str(out), "--mode",
+            "standard", "--max-new-tokens", "6", "--batch-size", "1", "--temperature", "1", "--seed", "3"]
+    assert main(args) == 0
+    assert f"wrote {out}: 2 conversations" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    prompts = reply_prompts(str(chats))
+    assert [m.content for m in prompts[1]] == ["be brief", "2+2?"]
+    for b, (row, prompt) in enumerate(zip(rows, prompts)):  # batch b samples with seed 3 + b
+        ids = generate(model, [chat_prompt(tok, prompt)], 6, mode="standard", stop_tokens=list(tok.stop_ids),
+                       temperature=1.0, seed=3 + b)[0]
+        stopped = bool(ids) and ids[-1] in tok.stop_ids
+        assert row["stopped"] == stopped and row["messages"][:-1] == [{"role": m.role, "content": m.content}
+                                                                       for m in prompt]
+        assert row["messages"][-1] == {"role": "assistant", "content": tok.decode(ids[:-1] if stopped else ids).strip()}
+    docs = list(resolve_corpus(str(out), val_percent=0).documents("train"))
+    assert len(docs) == 2 and all(isinstance(d, Conversation) for d in docs)
+    before = out.read_text()
+    for extra, said in ((["--overwrite", "--echo"], "--echo is for a --prompt's continuation"),
+                        ([], "exists; pass --overwrite"),
+                        (["--prompt", "x"], "needs one of --prompt TEXT")):
+        assert main([*args, *extra]) == 2
+        assert said in capsys.readouterr().err
+    assert out.read_text() == before
+    assert main(["generate", "--checkpoint", str(folder), "--replies-to", str(chats)]) == 2
+    assert "--replies-to needs --out" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(folder), "--prompt", "x", "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "--out goes with --replies-to" in capsys.readouterr().err
+    no_user = tmp_path / "no-user.jsonl"
+    no_user.write_text(json.dumps({"messages": [{"role": "system", "content": "s"}]}) + "\n")
+    assert main([*args[:4], str(no_user), "--out", str(tmp_path / "n.jsonl")]) == 2
+    assert "no-user.jsonl:1: no user turn to reply to" in capsys.readouterr().err and not (tmp_path / "n.jsonl").exists()

@@ -216,11 +216,39 @@ def test_jsonl_corpus(tmp_path):
     assert len(mixed.parts) == 2 and "jsonl" in mixed.describe()
 
 
+def test_a_jsonl_row_with_messages_is_a_conversation_read_as_the_chat_template_renders_it(tmp_path):
+    """A row without the text field but with `messages` is a conversation: tokenised as the model's chat template
+    renders it, its markers as their ids (a text document's `<|user|>` stays characters), beside plain text rows; a
+    tokenizer is trained on its contents; a tokenizer without a template is refused, naming the corpus."""
+    from fullband.data.chat.templates import chat_template, encode_chat
+    from fullband.data.chat.messages import Message
+    from fullband.data.corpus import Conversation
+
+    talk = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    path = write(tmp_path / "mix.jsonl", json.dumps({"text": "<|user|>plain"}) + "\n" + json.dumps({"messages": talk})
+                 + "\n")
+    corpus = resolve_corpus(str(path), val_percent=0)
+    docs = list(corpus.documents("train"))
+    assert docs[0] == "<|user|>plain" and docs[1] == Conversation((Message("user", "2+2?"), Message("assistant", "4")))
+    assert list(corpus.texts("train")) == ["<|user|>plain", "2+2?\n4"]
+    tok = ByteTokenizer(chat=True)
+    stream = tokenize_corpus(corpus, tok, "train", tmp_path / "cache", progress=False)
+    rendered = encode_chat(chat_template(tok), list(docs[1].messages)).ids  # BOS, the markers, the contents
+    assert stream[0:len(stream)].tolist() == [tok.bos_id, *tok.encode("<|user|>plain", bos=False), *rendered]
+    marker, text_part = tok.chat_ids["<|user|>"], stream[0:1 + len("<|user|>plain")].tolist()
+    assert marker in rendered and marker not in text_part
+    with pytest.raises(DataError, match=r"mix.jsonl.*holds conversations .*'messages'.*neither a chat template"):
+        tokenize_corpus(corpus, ByteTokenizer(), "train", tmp_path / "cache2", progress=False)
+    bad = write(tmp_path / "bad.jsonl", json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(DataError, match="bad.jsonl, line 1: message 0: unknown role 'robot'"):
+        list(resolve_corpus(str(bad), val_percent=0).documents("train"))
+
+
 @pytest.mark.parametrize(
     "line, words",
     [
         ("{broken", ["bad.jsonl, line 2", "not valid JSON"]),
-        (json.dumps({"content": "x"}), ["bad.jsonl, line 2", "no field 'text'", "content"]),
+        (json.dumps({"content": "x"}), ["bad.jsonl, line 2", "no field 'text'", "content", "'messages'"]),
         (json.dumps({"text": 5}), ["bad.jsonl, line 2", "field 'text' is int"]),
         (json.dumps(["text"]), ["bad.jsonl, line 2", "no field 'text'", "list"]),
     ],

@@ -13,13 +13,21 @@ from fullband.validate import DTYPES, ascii_int
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Stream a continuation of --prompt to stdout, token by token."""
+    """Stream a continuation of --prompt to stdout, token by token; or, with --replies-to, write the model's replies
+    to a chat corpus's prompts to --out."""
     import torch
 
     from fullband.data.tokenizer import TextStream
     from fullband.decode.generate import stream
     from fullband.decode.sampling import Sampling
 
+    if (args.prompt is None) == (args.replies_to is None):
+        raise InputError("fullband generate needs one of --prompt TEXT (a continuation, streamed) or --replies-to "
+                         "CHATS --out FILE.jsonl (the model's replies to a chat corpus's prompts)")
+    if args.replies_to is not None:
+        return _replies(args)
+    if args.out is not None:
+        raise InputError("--out goes with --replies-to; a --prompt's continuation is streamed to standard output")
     prompt_text = utf8(args.prompt, "--prompt")
     asked = _mode_arg(args.mode, args.prefill_passes, args.prefill_tol)  # checked before the model is loaded
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
@@ -49,6 +57,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids, dt = text.ids, time.perf_counter() - t0  # the last line, on stderr: tokens, mode, speed, why it stopped
     why = f"; stopped at EOS id {ids[-1]} (--ignore-eos to go on)" if ids and ids[-1] in stops else ""
     print(f"[{len(ids)} tokens, {mode.label}, {len(ids) / dt:.1f} tok/s{why}]", file=sys.stderr)
+    return 0
+
+
+def _replies(args: argparse.Namespace) -> int:
+    """--replies-to CHATS --out FILE: the model's reply to each prompt, written whole (fullband.data.chat.replies)."""
+    from fullband.data.chat.replies import write_replies
+    from fullband.decode.sampling import Sampling
+
+    if args.out is None:
+        raise InputError("--replies-to needs --out FILE.jsonl, the file the conversations are written to")
+    if args.engine != "torch":
+        raise InputError("--replies-to decodes batches on torch's engine; accepted: --engine torch (the default)")
+    for flag, given in (("--echo", args.echo), ("--ignore-eos", args.ignore_eos),
+                        ("--special-as-text", args.special_as_text), ("--compile", args.compile)):
+        if given:
+            raise InputError(f"{flag} is for a --prompt's continuation; --replies-to renders each prompt with the "
+                             "model's chat template and ends a reply at its stop tokens")
+    asked = _mode_arg(args.mode, args.prefill_passes, args.prefill_tol)
+    Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # checked before the model is loaded
+    model, tokenizer = _load(args)
+    mode = _model_mode(asked, model.config)
+    t0 = time.perf_counter()
+    done = write_replies(model, tokenizer, args.replies_to, args.out, mode=mode, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                         batch_size=args.batch_size, overwrite=args.overwrite)
+    empty = f", {done['empty']} empty replies left out" if done["empty"] else ""
+    print(f"wrote {args.out}: {done['conversations']} conversations ({done['stopped']} replies ended at a stop token"
+          f"{empty}), {done['tokens']} tokens generated in {mode.label}, {time.perf_counter() - t0:.0f} s")
     return 0
 
 
@@ -205,7 +241,7 @@ MODE = opt("--mode", default=None, help="standard | soft | fused | fused:K | fus
 
 GENERATE = Command("generate", "stream a continuation of a prompt", cmd_generate, (
     *SAMPLING,
-    opt("--checkpoint", required=True), opt("--prompt", required=True), MODE,
+    opt("--checkpoint", required=True), opt("--prompt", help="the text to continue (or --replies-to)"), MODE,
     opt("--prefill-passes", type=_prefill_passes, default=1,
         help="extra fused passes over the prompt (fused mode; --mode fused:K says the same), or 'auto': iterate until "
              "the RMS state update < --prefill-tol (at most 32)"),
@@ -218,6 +254,13 @@ GENERATE = Command("generate", "stream a continuation of a prompt", cmd_generate
     opt("--special-as-text", action="store_true", help="read a pretrained model's special tokens written in the "
         "prompt (e.g. <|im_start|>) as plain text, for untrusted input (by default they are those tokens, as "
         "transformers, vLLM and llama.cpp read them)"),
+    opt("--replies-to", metavar="CHATS", help="in place of --prompt: reply to each conversation of a chat corpus (a "
+        ".jsonl file or folder of them, 'hf:<dataset>', 'arithmetic:N'), read up to its last user turn with the "
+        "model's template, and write the conversations with the replies to --out (JSON lines, a corpus to train on: "
+        "data.corpus with data.shares)"),
+    opt("--out", help="the .jsonl file --replies-to writes (whole, or not at all)"),
+    opt("--batch-size", type=count(1), default=16, help="prompts decoded together (--replies-to)"),
+    opt("--overwrite", action="store_true", help="replace --out when it exists"),
 ))
 CHAT = Command("chat", "talk to a chat model in the terminal (/mode, /reset, /exit; Ctrl-C stops)", cmd_chat, (
     *SAMPLING,

@@ -50,7 +50,7 @@ def _stat(path: Path) -> list:
 class Part(Protocol):
     """One resolved source of a corpus; a Corpus chains its parts."""
 
-    def documents(self, split: str, val_percent: float) -> Iterator[str]: ...
+    def documents(self, split: str, val_percent: float) -> Iterator[Document]: ...
     def identity(self) -> dict: ...
     def summary(self, val_percent: float) -> str: ...
 
@@ -98,8 +98,29 @@ class TextFiles:
 
 
 @dataclass(frozen=True)
+class Conversation:
+    """A document that is a conversation (a JSON-lines row with a `messages` list and no `text_field`): tokenised as
+    the model's chat template renders it, its special tokens as tokens (text is read as plain text: a `<|im_start|>`
+    written in a document is characters, not the marker), every token trained."""
+
+    messages: tuple  # of fullband.data.chat.messages.Message
+
+    def __len__(self) -> int:  # characters, as a text document's (tokeniser batches are sized by them)
+        return sum(len(m.content) for m in self.messages)
+
+    @property
+    def text(self) -> str:
+        """Its messages' contents, one after another (what a tokenizer is trained on)."""
+        return "\n".join(m.content for m in self.messages)
+
+
+Document = str | Conversation
+
+
+@dataclass(frozen=True)
 class JsonlFiles:
-    """JSON-lines files: each line one object whose `text_field` is a document; split by (file, line number)."""
+    """JSON-lines files: each line one object whose `text_field` is a document, or without one a conversation (its
+    `messages`, a Conversation); split by (file, line number)."""
 
     source: str
     files: tuple[Path, ...]
@@ -107,7 +128,7 @@ class JsonlFiles:
     stats: tuple[tuple, ...] = field(repr=False)
     text_field: str = "text"
 
-    def documents(self, split: str, val_percent: float) -> Iterator[str]:
+    def documents(self, split: str, val_percent: float) -> Iterator[Document]:
         want_val = split == "val"
         for path, key in zip(self.files, self.keys):
             with path.open("rb") as f:
@@ -119,16 +140,21 @@ class JsonlFiles:
                         continue
                     yield self._text(path, lineno, raw)
 
-    def _text(self, path: Path, lineno: int, raw: bytes) -> str:
+    def _text(self, path: Path, lineno: int, raw: bytes) -> Document:
         try:
             obj = json.loads(raw.decode("utf-8", errors="replace"))
         except json.JSONDecodeError as err:
             raise DataError(f"{path}, line {lineno}: not valid JSON ({err.msg}); accepted: one JSON object per "
                             "line") from None
+        if isinstance(obj, dict) and self.text_field not in obj and "messages" in obj:
+            from fullband.data.chat.messages import check_messages
+
+            return Conversation(tuple(check_messages(obj, f"{path}, line {lineno}", reply=False)))
         if not isinstance(obj, dict) or self.text_field not in obj:
             keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
             raise DataError(f"{path}, line {lineno}: no field {self.text_field!r} (found {keys}); "
-                            f"accepted: objects with a string {self.text_field!r} field, or set text_field")
+                            f"accepted: objects with a string {self.text_field!r} field (or set text_field), or a "
+                            "'messages' conversation")
         text = obj[self.text_field]
         if not isinstance(text, str):
             raise DataError(f"{path}, line {lineno}: field {self.text_field!r} is {type(text).__name__} "
@@ -181,8 +207,9 @@ class Corpus:
     parts: tuple[Part, ...]
     val_percent: float = 1.0
 
-    def documents(self, split: str) -> Iterator[str]:
-        """Non-empty documents of `split` ('train' or 'val'), in a fixed order; raises if there are none."""
+    def documents(self, split: str) -> Iterator[Document]:
+        """Non-empty documents of `split` ('train' or 'val'), in a fixed order; raises if there are none. A document
+        is a text, or a Conversation (a JSON-lines row's `messages`)."""
         if split not in SPLITS:
             raise DataError(f"split={split!r}{closest(str(split), SPLITS)}; accepted: {', '.join(SPLITS)}")
         if (split == "val" and self.val_percent == 0) or (split == "train" and self.val_percent == 100):
@@ -190,7 +217,12 @@ class Corpus:
                             "accepted: 0 < val_percent < 100")
         return self._documents(split)
 
-    def _documents(self, split: str) -> Iterator[str]:
+    def texts(self, split: str) -> Iterator[str]:
+        """The documents of `split` as text (a conversation's contents), e.g. to train a tokenizer on."""
+        for doc in self.documents(split):
+            yield doc if isinstance(doc, str) else doc.text
+
+    def _documents(self, split: str) -> Iterator[Document]:
         count = 0
         for part in self.parts:
             for doc in part.documents(split, self.val_percent):

@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 from tqdm.auto import tqdm
 
-from fullband.data.corpus import Corpus
+from fullband.data.corpus import Conversation, Corpus, Document
 from fullband.errors import DataError
 from fullband.files import Kind, make_folder, make_temp, publish_folder, read_json, sweep_temps, writing
 
@@ -163,9 +163,10 @@ def _write_shards(tmp: Path, corpus: Corpus, tokenizer: TokenizerLike, split: st
     dtype = _dtype(token_dtype(tokenizer.vocab_size).name)
     writer = _ShardWriter(tmp, dtype, shard_tokens)
     n_docs = 0
+    encode = _Encoder(tokenizer, corpus)
     with tqdm(desc=f"tokenising {split}", unit="doc", disable=not progress, dynamic_ncols=True) as bar:
         for batch in _batches(corpus.documents(split)):
-            writer.add(_with_bos(tokenizer.encode_batch(batch), tokenizer.bos_id, dtype))
+            writer.add(_with_bos(encode(batch), tokenizer.bos_id, dtype))
             n_docs += len(batch)
             bar.update(len(batch))
     writer.close()
@@ -179,6 +180,37 @@ def _write_shards(tmp: Path, corpus: Corpus, tokenizer: TokenizerLike, split: st
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
+class _Encoder:
+    """Ids of a batch of documents: texts read as plain text (encode_batch), conversations as the tokenizer's chat
+    template renders them (made on the first one; DataError naming the corpus when the tokenizer has none)."""
+
+    def __init__(self, tokenizer: TokenizerLike, corpus: Corpus) -> None:
+        self.tokenizer, self.corpus, self.template = tokenizer, corpus, None
+
+    def __call__(self, batch: list[Document]) -> list[list[int]]:
+        texts = [i for i, doc in enumerate(batch) if isinstance(doc, str)]
+        if len(texts) == len(batch):
+            return self.tokenizer.encode_batch(batch)
+        out: list[list[int]] = [[] for _ in batch]
+        for i, ids in zip(texts, self.tokenizer.encode_batch([batch[i] for i in texts])):
+            out[i] = ids
+        for i, doc in enumerate(batch):
+            if isinstance(doc, Conversation):
+                out[i] = [t for _, seg in self._template().segments(list(doc.messages)) for t in seg]
+        return out
+
+    def _template(self):
+        if self.template is None:
+            from fullband.data.chat.templates import chat_template
+
+            try:
+                self.template = chat_template(self.tokenizer)
+            except DataError as err:
+                raise DataError(f"corpus {self.corpus.describe()} holds conversations (JSON-lines rows with "
+                                f"'messages'), which are read as the model's chat template renders them: {err}") from None
+        return self.template
+
+
 def _with_bos(batch: list[list[int]], bos_id: int, dtype: np.dtype) -> np.ndarray:
     """One flat array of `[bos] + ids` for every document of the batch."""
     out = np.empty(sum(len(ids) + 1 for ids in batch), dtype=dtype)
@@ -190,7 +222,8 @@ def _with_bos(batch: list[list[int]], bos_id: int, dtype: np.dtype) -> np.ndarra
     return out
 
 
-def _batches(docs: Iterable[str], max_chars: int = BATCH_CHARS, max_docs: int = 1024) -> Iterator[list[str]]:
+def _batches(docs: Iterable[Document], max_chars: int = BATCH_CHARS,
+             max_docs: int = 1024) -> Iterator[list[Document]]:
     batch, chars = [], 0
     for doc in docs:
         batch.append(doc)

@@ -510,7 +510,7 @@ def train_tokenizer_cli(corpus: str | list[str], vocab_size: int, out: str | Pat
         raise InputError(f"max_chars={max_chars!r}; accepted: a positive integer or None")
     check_destination(out, TOKENIZER_KIND, overwrite=overwrite)
     source = resolve_corpus(corpus, text_field=text_field, val_percent=val_percent)
-    tok = train_bpe(_capped(source.documents("train"), max_chars), vocab_size,
+    tok = train_bpe(_capped(source.texts("train"), max_chars), vocab_size,
                     min_frequency=min_frequency, show_progress=progress)
     with atomic_folder(out, TOKENIZER_KIND, overwrite=overwrite, action="save the tokenizer") as tmp:
         tok.save(tmp)

@@ -172,7 +172,7 @@ def _tokenizer(data, corpus, d: Dist, run_dir: Path | None, hf_path: str):
     elif data.tokenizer == "bpe":
         where = cache_root(data.cache_dir) / "tokenizers" / f"bpe-{data.bpe_vocab_size}-{corpus.fingerprint[:16]}"
         if d.main and not (where / "tokenizer.json").is_file():
-            tok = train_bpe(corpus.documents("train"), data.bpe_vocab_size, show_progress=True)
+            tok = train_bpe(corpus.texts("train"), data.bpe_vocab_size, show_progress=True)
             with atomic_folder(where, TOKENIZER_KIND, overwrite=True, action="cache the trained BPE tokenizer") as tmp:
                 tok.save(tmp)
         barrier(d)
