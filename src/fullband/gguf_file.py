@@ -72,7 +72,8 @@ def parsed_once() -> Iterator[None]:
     transformers' config, tokenizer and weight readers each build a `gguf.GGUFReader` (every metadata field, the
     whole vocabulary included: seconds each), and transformers' weight reader builds gguf's tensor-name map once per
     module (hundreds of times, the same map): the readers and the maps are shared within the block (the last file's
-    reader with the next block too), and the `gguf` module is as it was after it. Readers opened for writing ('r+') are never shared. Nothing to do without gguf."""
+    reader with the next block too), and the `gguf` module is as it was after it. Readers opened for writing ('r+')
+    are never shared. Nothing to do without gguf."""
     try:
         import gguf
     except ImportError:
@@ -87,7 +88,8 @@ def parsed_once() -> Iterator[None]:
                 return real_reader(path, mode)
             key = file_version(path)
             if key not in readers:
-                readers[key] = _LAST_READER.get(key) or real_reader(path, mode)
+                kept = _LAST_READER.get(key)
+                readers[key] = kept if kept is not None else real_reader(path, mode)
                 _LAST_READER.clear()
                 _LAST_READER[key] = readers[key]
             return readers[key]

@@ -207,7 +207,7 @@ class _Encoder:
                 self.template = chat_template(self.tokenizer)
             except DataError as err:
                 raise DataError(f"corpus {self.corpus.describe()} holds conversations (JSON-lines rows with "
-                                f"'messages'), which are read as the model's chat template renders them: {err}") from None
+                                f"'messages'), read as the model's chat template renders them: {err}") from None
         return self.template
 
 
