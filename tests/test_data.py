@@ -280,6 +280,15 @@ def test_hf_local_datasets(tmp_path, monkeypatch):
     datasets.Dataset.from_list(rows[:50]).save_to_disk(str(tmp_path / "saved"))
     saved = resolve_corpus(f"hf:{tmp_path / 'saved'}", val_percent=5)
     assert len(list(saved.documents("train"))) + len(list(saved.documents("val"))) == 50
+    # a 'messages' column (and no text column): conversations, as a JSON-lines file's rows are
+    from fullband.data.chat.messages import Message
+    from fullband.data.corpus import Conversation
+
+    talks = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+             for i in range(20)]
+    datasets.Dataset.from_list(talks).save_to_disk(str(tmp_path / "talks"))
+    docs = list(resolve_corpus(f"hf:{tmp_path / 'talks'}", val_percent=0).documents("train"))
+    assert docs[3] == Conversation((Message("user", "q3"), Message("assistant", "a3"))) and len(docs) == 20
 
 
 @pytest.mark.parametrize(

@@ -170,15 +170,17 @@ class JsonlFiles:
 
 @dataclass(frozen=True, eq=False)
 class HFRows:
-    """A Hugging Face `datasets.Dataset`; each row's `text_field` is a document; split by row index."""
+    """A Hugging Face `datasets.Dataset`; each row's `text_field` is a document (with `conversations`, its
+    `messages` column: a Conversation); split by row index."""
 
     source: str
     dataset: Any = field(repr=False)
     text_field: str
     ident: dict = field(repr=False)
     batch_rows: int = 1000
+    conversations: bool = False
 
-    def documents(self, split: str, val_percent: float) -> Iterator[str]:
+    def documents(self, split: str, val_percent: float) -> Iterator[Document]:
         want_val = split == "val"
         column = self.dataset.select_columns([self.text_field])
         for start in range(0, len(column), self.batch_rows):
@@ -186,6 +188,12 @@ class HFRows:
             texts = column[start : start + self.batch_rows][self.text_field]
             for i, text in enumerate(texts, start=start):
                 if in_val(str(i), val_percent) != want_val:
+                    continue
+                if self.conversations:
+                    from fullband.data.chat.messages import check_messages
+
+                    yield Conversation(tuple(check_messages({"messages": text}, f"{self.source}: row {i}",
+                                                            reply=False)))
                     continue
                 if not isinstance(text, str):
                     raise DataError(f"{self.source}: row {i} field {self.text_field!r} is {type(text).__name__}; "
@@ -369,13 +377,18 @@ def _hf_part(spec: str, text_field: str, data_files: Any, hf_split: str, cache_d
     except (FileNotFoundError, ValueError, KeyError, ConnectionError) as err:
         raise DataError(f"corpus {spec!r} (split {hf_split!r}, data_files={data_files!r}) could not be loaded: "
                         f"{err}") from None
-    if text_field not in ds.column_names:
-        raise DataError(f"corpus {spec!r} has no column {text_field!r}; its columns: {ds.column_names}; set text_field")
+    conversations = text_field not in ds.column_names and "messages" in ds.column_names
+    if conversations:
+        text_field = "messages"
+    elif text_field not in ds.column_names:
+        raise DataError(f"corpus {spec!r} has no column {text_field!r}; its columns: {ds.column_names}; set "
+                        "text_field (or a 'messages' column: conversations)")
     if len(ds) == 0:
         raise DataError(f"corpus {spec!r} is empty: split {hf_split!r} has 0 rows")
     ident = {"kind": "hf", "path": path, "config": config, "split": hf_split, "text_field": text_field, "rows": len(ds),
              "data_files": _data_file_identity(data_files), "dataset_fingerprint": getattr(ds, "_fingerprint", None)}
-    return HFRows(source=spec[len(HF_PREFIX):], dataset=ds, text_field=text_field, ident=ident)
+    return HFRows(source=spec[len(HF_PREFIX):], dataset=ds, text_field=text_field, ident=ident,
+                  conversations=conversations)
 
 
 def _data_file_identity(data_files: Any) -> Any:
