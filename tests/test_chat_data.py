@@ -163,7 +163,7 @@ def test_generate_replies_to_writes_the_model_s_own_replies_as_a_corpus_to_train
 
     from fullband import FullbandLM, ModelConfig
     from fullband.cli import main
-    from fullband.data.chat.replies import reply_prompts
+    from fullband.decode.replies import reply_prompts
     from fullband.data.chat.templates import chat_prompt
     from fullband.data.corpus import Conversation, resolve_corpus
     from fullband.data.tokenizer import ByteTokenizer

@@ -61,8 +61,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _replies(args: argparse.Namespace) -> int:
-    """--replies-to CHATS --out FILE: the model's reply to each prompt, written whole (fullband.data.chat.replies)."""
-    from fullband.data.chat.replies import write_replies
+    """--replies-to CHATS --out FILE: the model's reply to each prompt, written whole (fullband.decode.replies)."""
+    from fullband.decode.replies import write_replies
     from fullband.decode.sampling import Sampling
 
     if args.out is None:

@@ -29,7 +29,7 @@ def chat_conversations(spec: str | Sequence[str], split: str, val_percent: float
     of its messages, so a conversation repeated anywhere in the data is always on the same side."""
     specs = [spec] if isinstance(spec, str) else list(spec)
     for one in specs:
-        for where, obj in _chat_objects(str(one)):
+        for where, obj in chat_objects(str(one)):
             messages = check_messages(obj, where)
             if in_split(messages, split, val_percent):
                 yield messages
@@ -72,7 +72,7 @@ def chat_prompts(spec: str, split: str | None, val_percent: float) -> Iterator[t
     """(prompt, reference answer) of each object of a chat corpus (check_prompt), on the `split` side ('train' /
     'val', by the hash chat_conversations splits with: a conversation trained on is never a held-out prompt), or
     every one (`split` None)."""
-    for where, obj in _chat_objects(spec):
+    for where, obj in chat_objects(spec):
         prompt, answer, whole = check_prompt(obj, where)
         if split is None or in_split(whole, split, val_percent):
             yield prompt, answer
@@ -103,7 +103,9 @@ def _synthetic_options(spec: str, rest: str) -> tuple[int, dict]:
     return n, options
 
 
-def _chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
+def chat_objects(spec: str) -> Iterator[tuple[str, Any]]:
+    """(where, object) of each conversation of a chat corpus spec (CHAT_ACCEPTED), unchecked: `where` names it in
+    errors (a file and line, a dataset row, a synthetic conversation's number)."""
     import glob
     import os
 

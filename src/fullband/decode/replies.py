@@ -14,12 +14,13 @@ from fullband.files import check_writable, replace_file
 
 
 def reply_prompts(spec: str) -> list[list[Message]]:
-    """The prompts of a chat corpus (chat_objects' spec): each conversation up to its last user turn (a reply after
-    it is left out, to be answered again). DataError naming the conversation when it has no user turn."""
-    from fullband.data.chat.sources import _chat_objects
+    """The prompts of a chat corpus `spec` (as chat_conversations reads it): each conversation up to its last user
+    turn (a reply after it is left out, to be answered again). DataError naming the conversation when it has no user
+    turn."""
+    from fullband.data.chat.sources import chat_objects
 
     out = []
-    for where, obj in _chat_objects(spec):
+    for where, obj in chat_objects(spec):
         messages = check_messages(obj, where, reply=False)
         users = [i for i, m in enumerate(messages) if m.role == "user"]
         if not users:
