@@ -18,7 +18,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from fullband.data.tokenizer import TextStream
-    from fullband.decode.generate import stream
+    from fullband.decode.generate import model_stops, stream
     from fullband.decode.sampling import Sampling
 
     if (args.prompt is None) == (args.replies_to is None):
@@ -38,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mode = _model_mode(asked, model.config)
     # with a BOS where the model's tokenizer adds one (its add_bos), its special tokens read as its tokenizer reads them
     prompt = tokenizer.encode(prompt_text, special=not args.special_as_text)
-    stops = [] if args.ignore_eos else [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
+    stops = [] if args.ignore_eos else model_stops(model, tokenizer)
     t0 = time.perf_counter()
     steps = stream(model, [prompt], args.max_new_tokens, mode=mode, sampling=sampling, stop_tokens=stops,
                    compile=args.compile)

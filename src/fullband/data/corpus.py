@@ -165,7 +165,8 @@ class JsonlFiles:
         return {"kind": "jsonl", "text_field": self.text_field, "files": [[k, *s] for k, s in zip(self.keys, self.stats)]}
 
     def summary(self, val_percent: float) -> str:
-        return f"jsonl {self.source}: {len(self.files)} files (field {self.text_field!r}, split by line)"
+        return (f"jsonl {self.source}: {len(self.files)} files (field {self.text_field!r} or a 'messages' "
+                "conversation a line, split by line)")
 
 
 @dataclass(frozen=True, eq=False)

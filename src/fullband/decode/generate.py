@@ -206,6 +206,12 @@ class DecodeRequest:
                    forced, fed)
 
 
+def model_stops(model: FeedbackModel, tokenizer) -> list[int]:
+    """The tokenizer's stop ids that are ids of `model` (one past its vocabulary is never sampled, and stop_tokens
+    refuses it)."""
+    return [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
+
+
 def generate(model: FeedbackModel, prompts, max_new_tokens: int, **options) -> list[list[int]]:
     """Generated token ids of each prompt (a stop token, when hit, is the last id). Options as for `stream`."""
     return collect(stream(model, prompts, max_new_tokens, **options))

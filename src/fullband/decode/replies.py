@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fullband.data.chat.messages import Message, check_messages
+from fullband.data.chat.messages import Message, check_messages, up_to_last_user
 from fullband.errors import DataError, InputError
 from fullband.files import check_writable, replace_file
 
@@ -21,11 +21,7 @@ def reply_prompts(spec: str) -> list[list[Message]]:
 
     out = []
     for where, obj in chat_objects(spec):
-        messages = check_messages(obj, where, reply=False)
-        users = [i for i, m in enumerate(messages) if m.role == "user"]
-        if not users:
-            raise DataError(f"{where}: no user turn to reply to")
-        out.append(messages[: users[-1] + 1])
+        out.append(up_to_last_user(check_messages(obj, where, reply=False), where, to="reply to"))
     if not out:
         raise DataError(f"chat corpus {spec!r} holds no conversation to reply to")
     return out
@@ -43,7 +39,7 @@ def write_replies(model, tokenizer, spec: str, out: str | Path, *, mode, max_new
     from tqdm.auto import tqdm
 
     from fullband.data.chat.templates import chat_prompt, chat_template
-    from fullband.decode.generate import generate
+    from fullband.decode.generate import generate, model_stops
     from fullband.decode.sampling import Sampling
 
     out = Path(out)
@@ -54,7 +50,7 @@ def write_replies(model, tokenizer, spec: str, out: str | Path, *, mode, max_new
     check_writable(out.parent, "the folder of --out")
     prompts = reply_prompts(spec)
     template = chat_template(tokenizer)
-    stops = [i for i in tokenizer.stop_ids if i < model.config.vocab_size]
+    stops = model_stops(model, tokenizer)
     rows, n_stopped, n_tokens, empty = [], 0, 0, 0
     with tqdm(total=len(prompts), desc="replies", unit="conv", disable=not progress, dynamic_ncols=True) as bar:
         for b, start in enumerate(range(0, len(prompts), batch_size)):

@@ -41,6 +41,15 @@ def check_messages(obj: Any, where: str, *, reply: bool = True) -> list[Message]
     return out
 
 
+def up_to_last_user(messages: list[Message], where: str, *, to: str = "answer") -> list[Message]:
+    """The conversation up to and including its last user turn (a reply after it is left out: what is asked is
+    answered again). DataError naming `where` when there is no user turn `to` answer."""
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
+    if not users:
+        raise DataError(f"{where}: no user turn to {to}")
+    return messages[: users[-1] + 1]
+
+
 def read_chat_jsonl(path: str | Path) -> Iterator[list[Message]]:
     """Each conversation of a JSONL file (blank lines skipped, a UTF-8 byte-order mark allowed)."""
     for where, obj in jsonl_values(path, "chat data", error=DataError):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fullband.data.chat.arithmetic import STYLES, arithmetic_chats, final_answer
-from fullband.data.chat.messages import Message, check_messages
+from fullband.data.chat.messages import Message, check_messages, up_to_last_user
 from fullband.errors import DataError
 from fullband.data.corpus import in_val, regular_files
 from fullband.files import jsonl_values, regular_file
@@ -51,10 +51,7 @@ def check_prompt(obj: Any, where: str) -> tuple[list[Message], str, list[Message
         answer = obj["answer"]
         if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
             raise DataError(f"{where}: 'answer' must be a non-empty string or a number, got {answer!r}")
-        users = [i for i, m in enumerate(messages) if m.role == "user"]
-        if not users:
-            raise DataError(f"{where}: no user turn to answer")
-        return messages[: users[-1] + 1], str(answer).strip(), messages
+        return up_to_last_user(messages, where), str(answer).strip(), messages
     replies = [j for j, m in enumerate(messages) if m.role == "assistant"]
     if not replies:
         raise DataError(f"{where}: no 'answer' key, and no assistant turn whose final 'Answer: ...' could be the "
