@@ -123,10 +123,11 @@ def test_scale_and_budget_are_checked(tmp_path, capsys):
             reproduce("compare", root=tmp_path / "root", docs=tmp_path / "docs", scale=scale)
         assert not (tmp_path / "root").exists() and not (tmp_path / "docs").exists()
     assert main(["reproduce", "tracking", "--scale", "micro"]) == 2
-    assert ("--scale applies to `fullband reproduce compare / warmstart / warmstart-long / robustness` only"
-            in capsys.readouterr().err)
+    assert ("--scale applies to `fullband reproduce compare / warmstart / warmstart-long / warmstart-keep / "
+            "robustness` only" in capsys.readouterr().err)
     assert main(["reproduce", "tracking", "--budget", "5"]) == 2
-    assert "--budget applies to `fullband reproduce compare / warmstart-long` only" in capsys.readouterr().err
+    assert ("--budget applies to `fullband reproduce compare / warmstart-long / warmstart-keep` only"
+            in capsys.readouterr().err)
     assert main(["reproduce", "compare", "--budget", "-1", "--root", str(tmp_path)]) == 2
     assert "--budget -1.0: accepted: minutes >= 0" in capsys.readouterr().err
 

@@ -375,3 +375,41 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
     for bad in (0, float("inf"), float("nan")):
         with pytest.raises(InputError, match=f"--budget {bad}: accepted: a finite number of minutes > 0"):
             reproduce("warmstart-long", budget=bad, **args)
+
+
+def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_llama, tmp_path):
+    """The keep recipe: the pretrained model's replies to the replay's prompts written once (conversations, none of
+    the report's questions), mixed in at 20% of the windows with the anchor; the curve read on the training corpus's
+    own held-out windows; a rerun reuses the replay and extends the run (the rest of the report is warmstart-long's,
+    tested above)."""
+    import json
+
+    from fullband.data.chat.arithmetic import arithmetic_chats
+    from fullband.reproduce import reproduce
+    from fullband.reproduce import warmstart_keep as keep
+
+    extra = ["data.val_percent=20", f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
+    args = dict(root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1,
+                model=str(tiny_llama / "llama"), extra=extra, corpus=str(tiny_llama / "prose"))
+    reproduce("warmstart-keep", budget=1e-9, **args)  # a step an invocation
+    root = tmp_path / "runs" / "warmstart-keep-micro"
+    stamp = (root / "replay.jsonl").stat().st_mtime_ns
+    text = reproduce("warmstart-keep", budget=1e-9, **args).read_text()
+    assert (root / "replay.jsonl").stat().st_mtime_ns == stamp  # reused, not sampled again
+    rows = [json.loads(line) for line in (root / "replay.jsonl").read_text().splitlines()]
+    asked = [r["messages"][0]["content"] for r in rows]
+    assert len(rows) >= 3 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    held = {c["messages"][0]["content"] for c in arithmetic_chats(256, seed=12345, follow_up=0.0, styles=("partial",))}
+    assert not held & set(asked) and any("Python" in q for q in asked)
+    saved = json.loads((root / keep.NAME / "run.json").read_text())
+    assert saved["data"]["corpus"] == [str(tiny_llama / "prose"), str(root / "replay.jsonl")]
+    assert saved["data"]["shares"] == [0.8, 0.2] and saved["train"]["anchor"] == 1.0
+    assert "The shipped warm-start recipe with a replay" in text and "**Trained so far: step 2 of 8" in text
+    prose = tiny_llama / "prose"
+    assert f"held-out windows of `{prose}`" in text and f"Held-out windows of `{prose}` read as" in text
+    metrics = [json.loads(line) for line in (root / keep.NAME / "metrics.jsonl").read_text().splitlines()]
+    by = [m["eval_by_corpus"][str(tiny_llama / "prose")] for m in metrics if "eval" in m]
+    assert "| 2 | 128 | " in text and f"{by[-1]['1']:.4f}" in text  # the curve: the training corpus's windows
+    assert "## The latest checkpoint by mode (128 tokens)" in text and "## Chat kept?" in text
+    with pytest.raises(InputError, match="corpus"):
+        reproduce("warmstart-keep", budget=1, **{**args, "corpus": 'a"b'})

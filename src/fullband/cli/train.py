@@ -103,22 +103,25 @@ TOKENIZER = Command("tokenizer", "tokenizers", (
 ), sub=("tokenizer", "CMD"))
 
 
+LONG = ("warmstart-long", "warmstart-keep")  # trained invocation by invocation, each at most --budget minutes
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from fullband.reproduce import reproduce
 
     options = {}
-    scaled = ("compare", "warmstart", "warmstart-long", "robustness")  # the experiments that take --scale
+    scaled = ("compare", "warmstart", *LONG, "robustness")  # the experiments that take --scale
     if args.scale is not None and args.experiment not in scaled:
         raise InputError(f"--scale applies to `fullband reproduce {' / '.join(scaled)}` only, not to "
                          f"{args.experiment!r}; accepted: drop it, or run one of those")
-    budgeted, modelled = ("compare", "warmstart-long"), ("warmstart", "warmstart-long")
+    budgeted, modelled = ("compare", *LONG), ("warmstart", *LONG)
     if args.budget is not None and args.experiment not in budgeted:
         raise InputError(f"--budget applies to `fullband reproduce {' / '.join(budgeted)}` only, not to "
                          f"{args.experiment!r}; accepted: drop it, or run one of those")
     if args.model is not None and args.experiment not in modelled:
         raise InputError(f"--model applies to `fullband reproduce {' / '.join(modelled)}` only, not to "
                          f"{args.experiment!r}; accepted: drop it, or run one of those")
-    if args.budget is not None and args.experiment == "warmstart-long":
+    if args.budget is not None and args.experiment in LONG:
         options["budget"] = args.budget
     if args.scale is not None:
         options["scale"] = args.scale
@@ -152,14 +155,15 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
     opt("--docs", default="docs/results", help="where the report and figures go"),
     opt("--scale", default=None, help="compare: cpu (default, ~6 h on 2 cores), gpu-small (the same study, larger, "
         "on a GPU) or micro (a smoke test of the pipeline); warmstart: cpu (default, about 1 h 45 min on 2 cores), "
-        "gpu or micro; warmstart-long: cpu (default) or micro; robustness: cpu (default, the whole study) or race (the "
-        "race's grid alone on this machine, kept beside other machines' grids: about 45 min for --seeds 10)"),
-    opt("--model", default=None, metavar="PATH", help="warmstart and warmstart-long: the pretrained Llama to add "
-        "latent feedback to (a .gguf file or a transformers folder; default shipped:smollm2)"),
+        "gpu or micro; warmstart-long and warmstart-keep: cpu (default) or micro; robustness: cpu (default, the "
+        "whole study) or race (the race's grid alone on this machine, kept beside other machines' grids: about 45 "
+        "min for --seeds 10)"),
+    opt("--model", default=None, metavar="PATH", help="warmstart, warmstart-long and warmstart-keep: the pretrained "
+        "Llama to add latent feedback to (a .gguf file or a transformers folder; default shipped:smollm2)"),
     opt("--budget", type=float, default=None, metavar="MIN", help="compare: start no new run after MIN minutes, "
-        "then report the finished runs and list the rest (a rerun goes on); warmstart-long: train at most MIN "
-        "minutes in this invocation (default 90), then report the curve so far and the latest checkpoint cooled "
-        "over 100 more steps (about 10 min more on 2 cores; a rerun extends the curve)"),
+        "then report the finished runs and list the rest (a rerun goes on); warmstart-long and warmstart-keep: "
+        "train at most MIN minutes in this invocation (default 90), then report the curve so far and the latest "
+        "checkpoint cooled over 100 more steps (about 10 min more on 2 cores; a rerun extends the curve)"),
     opt("--threads", type=THREADS, nargs="+", default=None, metavar="T", help="robustness: the torch thread counts "
         "of the race's grid (default 1 2 4 8 for the whole study, 1 2 for --scale race; the goal counts 1 and 2; "
         "finished runs are reused, so a rerun with more counts adds columns)"),

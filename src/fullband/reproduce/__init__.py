@@ -15,7 +15,7 @@ from pathlib import Path
 from fullband.errors import InputError, closest
 from fullband.files import check_no_loop, make_folder, replace_file
 from fullband.reproduce import (compare, data_efficiency, fusion_ablation, probe, rl, robustness, schedule, sft,
-                                stability, tracking, warmstart, warmstart_long)
+                                stability, tracking, warmstart, warmstart_keep, warmstart_long)
 from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware, train_run
 from fullband.reproduce.seeds import FINDINGS_FILE, SEEDS_FILE, Findings, across, across_lines
 from fullband.validate import integer
@@ -26,7 +26,7 @@ __all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
                                    for m in (stability, probe, data_efficiency, fusion_ablation, sft, tracking, rl, compare,
-                                           warmstart, warmstart_long, schedule, robustness)}
+                                           warmstart, warmstart_long, warmstart_keep, schedule, robustness)}
 EXPERIMENTS = tuple(REGISTRY)
 
 

@@ -241,12 +241,15 @@ def config_line(run: Run, *extra: str) -> str:
     return f"`fullband train {run.config or BASE}{' ' + sets if sets else ''}`"
 
 
-def val_batches(checkpoint: Path, windows: int = 128, seq_len: int = 256, batch: int = 16):
+def val_batches(checkpoint: Path, windows: int = 128, seq_len: int = 256, batch: int = 16, *,
+                corpus: str | None = None):
+    """The first `windows` held-out windows of the checkpoint's run (its corpus's validation split; `corpus`: that
+    corpus's split alone, e.g. one entry of a data.shares mix), in batches."""
     from fullband.folder import read_config
     from fullband.data.tokenizer import load_tokenizer
     from fullband.eval.commands import held_out_stream, window_batches
 
     seq_len = min(seq_len, read_config(checkpoint).max_seq_len)
-    stream = held_out_stream(checkpoint, load_tokenizer(checkpoint), corpus=None, val_percent=None)
+    stream = held_out_stream(checkpoint, load_tokenizer(checkpoint), corpus=corpus, val_percent=None)
     return list(window_batches(stream, seq_len, windows, batch))
 

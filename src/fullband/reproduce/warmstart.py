@@ -141,13 +141,15 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     return _write(runs, trained, evaluated, sc, scale, model, figs)
 
 
-def _curve(run_dir: Path) -> list[dict]:
+def _curve(run_dir: Path, corpus: str | None = None) -> list[dict]:
+    """The run's evaluations: {"step", "tokens", "flops", "eval": held-out loss by pass count}, read on every held-out
+    window, or (`corpus`, an entry of data.shares) on that corpus's windows alone."""
     from fullband.rl.run import metric_rows
 
     rows = metric_rows(run_dir / "metrics.jsonl")
     flops = {r["step"]: r["flops"] for r in rows if "flops" in r}
-    return [{"step": r["step"], "tokens": r["tokens"], "flops": flops.get(r["step"], 0.0), "eval": r["eval"]}
-            for r in rows if "eval" in r]
+    return [{"step": r["step"], "tokens": r["tokens"], "flops": flops.get(r["step"], 0.0),
+             "eval": r["eval"] if corpus is None else r["eval_by_corpus"][corpus]} for r in rows if "eval" in r]
 
 
 def _step_seconds(run_dir: Path) -> float:

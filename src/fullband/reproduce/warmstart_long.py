@@ -52,23 +52,32 @@ def _overrides(sc, model: str, budget: float) -> list[str]:
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu", model: str = "",
            budget: float = 90.0) -> list[str]:
     from fullband.gguf_file import SHIPPED
-    from fullband.train.checkpoint import read_trainer_state
 
     check(scale=scale, model=model, budget=budget)
     sc = SCALES[scale]
     model = model or SHIPPED
-    run = runs[0]
-    extra = _overrides(sc, model, budget)
+    return trained_long(runs[0], root, figs, settings, sc, model, budget, _overrides(sc, model, budget),
+                        COOLDOWN[scale], "The shipped warm-start recipe")
+
+
+def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model: str, budget: float,
+                 extra: list[str], cooldown: int, recipe: str, *, curve_corpus: str | None = None) -> list[str]:
+    """Train `run` (with `extra` after its overrides) for at most `budget` minutes more, cool its latest checkpoint
+    over `cooldown` more steps, read both and the pretrained model, and return the report's lines; `recipe` names it
+    in the report's first sentence, `curve_corpus` the entry of a data.shares mix whose held-out windows the curve
+    and the reads by mode read (None: the run's whole held-out split)."""
+    from fullband.train.checkpoint import read_trainer_state
+
     ckpt, _ = train_run(root, run, settings, extra, eval_every=sc.eval_every)
     state = read_trainer_state(ckpt)
-    curve = warmstart._curve(root / run.name)
+    curve = warmstart._curve(root / run.name, curve_corpus)
     reads = [("pretrained", warmstart._base(root, model)), (run.name, ckpt)]
-    cool = _cooled(root, run, ckpt, COOLDOWN[scale])
+    cool = _cooled(root, run, ckpt, cooldown)
     if cool["run"] is not None:
         cooled_ckpt, _ = train_run(root, cool["run"], settings, [*extra, *cool["sets"]])
         reads.append((COOLED, cooled_ckpt))
         cool["state"] = read_trainer_state(cooled_ckpt)
-    held = val_batches(ckpt, sc.final_windows, sc.seq_len)
+    held = val_batches(ckpt, sc.final_windows, sc.seq_len, corpus=curve_corpus)
     evaluated = {name: kept(figs / "eval" / f"{name}.json", {"checkpoint": str(c)}, c,
                             lambda: warmstart._evaluated(c, held, sc)) for name, c in reads}
     for name, c in reads[1:]:
@@ -78,7 +87,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
                 settings.findings.diff(f"{run.name}{' cooled' if name == COOLED else ''} at {tokens:,} tokens: "
                                        f"{row['mode']} minus STANDARD (nats/token)", row["minus_first"],
                                        row["minus_first_stderr"])
-    return _write(run, extra, state, curve, evaluated, sc, figs, budget, cool)
+    return _write(run, extra, state, curve, evaluated, sc, figs, budget, cool, recipe, curve_corpus)
 
 
 COOLED = "cooled"  # the cooled branch's name in the report and its kept evaluation
@@ -156,11 +165,11 @@ def _branch_from(ckpt: Path, run_dir: Path, settings: dict) -> None:
 
 
 def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated: dict, sc, figs: Path,
-           budget: float, cool: dict) -> list[str]:
+           budget: float, cool: dict, recipe: str, curve_corpus: str | None) -> list[str]:
     step, tokens = state["step"], state["tokens"]
     finished = step >= sc.steps
     match = warmstart.MATCH_WEIGHT
-    lines = ["The shipped warm-start recipe (every weight trained, the feedback weights at 30x the trunk's learning "
+    lines = [f"{recipe} (every weight trained, the feedback weights at 30x the trunk's learning "
              f"rate, two passes every step, the blend curriculum over the first {BLEND_STEPS} steps, the block match "
              f"at {match:g} falling linearly to 0 at step {sc.steps:,}) trained long "
              "with a constant learning rate after warm-up, to measure how many tokens the fed reads take to come "
@@ -175,8 +184,8 @@ def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated
              "curve's points are the run without it."
              + (f" No cooled read in this invocation: {cool['why']}." if cool["run"] is None else ""),
              "One run, one seed: the curve is measured, not extrapolated, and its spread across seeds is not.", ""]
-    lines += _curve_lines(curve, figs)
-    lines += _read_lines(run, evaluated, tokens, cool)
+    lines += _curve_lines(curve, figs, curve_corpus)
+    lines += _read_lines(run, evaluated, tokens, cool, curve_corpus)
     lines += [*warmstart._chat_lines(evaluated, [run] + ([Run(COOLED)] if cool["run"] else [])),
               "Commands (each run also gets `--set log.run_dir=...`; the long run `--set log.eval_every="
               f"{sc.eval_every}`; `--resume` on a run directory goes on). The long run:", "",
@@ -193,13 +202,14 @@ def _gap(point: dict, passes: str) -> float | None:
     return ev[passes] - ev["1"] if passes in ev and "1" in ev else None
 
 
-def _curve_lines(curve: list[dict], figs: Path) -> list[str]:
+def _curve_lines(curve: list[dict], figs: Path, corpus: str | None = None) -> list[str]:
     from fullband.files import plt
     from fullband.reproduce.runner import saved_figure
 
+    which = f"the run's own held-out windows of `{corpus}`" if corpus else "the run's own held-out windows"
     lines = ["## The gap against tokens and FLOPs", "",
-             "At every evaluation, on the run's own held-out windows: STANDARD (1 pass), and the fed reads minus it "
-             "(2 passes: FUSED k=1; 3 passes: FUSED k=2).", ""]
+             f"At every evaluation, on {which}: STANDARD (1 pass), and the fed reads minus it (2 passes: FUSED k=1; "
+             "3 passes: FUSED k=2).", ""]
     if not curve:
         return lines + ["No evaluation logged yet.", ""]
     fig, axes = plt().subplots(1, 2, figsize=(11, 3.8), sharey=True)
@@ -231,11 +241,12 @@ def _curve_lines(curve: list[dict], figs: Path) -> list[str]:
     return lines
 
 
-def _read_lines(run: Run, evaluated: dict, tokens: int, cool: dict) -> list[str]:
+def _read_lines(run: Run, evaluated: dict, tokens: int, cool: dict, corpus: str | None = None) -> list[str]:
     cooled_tokens = cool["state"]["tokens"] if cool["run"] is not None else None
+    windows = f"Held-out windows of `{corpus}`" if corpus else "Held-out windows"
     lines = [f"## The latest checkpoint by mode ({tokens:,} tokens)"
              + (f", and cooled ({cooled_tokens:,} tokens)" if cooled_tokens else ""), "",
-             "Held-out windows read as `fullband reproduce warmstart` reads its models; each fed read minus STANDARD "
+             f"{windows} read as `fullband reproduce warmstart` reads its models; each fed read minus STANDARD "
              "paired by window (mean ± standard error).", "",
              "| model | tokens | STANDARD | FUSED k=1 - STD | FUSED k=2 - STD | SOFT-like (exact) - STD |",
              "|---|---|---|---|---|---|"]

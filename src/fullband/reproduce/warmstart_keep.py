@@ -1,0 +1,135 @@
+"""`fullband reproduce warmstart-keep`: the long warm start with a replay, to keep what the pretrained model does in
+chat while its fed reads learn. The pretrained model's own replies to a set of chat prompts (`fullband generate
+--replies-to`, sampled at temperature 1: arithmetic word problems none of the report's questions, and questions about
+the standard library's functions) are a corpus of conversations mixed into the training corpus at a share of the
+windows (`data.shares`), with the anchor (`train.anchor`: every pass drawn towards the pretrained model's STANDARD read)
+held over the run. Otherwise the shipped recipe trained long, invocation by invocation, and reported as `fullband
+reproduce warmstart-long` reports it (its curve and reads on the training corpus's held-out windows, comparable with
+that run's)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from fullband.errors import InputError
+from fullband.reproduce import warmstart, warmstart_long as long
+from fullband.reproduce.runner import Experiment, Run, Settings
+
+NAME = "keep-replay"
+SHARE = 0.2  # of the training windows, the replayed conversations'
+ANCHOR = 1.0  # train.anchor, held over the run (anchor_until far past its end: the weight barely falls)
+ANCHOR_UNTIL = 100.0
+PROMPTS_FILE, REPLAY_FILE = "replay-prompts.jsonl", "replay.jsonl"
+PROMPT_SEED = 4242  # the replay's arithmetic questions; the report's are drawn with warmstart's seed, and dropped here
+FORMS = ("What does Python's `{}` do?", "Explain `{}` in Python with a short example.",
+         "When would I use `{}` in Python?")
+
+
+@dataclass(frozen=True)
+class Replay:
+    arithmetic: int  # word problems
+    python: int  # questions about the standard library's functions
+    new_tokens: int  # at most, a reply
+    batch: int = 20
+
+
+REPLAYS = {"micro": Replay(2, 2, 8, 4), "cpu": Replay(200, 100, 128)}
+
+
+def runs() -> list[Run]:
+    shipped = long.runs()[0]
+    return [Run(NAME, shipped.overrides, shipped.config)]
+
+
+def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, corpus: str = "stdlib") -> None:
+    long.check(scale=scale, model=model, budget=budget)
+    if not isinstance(corpus, str) or not corpus or '"' in corpus:
+        raise InputError(f"corpus {corpus!r}: accepted: a corpus spec (data.corpus) without double quotes")
+
+
+def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu", model: str = "",
+           budget: float = 90.0, corpus: str = "stdlib") -> list[str]:
+    """`corpus` (tests): the training corpus the replay is mixed into."""
+    from fullband.gguf_file import SHIPPED
+
+    check(scale=scale, model=model, budget=budget, corpus=corpus)
+    sc, model = long.SCALES[scale], model or SHIPPED
+    replay = replies(root, warmstart._base(root, model), REPLAYS[scale])
+    held = math.ceil(sc.eval_windows / (1 - SHARE))  # the training corpus keeps the long run's count of windows
+    extra = [*long._overrides(sc, model, budget), f'data.corpus=["{corpus}", "{replay}"]',
+             f"data.shares=[{1 - SHARE:g}, {SHARE:g}]", f"train.anchor={ANCHOR:g}",
+             f"train.anchor_until={ANCHOR_UNTIL:g}", f"log.eval_windows={held}"]
+    recipe = (f"The shipped warm-start recipe with a replay (the pretrained model's own replies to "
+              f"{REPLAYS[scale].arithmetic + REPLAYS[scale].python} chat prompts, `{REPLAY_FILE}` beside the run, "
+              f"at {SHARE:.0%} of the windows, `data.shares`; the anchor `train.anchor = {ANCHOR:g}` held over the "
+              "run)")
+    return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, long.COOLDOWN[scale], recipe,
+                             curve_corpus=corpus)
+
+
+def prompts(spec: Replay) -> list[dict]:
+    """The replay's prompts: `spec.arithmetic` word problems (none of the report's held-out questions) and
+    `spec.python` questions about the standard library's documented functions, in a fixed order."""
+    import random
+
+    from fullband.data.chat.arithmetic import arithmetic_chats
+
+    def asked(chats):
+        return [c["messages"][0]["content"] for c in chats]
+
+    held = set(asked(arithmetic_chats(256, seed=12345, follow_up=0.0, styles=("partial",))))
+    extra = spec.arithmetic + 64  # drawn beyond the count: the held-out ones are dropped
+    arith = [q for q in asked(arithmetic_chats(extra, seed=PROMPT_SEED, follow_up=0.0, styles=("partial",)))
+             if q not in held][: spec.arithmetic]
+    rng = random.Random(0)
+    names = _documented_functions()
+    rng.shuffle(names)
+    python = [rng.choice(FORMS).format(n) for n in names[: spec.python]]
+    return [{"messages": [{"role": "user", "content": q}]} for q in arith + python]
+
+
+def _documented_functions() -> list[str]:
+    """module.name of every public callable with a docstring in a few standard library modules, sorted."""
+    import importlib
+    import inspect
+
+    names = []
+    for module in ("os", "string", "textwrap", "json", "collections", "itertools", "functools", "re", "pathlib",
+                   "shutil", "math", "random"):
+        mod = importlib.import_module(module)
+        names += [f"{module}.{n}" for n, v in vars(mod).items()
+                  if not n.startswith("_") and callable(v) and inspect.getdoc(v)]
+    return sorted(names)
+
+
+def replies(root: Path, base: Path, spec: Replay) -> Path:
+    """root/replay.jsonl: the pretrained model `base`'s replies (STANDARD, temperature 1) to the replay's prompts,
+    written once (a rerun reuses it: the run's corpus must not change under it)."""
+    import json
+
+    from fullband.files import replace_file
+
+    out = root / REPLAY_FILE
+    if out.is_file():
+        return out
+    import torch
+
+    from fullband.data.tokenizer import load_tokenizer
+    from fullband.decode.replies import write_replies
+    from fullband.model.decoder import FullbandLM
+    from fullband.model.mode import DecodeMode
+
+    asked = root / PROMPTS_FILE
+    replace_file(asked, "".join(json.dumps(p) + "\n" for p in prompts(spec)))
+    model = FullbandLM.load(base).eval()
+    with torch.no_grad():
+        done = write_replies(model, load_tokenizer(base), str(asked), out, mode=DecodeMode("standard"),
+                             max_new_tokens=spec.new_tokens, temperature=1.0, seed=0, batch_size=spec.batch)
+    print(f"replay: {done['conversations']} conversations ({done['tokens']:,} tokens, {done['stopped']} ended at a "
+          f"stop token, {done['empty']} empty left out) -> {out}", flush=True)
+    return out
+
+
+EXPERIMENT = Experiment("warmstart-keep", runs, report, check, seeds=1)  # 90 min an invocation on 2 cores
