@@ -87,7 +87,8 @@ def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model
                 settings.findings.diff(f"{run.name}{' cooled' if name == COOLED else ''} at {tokens:,} tokens: "
                                        f"{row['mode']} minus STANDARD (nats/token)", row["minus_first"],
                                        row["minus_first_stderr"])
-    return _write(run, extra, state, curve, evaluated, sc, figs, budget, cool, recipe, curve_corpus)
+    return _write(run, extra, state, _curve_lines(curve, figs, curve_corpus), evaluated, sc, budget, cool, recipe,
+                  curve_corpus)
 
 
 COOLED = "cooled"  # the cooled branch's name in the report and its kept evaluation
@@ -164,8 +165,8 @@ def _branch_from(ckpt: Path, run_dir: Path, settings: dict) -> None:
                     shutil.copy2(entry, tmp / ckpt.name / entry.name)
 
 
-def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated: dict, sc, figs: Path,
-           budget: float, cool: dict, recipe: str, curve_corpus: str | None) -> list[str]:
+def _write(run: Run, extra: list[str], state: dict, curve_lines: list[str], evaluated: dict, sc, budget: float,
+           cool: dict, recipe: str, curve_corpus: str | None) -> list[str]:
     step, tokens = state["step"], state["tokens"]
     finished = step >= sc.steps
     match = warmstart.MATCH_WEIGHT
@@ -184,7 +185,7 @@ def _write(run: Run, extra: list[str], state: dict, curve: list[dict], evaluated
              "curve's points are the run without it."
              + (f" No cooled read in this invocation: {cool['why']}." if cool["run"] is None else ""),
              "One run, one seed: the curve is measured, not extrapolated, and its spread across seeds is not.", ""]
-    lines += _curve_lines(curve, figs, curve_corpus)
+    lines += curve_lines
     lines += _read_lines(run, evaluated, tokens, cool, curve_corpus)
     lines += [*warmstart._chat_lines(evaluated, [run] + ([Run(COOLED)] if cool["run"] else [])),
               "Commands (each run also gets `--set log.run_dir=...`; the long run `--set log.eval_every="
