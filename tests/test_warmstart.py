@@ -384,8 +384,7 @@ def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_ll
     tested above)."""
     import json
 
-    from fullband.data.chat.arithmetic import arithmetic_chats
-    from fullband.reproduce import reproduce
+    from fullband.reproduce import reproduce, warmstart
     from fullband.reproduce import warmstart_keep as keep
 
     extra = ["data.val_percent=20", f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
@@ -399,7 +398,7 @@ def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_ll
     rows = [json.loads(line) for line in (root / "replay.jsonl").read_text().splitlines()]
     asked = [r["messages"][0]["content"] for r in rows]
     assert len(rows) >= 3 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
-    held = {c["messages"][0]["content"] for c in arithmetic_chats(256, seed=12345, follow_up=0.0, styles=("partial",))}
+    held = {c["messages"][0]["content"] for c in warmstart.held_out_chats(256)}
     assert not held & set(asked) and any("Python" in q for q in asked)
     saved = json.loads((root / keep.NAME / "run.json").read_text())
     assert saved["data"]["corpus"] == [str(tiny_llama / "prose"), str(root / "replay.jsonl")]
@@ -412,4 +411,4 @@ def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_ll
     assert "| 2 | 128 | " in text and f"{by[-1]['1']:.4f}" in text  # the curve: the training corpus's windows
     assert "## The latest checkpoint by mode (128 tokens)" in text and "## Chat kept?" in text
     with pytest.raises(InputError, match="corpus"):
-        reproduce("warmstart-keep", budget=1, **{**args, "corpus": 'a"b'})
+        reproduce("warmstart-keep", budget=1, **{**args, "corpus": " "})

@@ -203,12 +203,18 @@ def _evaluated(ckpt: Path, held: list, sc: Scale) -> dict:
             "contraction": {"horizons": con.horizons, "growth": con.growth, "lipschitz": con.lipschitz}}
 
 
+def held_out_chats(n: int) -> list[dict]:
+    """The report's held-out chats: one-turn arithmetic word problems (a fixed draw; the first n of a longer draw)."""
+    from fullband.data.chat.arithmetic import arithmetic_chats
+
+    return arithmetic_chats(n, seed=12345, follow_up=0.0, styles=("partial",))
+
+
 def _chat(model, tok, sc: Scale) -> dict:
     """Assistant-token loss of held-out arithmetic conversations (one turn, rendered with the model's own template)
     read STANDARD, SOFT (prompt plain, the reply fed as generated) and FUSED k = 1, and a few greedy answers."""
     import torch
 
-    from fullband.data.chat.arithmetic import arithmetic_chats
     from fullband.data.chat.messages import as_message
     from fullband.data.chat.templates import IGNORE, chat_prompt, chat_template, encode_chat
     from fullband.decode.generate import generate
@@ -218,7 +224,7 @@ def _chat(model, tok, sc: Scale) -> dict:
 
     device = next(model.parameters()).device
     template = chat_template(tok)
-    chats = arithmetic_chats(sc.chats, seed=12345, follow_up=0.0, styles=("partial",))
+    chats = held_out_chats(sc.chats)
     modes = {"STANDARD": DecodeMode("standard"), "SOFT": DecodeMode("soft"), "FUSED k=1": DecodeMode("fused", 1)}
     losses: dict[str, list[float]] = {m: [] for m in modes}
     with torch.no_grad():

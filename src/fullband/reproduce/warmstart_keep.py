@@ -9,6 +9,7 @@ that run's)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +46,8 @@ def runs() -> list[Run]:
 
 def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, corpus: str = "stdlib") -> None:
     long.check(scale=scale, model=model, budget=budget)
-    if not isinstance(corpus, str) or not corpus or '"' in corpus:
-        raise InputError(f"corpus {corpus!r}: accepted: a corpus spec (data.corpus) without double quotes")
+    if not isinstance(corpus, str) or not corpus.strip():
+        raise InputError(f"corpus {corpus!r}: accepted: a corpus spec (data.corpus), a name or a path")
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu", model: str = "",
@@ -58,7 +59,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     sc, model = long.SCALES[scale], model or SHIPPED
     replay = replies(root, warmstart._base(root, model), REPLAYS[scale])
     held = math.ceil(sc.eval_windows / (1 - SHARE))  # the training corpus keeps the long run's count of windows
-    extra = [*long._overrides(sc, model, budget), f'data.corpus=["{corpus}", "{replay}"]',
+    extra = [*long._overrides(sc, model, budget), f"data.corpus={json.dumps([corpus, str(replay)])}",
              f"data.shares=[{1 - SHARE:g}, {SHARE:g}]", f"train.anchor={ANCHOR:g}",
              f"train.anchor_until={ANCHOR_UNTIL:g}", f"log.eval_windows={held}"]
     recipe = (f"The shipped warm-start recipe with a replay (the pretrained model's own replies to "
@@ -79,7 +80,7 @@ def prompts(spec: Replay) -> list[dict]:
     def asked(chats):
         return [c["messages"][0]["content"] for c in chats]
 
-    held = set(asked(arithmetic_chats(256, seed=12345, follow_up=0.0, styles=("partial",))))
+    held = set(asked(warmstart.held_out_chats(256)))
     extra = spec.arithmetic + 64  # drawn beyond the count: the held-out ones are dropped
     arith = [q for q in asked(arithmetic_chats(extra, seed=PROMPT_SEED, follow_up=0.0, styles=("partial",)))
              if q not in held][: spec.arithmetic]
@@ -107,8 +108,6 @@ def _documented_functions() -> list[str]:
 def replies(root: Path, base: Path, spec: Replay) -> Path:
     """root/replay.jsonl: the pretrained model `base`'s replies (STANDARD, temperature 1) to the replay's prompts,
     written once (a rerun reuses it: the run's corpus must not change under it)."""
-    import json
-
     from fullband.files import replace_file
 
     out = root / REPLAY_FILE
