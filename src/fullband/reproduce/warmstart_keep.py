@@ -62,10 +62,10 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     extra = [*long._overrides(sc, model, budget), f"data.corpus={json.dumps([corpus, str(replay)])}",
              f"data.shares=[{1 - SHARE:g}, {SHARE:g}]", f"train.anchor={ANCHOR:g}",
              f"train.anchor_until={ANCHOR_UNTIL:g}", f"log.eval_windows={held}"]
-    recipe = (f"The shipped warm-start recipe with a replay (the pretrained model's own replies to "
-              f"{REPLAYS[scale].arithmetic + REPLAYS[scale].python} chat prompts, `{REPLAY_FILE}` beside the run, "
-              f"at {SHARE:.0%} of the windows, `data.shares`; the anchor `train.anchor = {ANCHOR:g}` held over the "
-              "run)")
+    recipe = (f"The shipped warm-start recipe with a replay and the anchor: the pretrained model's own replies to "
+              f"{REPLAYS[scale].arithmetic + REPLAYS[scale].python} chat prompts (`{REPLAY_FILE}` beside the run) "
+              f"mixed in at {SHARE:.0%} of the windows (`data.shares`), `train.anchor = {ANCHOR:g}` held over the "
+              "run, the rest as shipped")
     return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, long.COOLDOWN[scale], recipe,
                              curve_corpus=corpus)
 

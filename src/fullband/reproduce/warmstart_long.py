@@ -235,8 +235,10 @@ def _curve_lines(curve: list[dict], figs: Path, corpus: str | None = None) -> li
                      + " | ".join("" if g is None else f"{g:+.3f}" for g in gaps) + " |")
     reached = next((p for p in curve if (g := _gap(p, "2")) is not None and g <= GOAL), None)
     first, last = curve[0], curve[-1]
-    lines += ["", f"- FUSED k=1 - STANDARD went from {_gap(first, '2'):+.3f} at {first['tokens']:,} tokens to "
-              f"{_gap(last, '2'):+.3f} at {last['tokens']:,}; "
+    went = (f"was {_gap(last, '2'):+.3f} at {last['tokens']:,} tokens" if first is last else
+            f"went from {_gap(first, '2'):+.3f} at {first['tokens']:,} tokens to {_gap(last, '2'):+.3f} at "
+            f"{last['tokens']:,}")
+    lines += ["", f"- FUSED k=1 - STANDARD {went}; "
               + (f"it first came within {GOAL} at {reached['tokens']:,} tokens ({reached['flops']:.3g} FLOPs)."
                  if reached else f"it has not come within {GOAL} yet."), ""]
     return lines
