@@ -130,6 +130,11 @@ def test_scale_and_budget_are_checked(tmp_path, capsys):
             in capsys.readouterr().err)
     assert main(["reproduce", "compare", "--budget", "-1", "--root", str(tmp_path)]) == 2
     assert "--budget -1.0: accepted: minutes >= 0" in capsys.readouterr().err
+    assert main(["reproduce", "warmstart-long", "--replies", "50"]) == 2
+    assert "--replies applies to `fullband reproduce warmstart-keep` only" in capsys.readouterr().err
+    for bad in ("1", "100001"):  # refused before anything is written
+        assert main(["reproduce", "warmstart-keep", "--replies", bad, "--root", str(tmp_path / "keep")]) == 2
+        assert "--replies" in capsys.readouterr().err and not (tmp_path / "keep").exists()
 
 
 def test_the_experiments_recipes_ship_with_the_package_and_load_from_any_folder(tmp_path, monkeypatch, capsys):

@@ -412,3 +412,7 @@ def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_ll
     assert "## The latest checkpoint by mode (128 tokens)" in text and "## Chat kept?" in text
     with pytest.raises(InputError, match="corpus"):
         reproduce("warmstart-keep", budget=1, **{**args, "corpus": " "})
+    with pytest.raises(InputError, match=r"holds the replies to 4 prompts .* asks for 6 other ones.*--replies 4"):
+        reproduce("warmstart-keep", budget=1e-9, replies=6, **args)  # the run's corpus must not change under it
+    assert (root / "replay.jsonl").stat().st_mtime_ns == stamp
+    assert keep.replay_spec("cpu", 1020) == keep.Replay(680, 340, 128) and keep.replay_spec("cpu", None).python == 100

@@ -123,6 +123,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                          f"{args.experiment!r}; accepted: drop it, or run one of those")
     if args.budget is not None and args.experiment in LONG:
         options["budget"] = args.budget
+    if args.replies is not None:
+        if args.experiment != "warmstart-keep":
+            raise InputError(f"--replies applies to `fullband reproduce warmstart-keep` only, not to "
+                             f"{args.experiment!r}; accepted: drop it, or run that one")
+        options["replies"] = args.replies
     if args.scale is not None:
         options["scale"] = args.scale
     if args.experiment == "compare" and (args.scale is not None or args.budget is not None):
@@ -164,6 +169,9 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
         "then report the finished runs and list the rest (a rerun goes on); warmstart-long and warmstart-keep: "
         "train at most MIN minutes in this invocation (default 90), then report the curve so far and the latest "
         "checkpoint cooled over 100 more steps (about 10 min more on 2 cores; a rerun extends the curve)"),
+    opt("--replies", type=int, default=None, metavar="N", help="warmstart-keep: the count of chat prompts the "
+        "pretrained model answers for the replay (default 300 at --scale cpu; a third questions on the standard "
+        "library, the rest word problems), sampled once when the run starts; a rerun must ask for the same"),
     opt("--threads", type=THREADS, nargs="+", default=None, metavar="T", help="robustness: the torch thread counts "
         "of the race's grid (default 1 2 4 8 for the whole study, 1 2 for --scale race; the goal counts 1 and 2; "
         "finished runs are reused, so a rerun with more counts adds columns)"),

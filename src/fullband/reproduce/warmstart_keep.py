@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.errors import InputError
+from fullband.validate import integer
 from fullband.reproduce import warmstart, warmstart_long as long
 from fullband.reproduce.runner import Experiment, Run, Settings
 
@@ -37,6 +38,17 @@ class Replay:
 
 
 REPLAYS = {"micro": Replay(2, 2, 8, 4), "cpu": Replay(200, 100, 128)}
+MAX_REPLIES = 100_000
+
+
+def replay_spec(scale: str, replies: int | None) -> Replay:
+    """The scale's replay, or `replies` prompts in its proportions: a third (at most one per documented function)
+    questions about the standard library, the rest word problems."""
+    spec = REPLAYS[scale]
+    if replies is None:
+        return spec
+    python = min(replies // 3, len(_documented_functions()))
+    return Replay(replies - python, python, spec.new_tokens, spec.batch)
 
 
 def runs() -> list[Run]:
@@ -44,26 +56,31 @@ def runs() -> list[Run]:
     return [Run(NAME, shipped.overrides, shipped.config)]
 
 
-def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, corpus: str = "stdlib") -> None:
+def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, corpus: str = "stdlib",
+          replies: int | None = None) -> None:
     long.check(scale=scale, model=model, budget=budget)
+    if replies is not None:
+        integer("--replies", replies, 2, below=MAX_REPLIES + 1, error=InputError)
     if not isinstance(corpus, str) or not corpus.strip():
         raise InputError(f"corpus {corpus!r}: accepted: a corpus spec (data.corpus), a name or a path")
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu", model: str = "",
-           budget: float = 90.0, corpus: str = "stdlib") -> list[str]:
-    """`corpus` (tests): the training corpus the replay is mixed into."""
+           budget: float = 90.0, corpus: str = "stdlib", replies: int | None = None) -> list[str]:
+    """`corpus` (tests): the training corpus the replay is mixed into; `replies`: the count of the replay's prompts
+    (default the scale's)."""
     from fullband.gguf_file import SHIPPED
 
-    check(scale=scale, model=model, budget=budget, corpus=corpus)
+    check(scale=scale, model=model, budget=budget, corpus=corpus, replies=replies)
     sc, model = long.SCALES[scale], model or SHIPPED
-    replay = replies(root, warmstart._base(root, model), REPLAYS[scale])
+    spec = replay_spec(scale, replies)
+    replay = written_replies(root, warmstart._base(root, model), spec)
     held = math.ceil(sc.eval_windows / (1 - SHARE))  # the training corpus keeps the long run's count of windows
     extra = [*long._overrides(sc, model, budget), f"data.corpus={json.dumps([corpus, str(replay)])}",
              f"data.shares=[{1 - SHARE:g}, {SHARE:g}]", f"train.anchor={ANCHOR:g}",
              f"train.anchor_until={ANCHOR_UNTIL:g}", f"log.eval_windows={held}"]
     recipe = (f"The shipped warm-start recipe with a replay and the anchor: the pretrained model's own replies to "
-              f"{REPLAYS[scale].arithmetic + REPLAYS[scale].python} chat prompts (`{REPLAY_FILE}` beside the run) "
+              f"{spec.arithmetic + spec.python:,} chat prompts (`{REPLAY_FILE}` beside the run) "
               f"mixed in at {SHARE:.0%} of the windows (`data.shares`), `train.anchor = {ANCHOR:g}` held over the "
               "run, the rest as shipped")
     return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, long.COOLDOWN[scale], recipe,
@@ -81,7 +98,7 @@ def prompts(spec: Replay) -> list[dict]:
         return [c["messages"][0]["content"] for c in chats]
 
     held = set(asked(warmstart.held_out_chats(256)))
-    extra = spec.arithmetic + 64  # drawn beyond the count: the held-out ones are dropped
+    extra = spec.arithmetic + len(held)  # drawn beyond the count: the held-out ones are dropped
     arith = [q for q in asked(arithmetic_chats(extra, seed=PROMPT_SEED, follow_up=0.0, styles=("partial",)))
              if q not in held][: spec.arithmetic]
     rng = random.Random(0)
@@ -105,13 +122,20 @@ def _documented_functions() -> list[str]:
     return sorted(names)
 
 
-def replies(root: Path, base: Path, spec: Replay) -> Path:
+def written_replies(root: Path, base: Path, spec: Replay) -> Path:
     """root/replay.jsonl: the pretrained model `base`'s replies (STANDARD, temperature 1) to the replay's prompts,
-    written once (a rerun reuses it: the run's corpus must not change under it)."""
+    written once (a rerun reuses it: the run's corpus must not change under it, so a rerun that asks for other
+    prompts is refused)."""
     from fullband.files import replace_file
 
-    out = root / REPLAY_FILE
+    out, asked = root / REPLAY_FILE, root / PROMPTS_FILE
+    wanted = prompts(spec)
     if out.is_file():
+        had = [json.loads(line) for line in asked.read_text().splitlines()] if asked.is_file() else None
+        if had is not None and had != wanted:
+            raise InputError(f"{out} holds the replies to {len(had):,} prompts ({asked}), and this invocation asks for "
+                             f"{len(wanted):,} other ones: the run's corpus must not change under it; accepted: "
+                             f"--replies {len(had)} to go on with this run, or another --root for a new one")
         return out
     import torch
 
@@ -120,8 +144,7 @@ def replies(root: Path, base: Path, spec: Replay) -> Path:
     from fullband.model.decoder import FullbandLM
     from fullband.model.mode import DecodeMode
 
-    asked = root / PROMPTS_FILE
-    replace_file(asked, "".join(json.dumps(p) + "\n" for p in prompts(spec)))
+    replace_file(asked, "".join(json.dumps(p) + "\n" for p in wanted))
     model = FullbandLM.load(base).eval()
     with torch.no_grad():
         done = write_replies(model, load_tokenizer(base), str(asked), out, mode=DecodeMode("standard"),
