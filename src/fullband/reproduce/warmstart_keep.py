@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fullband.errors import InputError
-from fullband.validate import integer
 from fullband.reproduce import warmstart, warmstart_long as long
 from fullband.reproduce.runner import Experiment, Run, Settings
+from fullband.validate import integer
 
 NAME = "keep-replay"
 SHARE = 0.2  # of the training windows, the replayed conversations'
