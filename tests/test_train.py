@@ -733,3 +733,22 @@ def test_train_trainable_freezes_the_rest_and_feedback_weights_take_their_own_lr
                                           r"weights: blocks.\*, embed.\*, fusion.\*"):
         train(load_run_config(write_config(tmp_path, corpus, cache, "bad"), ['train.trainable=["fusoin.*"]']))
     assert not (tmp_path / "bad").exists()
+
+
+def test_bfloat16_autocast_trains_with_every_objective_term(tmp_path, corpus, cache):
+    """train.dtype = "bfloat16" (a GPU's default, and AMX CPUs') with every term of the objective on at once: the blend
+    curriculum, the block match, self-distillation, the next-latent term, the anchor, jitter and the prefix mixin.
+    Under autocast a fused input is bfloat16 while the plain one is float32, and ops that do not promote (the blend's
+    lerp) must not see the two; the losses stay finite and close to the same run in float32."""
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        path = write_config(tmp_path, corpus, cache, dtype, steps=4, ckpt_every=4, passes='"two-pass"')
+        path.write_text(path.read_text().replace("[train]\n", (
+            f'[train]\ndtype = "{dtype}"\nblend_until = 0.5\nblock_match = 1.0\ndistill = 0.5\nlatent_loss = 0.1\n'
+            f'anchor = 0.5\ninit_from = "{micro_start(tmp_path)}"\n')).replace(
+            "[model]\n", "[model]\njitter = 0.05\nprefix_mixin_prob = 0.5\nlatent_head = \"linear\"\n"))
+        train(load_run_config(path))
+        runs[dtype] = losses(tmp_path / dtype)
+    assert all(math.isfinite(x) for row in runs["bfloat16"] for x in row) and len(runs["bfloat16"]) == 4
+    first32, first16 = runs["float32"][0], runs["bfloat16"][0]  # the same weights and batch: rounding apart
+    assert first16 == pytest.approx(first32, rel=0.05) and first16 != first32

@@ -147,8 +147,9 @@ class FeedbackModel(nn.Module):
         if prev is None:
             return e
         fused = self.fuse(e, prev)
-        if self.feed_blend != 1.0:
-            fused = torch.lerp(e, fused, self.feed_blend)
+        if self.feed_blend != 1.0:  # lerp does not promote: under autocast fused is the lower precision
+            dtype = torch.promote_types(e.dtype, fused.dtype)
+            fused = torch.lerp(e.to(dtype), fused.to(dtype), self.feed_blend)
         return fused if plain is None else torch.where(plain[..., None], e, fused)
 
     @contextlib.contextmanager
