@@ -377,6 +377,47 @@ def test_chat_data_errors_name_file_and_line(tmp_path, base_checkpoint):
     assert len((tmp_path / "three.jsonl").read_text().splitlines()) == 3
 
 
+def test_log_eval_chats_reads_a_chat_set_at_every_evaluation(tmp_path, base_checkpoint, corpus, cache, capsys):
+    """log.eval_chats: the chat set's assistant-token loss at each of log.eval_passes, logged at every evaluation; the
+    one-pass read equals each conversation's STANDARD read, averaged (each is read in a window of its own); a run
+    whose tokenizer has no chat template is refused before it writes anything."""
+    from conftest import write_config
+    from fullband import FullbandLM
+    from fullband.data.chat.messages import as_message
+    from fullband.data.chat.templates import chat_template, encode_chat
+    from fullband.model.mode import DecodeMode
+    from fullband.model.objective import ntp
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import train
+
+    chats = [{"messages": [{"role": "user", "content": f"Question {i}: " + "what is seven plus five? " * n},
+                           {"role": "assistant", "content": f"Reply {i}: seven and five make twelve. " * n}]}
+             for i, n in enumerate((1, 1, 3))]  # packed into windows of the longest, the two short ones would share
+    write_chat_jsonl(chats, tmp_path / "held.jsonl")
+    train(load_run_config(chat_recipe(tmp_path, "sft", steps=8, init_from=base_checkpoint),
+                          [f'log.eval_chats="{tmp_path / "held.jsonl"}"']))
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval" in r]
+    assert [r["step"] for r in evals] == [4, 8] and all(set(r["eval_chats"]) == {"1", "2", "3"} for r in evals)
+    assert evals[0]["eval_chats"] != evals[1]["eval_chats"]
+    assert "; chats: " in capsys.readouterr().out
+    model, tok = FullbandLM.load(tmp_path / "sft" / "step_000008").eval(), load_tokenizer(tmp_path / "sft" / "step_000008")
+    template, reads = chat_template(tok), []
+    with torch.no_grad():
+        for chat in chats:
+            seq = encode_chat(template, [as_message(m, "chat") for m in chat["messages"]])
+            out = model.read(torch.tensor([seq.ids]), DecodeMode("standard"), return_logits=True)
+            reads.append(float(ntp(out.logits, torch.tensor([seq.targets]))))
+    assert evals[-1]["eval_chats"]["1"] == pytest.approx(sum(reads) / 3, rel=1e-5)
+
+    text = write_config(tmp_path, corpus, cache, "text")  # a byte tokenizer: no chat template
+    with pytest.raises(ConfigError, match=r"log.eval_chats=.* its tokenizer has none"):
+        train(load_run_config(text, [f'log.eval_chats="{tmp_path / "held.jsonl"}"']))
+    assert not (tmp_path / "text").exists()
+    with pytest.raises(ConfigError, match=r"log.eval_chats=3 must be str"):
+        load_run_config(text, ["log.eval_chats=3"])
+
+
 def test_eval_chat_scores_final_answers_per_mode(tmp_path, base_checkpoint):
     """`fullband eval chat` on a micro chat model: one row per mode, accuracy a share of items equal to a direct
     per-item check of the answers it returns, and references that are the conversations' own answers."""

@@ -187,6 +187,8 @@ class LogConfig:
     eval_windows: int = 32  # validation windows per evaluation
     eval_passes: list[int] = field(default_factory=lambda: [1, 2])  # pass counts the validation loss is read at
     gate_windows: int = 4  # validation windows the stability gate reads at every eval (0: no gate)
+    eval_chats: str = ""  # a chat set (a data.corpus spec of conversations) whose assistant tokens are also read at
+    # every eval, at log.eval_passes (metrics.jsonl's eval_chats: what training does to chat, as a curve); "" off
     ckpt_every: int = 200  # checkpoint every N steps (0: only at the end)
     keep_last: int = 3  # checkpoints kept
     progress: bool = True  # a progress bar on the console

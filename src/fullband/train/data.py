@@ -158,6 +158,35 @@ def _chat_data(cfg, d: Dist, spec, tokenizer, model_cfg: ModelConfig) -> RunData
     return RunData(tokenizer, packed["train"], packed["val"], sampler, val, model_cfg)
 
 
+def chat_eval_batches(cfg, tokenizer, max_len: int) -> list:
+    """log.eval_chats: every conversation of the chat set rendered with the tokenizer's chat template, each in a
+    window of its own (as long as the longest, at most `max_len`: the model's positions), as (inputs, targets, plain)
+    batches of train.micro_batch (prompts plain, assistant tokens scored): a window's loss is its conversation's,
+    and the read their mean, as the warm-start reports read chat. [] when it is off; ConfigError when the tokenizer
+    has no chat template or no conversation has a reply."""
+    spec = cfg.log.eval_chats
+    if not spec:
+        return []
+    from fullband.data.chat.packing import pack_chats
+    from fullband.data.chat.sources import chat_conversations
+    from fullband.data.chat.templates import chat_template, encode_chat
+    from fullband.data.sampler import chat_validation_batches
+
+    if not (getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "chat_ids", None)):
+        raise ConfigError(f"log.eval_chats={spec!r} reads conversations through the run's chat template, and its "
+                          "tokenizer has none; accepted: a run whose tokenizer carries one (a chat run's, or a "
+                          "pretrained instruction-tuned model's), or log.eval_chats = \"\"")
+    template = chat_template(tokenizer)
+    what = f"log.eval_chats={spec!r}"
+    try:
+        every = [encode_chat(template, m) for m in chat_conversations(spec, "val", 100.0)]  # the whole set
+        packed = pack_chats(iter(every), min(max((len(s.ids) for s in every), default=1), max_len), tokenizer.pad_id,
+                            too_long="truncate", what=what, alone=True)
+    except DataError as err:
+        raise ConfigError(f"{what}: {err}; accepted: a chat set of conversations with replies") from None
+    return chat_validation_batches(packed, packed.ids.shape[0], cfg.train.micro_batch)
+
+
 def _tokenizer(data, corpus, d: Dist, run_dir: Path | None, hf_path: str):
     if run_dir is not None:  # resuming: the run's own tokenizer, whatever the recipe says
         return load_tokenizer(run_dir)

@@ -29,7 +29,7 @@ from fullband.model.objective import objective, scored_log_probs
 from fullband.train import checkpoint as ckpt
 from fullband.train.config import RunConfig
 from fullband.train.build import anchor_model, build, resolve
-from fullband.train.data import RunData, prepare_data
+from fullband.train.data import RunData, chat_eval_batches, prepare_data
 from fullband.train.rundir import MUST_MATCH, RunDir, stop_after_step
 from fullband.train.metrics import METRICS_FILE, MetricsLog, plot_metrics, progress_bar
 from fullband.train.parallel import (Dist, all_reduce_max, all_reduce_mean, barrier, broadcast0, init_distributed,
@@ -91,6 +91,7 @@ class Trainer:
         self.data: RunData = prepare_data(cfg, self.d, source=source)
         built = build(cfg, self.d, warm=resume is None)
         self.model, self.optimizer, self.warm_started = built.model, built.optimizer, built.warm_started
+        self.chat_batches = chat_eval_batches(cfg, self.data.tokenizer, unwrap(self.model).config.max_seq_len)
         self.anchor = anchor_model(cfg, self.d.device) if cfg.train.anchor > 0 else None  # frozen, read STANDARD
         self.schedule = cfg.train.schedule
         # the adaptive schedule's current mix (None for a fixed schedule), steered by adapt()
@@ -220,6 +221,8 @@ class Trainer:
         for name, n in self.data.val_sources:
             self.eval_by_corpus[name] = {k: float(r.per_window[at : at + n].mean()) for k, r in reads.items()}
             at += n
+        self.eval_chats = {k: validation_loss(self.model, self.chat_batches, int(k), autocast=self.autocast).nats
+                           for k in reads} if self.chat_batches else {}
         return {k: r.nats for k, r in reads.items()}
 
     def adapt(self) -> dict:
@@ -283,6 +286,7 @@ class Trainer:
         bar = progress_bar(self.cfg, d, self.step, self.cfg.train.steps)
         self.last_eval: dict[str, float] = {}
         self.eval_by_corpus: dict[str, dict[str, float]] = {}
+        self.eval_chats: dict[str, float] = {}
         self.last_gate: dict | None = None
         self.started = time.monotonic()  # this invocation's (train.stop_after_minutes)
         try:
@@ -352,10 +356,12 @@ class Trainer:
                 if self.loggers:
                     self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens,
                                       "flops": self.flops} | ({"gate": gate} if gate else {})
-                                     | ({"eval_by_corpus": self.eval_by_corpus} if self.eval_by_corpus else {}))
+                                     | ({"eval_by_corpus": self.eval_by_corpus} if self.eval_by_corpus else {})
+                                     | ({"eval_chats": self.eval_chats} if self.eval_chats else {}))
                 msg = "  ".join(f"passes={k}: {v:.4f}" for k, v in last_eval.items())
                 msg += "".join(f"; {name}: " + " / ".join(f"{v:.4f}" for v in by.values())
-                               for name, by in self.eval_by_corpus.items())
+                               for name, by in [*self.eval_by_corpus.items(), *([("chats", self.eval_chats)]
+                                                                                if self.eval_chats else [])])
                 msg += f"; {gate['summary']}" if gate else ""
                 (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
             due = (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done

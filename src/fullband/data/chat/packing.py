@@ -67,10 +67,11 @@ class PackedChat:
 
 
 def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, too_long: str = "drop",
-               what: str = "the data") -> PackedChat:
+               what: str = "the data", alone: bool = False) -> PackedChat:
     """Pack conversations in order into windows of `seq_len` positions: a conversation goes into the first of the
-    last OPEN_WINDOWS windows with room for it, else it starts a new one. Longer ones are dropped, or
-    (too_long="truncate") cut to one window (kept when a response token survives)."""
+    last OPEN_WINDOWS windows with room for it, else it starts a new one (`alone`: always a new one, so a window's
+    loss is its conversation's). Longer ones are dropped, or (too_long="truncate") cut to one window (kept when a
+    response token survives)."""
     if too_long not in TOO_LONG:
         raise DataError(f"too_long={too_long!r}; accepted: {', '.join(TOO_LONG)}")
     rows: list[tuple[list[int], list[int], list[bool], list[bool]]] = []
@@ -88,7 +89,7 @@ def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, 
                 continue
             truncated += 1
         # first fit among the windows still open (the last OPEN_WINDOWS started), else a new window
-        row = next((r for r in open_rows if len(r[0]) + len(ids) <= seq_len), None)
+        row = None if alone else next((r for r in open_rows if len(r[0]) + len(ids) <= seq_len), None)
         if row is None:
             row = ([], [], [], [])
             rows.append(row)
