@@ -290,7 +290,7 @@ def test_micro_warm_start_trains_a_part_and_resumes_bit_for_bit_after_sigkill(ti
 
 
 def test_reproduce_warmstart_micro_writes_the_report_and_a_rerun_reuses_every_run(tiny_llama, tmp_path, capsys):
-    from fullband.reproduce import reproduce
+    from fullband.reproduce import reproduce, warmstart
 
     extra = [f'data.corpus="{tiny_llama / "prose"}"', "data.val_percent=20",
              f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
@@ -336,7 +336,7 @@ def test_reproduce_warmstart_options_are_checked_before_anything_is_written(tmp_
 def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tiny_llama, tmp_path, capsys):
     """Each invocation trains at most --budget minutes (here: one step), reports the curve so far and the latest
     checkpoint by mode; the next resumes the run and extends the curve; a larger budget finishes it."""
-    from fullband.reproduce import reproduce
+    from fullband.reproduce import reproduce, warmstart
 
     extra = [f'data.corpus="{tiny_llama / "prose"}"', "data.val_percent=20",
              f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
@@ -352,6 +352,18 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
     assert "**Finished: 8 steps, 512 tokens.**" in text and "| 8 | 512 |" in text and "| 6 | 384 |" in text
     assert "FUSED k=1 - STANDARD went from " in text and "## Chat kept?" in text
     assert (tmp_path / "docs" / "warmstart-long-micro" / "gap.png").is_file()
+    # the report's held-out chats read at every evaluation (log.eval_chats): the curve's two chat columns
+    import json
+
+    runs = tmp_path / "runs" / "warmstart-long-micro"
+    rows = [json.loads(line) for line in (runs / "everything-blend-match" / "metrics.jsonl").read_text().splitlines()]
+    chats = [r["eval_chats"] for r in rows if "eval" in r]
+    assert len(chats) == 4 and all(set(c) == {"1", "2", "3"} for c in chats)
+    assert f"| 8 | 512 | " in text and f" | {chats[-1]['1']:.4f} | {chats[-1]['2'] - chats[-1]['1']:+.3f} |" in text
+    assert "## Chat at every evaluation" in text and "- Over the last 4 evaluation(s) (tokens 128 to 512)" in text
+    assert (tmp_path / "docs" / "warmstart-long-micro" / "chat.png").is_file()
+    held = [json.loads(line) for line in (runs / "held-out-chats.jsonl").read_text().splitlines()]
+    assert held == warmstart.held_out_chats(2)
     # at step 2 the blend (to step 4) left no room for a cooled branch; at step 8 one cools down over 2 more steps
     assert "## The latest checkpoint by mode (512 tokens), and cooled (640 tokens)" in text
     assert "| cooled | 640 |" in text and "- Goal (both fed reads within 0.05 of STANDARD), cooled: " in text
@@ -362,7 +374,6 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
     from fullband.reproduce import warmstart_long as long
     from fullband.reproduce.runner import Settings, train_run
 
-    runs = tmp_path / "runs" / "warmstart-long-micro"
     branch = runs / "everything-blend-match-cooled-8"
     sets = long.branch_settings(runs / "everything-blend-match" / "step_000008", 2)["sets"]
     assert sets[:3] == ["train.steps=10", "train.cooldown_fraction=0.2", "train.stop_after_minutes=0.0"]

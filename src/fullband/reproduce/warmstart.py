@@ -142,14 +142,16 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
 
 
 def _curve(run_dir: Path, corpus: str | None = None) -> list[dict]:
-    """The run's evaluations: {"step", "tokens", "flops", "eval": held-out loss by pass count}, read on every held-out
-    window, or (`corpus`, an entry of data.shares) on that corpus's windows alone."""
+    """The run's evaluations: {"step", "tokens", "flops", "eval": held-out loss by pass count, "chats": log.eval_chats'
+    read by pass count (None: not read)}, read on every held-out window, or (`corpus`, an entry of data.shares) on
+    that corpus's windows alone."""
     from fullband.rl.run import metric_rows
 
     rows = metric_rows(run_dir / "metrics.jsonl")
     flops = {r["step"]: r["flops"] for r in rows if "flops" in r}
     return [{"step": r["step"], "tokens": r["tokens"], "flops": flops.get(r["step"], 0.0),
-             "eval": r["eval"] if corpus is None else r["eval_by_corpus"][corpus]} for r in rows if "eval" in r]
+             "eval": r["eval"] if corpus is None else r["eval_by_corpus"][corpus], "chats": r.get("eval_chats")}
+            for r in rows if "eval" in r]
 
 
 def _step_seconds(run_dir: Path) -> float:

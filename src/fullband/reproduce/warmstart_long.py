@@ -7,6 +7,7 @@ as `fullband reproduce warmstart` reads its models."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -68,6 +69,7 @@ def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model
     and the reads by mode read (None: the run's whole held-out split)."""
     from fullband.train.checkpoint import read_trainer_state
 
+    extra = [*extra, f"log.eval_chats={json.dumps(str(_held_out_chats(root, sc)))}"]  # chat as a curve
     ckpt, _ = train_run(root, run, settings, extra, eval_every=sc.eval_every)
     state = read_trainer_state(ckpt)
     curve = warmstart._curve(root / run.name, curve_corpus)
@@ -87,11 +89,25 @@ def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model
                 settings.findings.diff(f"{run.name}{' cooled' if name == COOLED else ''} at {tokens:,} tokens: "
                                        f"{row['mode']} minus STANDARD (nats/token)", row["minus_first"],
                                        row["minus_first_stderr"])
-    return _write(run, extra, state, _curve_lines(curve, figs, curve_corpus), evaluated, sc, budget, cool, recipe,
-                  curve_corpus)
+    before = evaluated["pretrained"]["chat"]["rows"]["STANDARD"]["loss"]
+    lines = [*_curve_lines(curve, figs, curve_corpus), *_chat_curve_lines(curve, figs, before)]
+    return _write(run, extra, state, lines, evaluated, sc, budget, cool, recipe, curve_corpus)
 
 
 COOLED = "cooled"  # the cooled branch's name in the report and its kept evaluation
+CHATS_FILE = "held-out-chats.jsonl"  # the report's held-out chats, read at every evaluation (log.eval_chats)
+CHAT_SPAN = 5  # the last evaluations whose chat reads the report averages
+
+
+def _held_out_chats(root: Path, sc) -> Path:
+    """root/CHATS_FILE: the report's held-out chats (warmstart.held_out_chats), written when it is missing or differs."""
+    from fullband.data.chat.arithmetic import write_chat_jsonl
+    from fullband.files import make_folder
+
+    path, chats = make_folder(root, "--root folder") / CHATS_FILE, warmstart.held_out_chats(sc.chats)
+    if not path.is_file() or [json.loads(line) for line in path.read_text().splitlines()] != chats:
+        write_chat_jsonl(chats, path)
+    return path
 
 
 def _cooled(root: Path, run: Run, ckpt: Path, steps: int) -> dict:
@@ -227,12 +243,16 @@ def _curve_lines(curve: list[dict], figs: Path, corpus: str | None = None) -> li
     axes[0].legend(fontsize=8)
     fig.suptitle("Fed read minus STANDARD while the warm start trains (held-out)")
     lines += saved_figure(fig, figs, "gap.png", "the gap against tokens and FLOPs")[:2]
-    lines += ["| step | tokens | FLOPs | STANDARD | FUSED k=1 - STANDARD | FUSED k=2 - STANDARD |",
-              "|---|---|---|---|---|---|"]
+    chats = any(p["chats"] for p in curve)  # log.eval_chats: two more columns
+    lines += ["| step | tokens | FLOPs | STANDARD | FUSED k=1 - STANDARD | FUSED k=2 - STANDARD |"
+              + (" chat STANDARD | chat FUSED k=1 - STANDARD |" if chats else ""), "|---|---|---|---|---|---|"
+              + ("---|---|" if chats else "")]
     for p in curve:
-        gaps = [_gap(p, k) for k in ("2", "3")]
+        cells = [_gap(p, k) for k in ("2", "3")] + ([_chat_gap(p)] if chats else [])
         lines.append(f"| {p['step']:,} | {p['tokens']:,} | {p['flops']:.3g} | {p['eval']['1']:.4f} | "
-                     + " | ".join("" if g is None else f"{g:+.3f}" for g in gaps) + " |")
+                     + (" | ".join("" if g is None else f"{g:+.3f}" for g in cells[:2]))
+                     + (f" | {p['chats']['1']:.4f} | {cells[2]:+.3f}" if chats and p["chats"] else
+                        " | | " if chats else "") + " |")
     reached = next((p for p in curve if (g := _gap(p, "2")) is not None and g <= GOAL), None)
     first, last = curve[0], curve[-1]
     went = (f"was {_gap(last, '2'):+.3f} at {last['tokens']:,} tokens" if first is last else
@@ -241,6 +261,53 @@ def _curve_lines(curve: list[dict], figs: Path, corpus: str | None = None) -> li
     lines += ["", f"- FUSED k=1 - STANDARD {went}; "
               + (f"it first came within {GOAL} at {reached['tokens']:,} tokens ({reached['flops']:.3g} FLOPs)."
                  if reached else f"it has not come within {GOAL} yet."), ""]
+    return lines
+
+
+def _chat_gap(point: dict) -> float | None:
+    chats = point["chats"]
+    return chats["2"] - chats["1"] if chats and "2" in chats else None
+
+
+def _chat_curve_lines(curve: list[dict], figs: Path, before: float) -> list[str]:
+    """The chat read at every evaluation (log.eval_chats) against tokens, with the pretrained model's STANDARD read of
+    the same chats (`before`), and the mean and spread of the last CHAT_SPAN evaluations."""
+    import statistics
+
+    from fullband.files import plt
+    from fullband.reproduce.runner import saved_figure
+
+    points = [p for p in curve if p["chats"] and "2" in p["chats"]]
+    lines = ["## Chat at every evaluation", "",
+             f"The held-out chats of the section \"Chat kept?\" below (`{CHATS_FILE}` beside the run, "
+             "`log.eval_chats`) read at every evaluation, each conversation in a window of its own: the assistant "
+             "tokens' loss read STANDARD (1 pass) and with 2 passes (FUSED k=1 over the replies, the prompt read "
+             f"plainly), in the run's training precision. The pretrained model's STANDARD read of them: {before:.3f}.",
+             ""]
+    if not points:
+        return lines + ["No evaluation of this run read them (evaluations logged before `log.eval_chats` was set "
+                        "read text alone).", ""]
+    fig, ax = plt().subplots(figsize=(7, 3.8))
+    tokens = [p["tokens"] for p in points]
+    ax.plot(tokens, [p["chats"]["1"] for p in points], marker="o", ms=3, label="STANDARD")
+    ax.plot(tokens, [p["chats"]["2"] for p in points], marker="o", ms=3, label="FUSED k=1")
+    ax.axhline(before, color="grey", ls="--", lw=1, label="the pretrained model, STANDARD")
+    ax.set(xlabel="tokens trained", ylabel="assistant-token nats/token", title="Held-out chat while the warm start trains")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    lines += saved_figure(fig, figs, "chat.png", "held-out chat loss against tokens")[:2]
+    last = points[-CHAT_SPAN:]
+    std, gap = [p["chats"]["1"] for p in last], [_chat_gap(p) for p in last]
+
+    def spread(values):
+        return f"SD {statistics.stdev(values):.3f}, " if len(values) > 1 else ""
+
+    lines += [f"- Over the last {len(last)} evaluation(s) (tokens {last[0]['tokens']:,} to {last[-1]['tokens']:,}): "
+              f"chat STANDARD {statistics.fmean(std):.3f} ({spread(std)}{min(std):.3f} to {max(std):.3f}), "
+              f"{statistics.fmean(std) - before:+.3f} against the pretrained model; FUSED k=1 minus STANDARD "
+              f"{statistics.fmean(gap):+.3f} ({spread(gap)}{min(gap):+.3f} to {max(gap):+.3f}). One evaluation's chat "
+              "read moves from one evaluation to the next at a constant learning rate: compare the mean over several, "
+              "or the cooled read.", ""]
     return lines
 
 
