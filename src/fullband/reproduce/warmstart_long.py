@@ -244,15 +244,15 @@ def _curve_lines(curve: list[dict], figs: Path, corpus: str | None = None) -> li
     fig.suptitle("Fed read minus STANDARD while the warm start trains (held-out)")
     lines += saved_figure(fig, figs, "gap.png", "the gap against tokens and FLOPs")[:2]
     chats = any(p["chats"] for p in curve)  # log.eval_chats: two more columns
-    lines += ["| step | tokens | FLOPs | STANDARD | FUSED k=1 - STANDARD | FUSED k=2 - STANDARD |"
-              + (" chat STANDARD | chat FUSED k=1 - STANDARD |" if chats else ""), "|---|---|---|---|---|---|"
-              + ("---|---|" if chats else "")]
+    head = ["step", "tokens", "FLOPs", "STANDARD", "FUSED k=1 - STANDARD", "FUSED k=2 - STANDARD"]
+    head += ["chat STANDARD", "chat FUSED k=1 - STANDARD"] if chats else []
+    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for p in curve:
-        cells = [_gap(p, k) for k in ("2", "3")] + ([_chat_gap(p)] if chats else [])
-        lines.append(f"| {p['step']:,} | {p['tokens']:,} | {p['flops']:.3g} | {p['eval']['1']:.4f} | "
-                     + (" | ".join("" if g is None else f"{g:+.3f}" for g in cells[:2]))
-                     + (f" | {p['chats']['1']:.4f} | {cells[2]:+.3f}" if chats and p["chats"] else
-                        " | | " if chats else "") + " |")
+        cells = [f"{p['step']:,}", f"{p['tokens']:,}", f"{p['flops']:.3g}", f"{p['eval']['1']:.4f}",
+                 *(_signed(_gap(p, k)) for k in ("2", "3"))]
+        if chats:
+            cells += [f"{p['chats']['1']:.4f}" if p["chats"] else "", _signed(_chat_gap(p))]
+        lines.append("| " + " | ".join(cells) + " |")
     reached = next((p for p in curve if (g := _gap(p, "2")) is not None and g <= GOAL), None)
     first, last = curve[0], curve[-1]
     went = (f"was {_gap(last, '2'):+.3f} at {last['tokens']:,} tokens" if first is last else
@@ -262,6 +262,10 @@ def _curve_lines(curve: list[dict], figs: Path, corpus: str | None = None) -> li
               + (f"it first came within {GOAL} at {reached['tokens']:,} tokens ({reached['flops']:.3g} FLOPs)."
                  if reached else f"it has not come within {GOAL} yet."), ""]
     return lines
+
+
+def _signed(value: float | None) -> str:
+    return "" if value is None else f"{value:+.3f}"
 
 
 def _chat_gap(point: dict) -> float | None:
