@@ -414,6 +414,9 @@ def test_log_eval_chats_reads_a_chat_set_at_every_evaluation(tmp_path, base_chec
     with pytest.raises(ConfigError, match=r"log.eval_chats=.* its tokenizer has none"):
         train(load_run_config(text, [f'log.eval_chats="{tmp_path / "held.jsonl"}"']))
     assert not (tmp_path / "text").exists()
+    with pytest.raises(ConfigError, match=r"log.eval_chats='.*missing.jsonl': chat corpus not found: .*accepted: "):
+        train(load_run_config(chat_recipe(tmp_path, "missing"), [f'log.eval_chats="{tmp_path / "missing.jsonl"}"']))
+    assert not (tmp_path / "missing").exists()
     with pytest.raises(ConfigError, match=r"log.eval_chats=3 must be str"):
         load_run_config(text, ["log.eval_chats=3"])
 

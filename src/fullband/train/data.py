@@ -183,7 +183,7 @@ def chat_eval_batches(cfg, tokenizer, max_len: int) -> list:
         packed = pack_chats(iter(every), min(max((len(s.ids) for s in every), default=1), max_len), tokenizer.pad_id,
                             too_long="truncate", what=what, alone=True)
     except DataError as err:
-        raise ConfigError(f"{what}: {err}; accepted: a chat set of conversations with replies") from None
+        raise ConfigError(f"{what}: {err}") from None  # what the chat set's reader accepts, it says
     return chat_validation_batches(packed, packed.ids.shape[0], cfg.train.micro_batch)
 
 
