@@ -80,6 +80,9 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
               f"Produced by `fullband reproduce {command}` (runs under `{root}`), {time.strftime('%Y-%m-%d')}.",
               f"Hardware: {hardware()}. Wall time of this invocation: {total / 60:.1f} min "
               "(training time per run is in the tables; reused runs cost nothing here).", ""]
+    if extra:  # settings every run got beyond the recipes (the Python call's `extra`): the commands below omit them
+        header[-1:] = ["Every run of this invocation also got " + ", ".join(f"`--set {o}`" for o in extra)
+                       + ", beyond the recipes and the commands below.", ""]
     out = docs / f"{name}.md"
     seed_lines = [] if experiment.seeds_option else _seed_lines(name, figs, per_seed)
     replace_file(out, "\n".join(header + seed_lines + first
