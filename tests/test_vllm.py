@@ -62,7 +62,12 @@ def engine(path, **kwargs):
 
 
 def shut(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    import psutil
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except psutil.NoSuchProcess:  # vLLM's kill_process_tree names a worker that exited meanwhile: gone, as asked
+        pass
     del llm
     gc.collect()
 
