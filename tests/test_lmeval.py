@@ -47,6 +47,13 @@ metric_list:
 """
 
 
+def tasks(folder):
+    """The harness's task index of `folder` alone: its built-in tasks' index takes 5-6 s to build, once per call."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(folder), include_defaults=False)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lmeval")
@@ -64,11 +71,9 @@ def setup(tmp_path_factory):
 
 @pytest.mark.parametrize("mode,k", [("standard", 1), ("fused", 2), ("soft", 1)])
 def test_simple_evaluate_scores_like_the_model(setup, mode, k):
-    from lm_eval.tasks import TaskManager
-
     tmp, rows, gens = setup
     lm = FullbandHarnessLM(checkpoint=str(tmp / "ckpt"), mode=mode, prefill_passes=k, batch_size=2)
-    res = lm_eval.simple_evaluate(model=lm, tasks=["fb_mc", "fb_gen"], task_manager=TaskManager(include_path=str(tmp)),
+    res = lm_eval.simple_evaluate(model=lm, tasks=["fb_mc", "fb_gen"], task_manager=tasks(tmp),
                                   log_samples=True)
     assert set(res["results"]) == {"fb_mc", "fb_gen"}
     tok = ByteTokenizer()
@@ -133,8 +138,6 @@ def test_the_harness_hf_model_reads_a_converted_folder(setup, tmp_path):
     backend: its loglikelihoods (one plain pass, BOS prepended) equal the `fullband` model's in STANDARD mode."""
     pytest.importorskip("accelerate")  # lm-eval's hf backend needs it (the `eval` extra installs it)
     pytest.importorskip("transformers")
-    from lm_eval.tasks import TaskManager
-
     import fullband.hf  # noqa: F401  (registers model_type "fullband" with the Auto classes)
     from fullband.data.tokenizer import train_bpe
     from fullband.hf.convert import convert
@@ -144,7 +147,7 @@ def test_the_harness_hf_model_reads_a_converted_folder(setup, tmp_path):
     tok = train_bpe(texts, 300, show_progress=False)
     tiny_model(seed=3, vocab_size=300, bos_token_id=tok.bos_id).save(tmp_path / "native", tokenizer=tok)
     convert(tmp_path / "native", tmp_path / "hf")
-    manager = TaskManager(include_path=str(tmp))
+    manager = tasks(tmp)
     ours = lm_eval.simple_evaluate(model=FullbandHarnessLM(checkpoint=str(tmp_path / "native"), mode="standard"),
                                    tasks=["fb_mc"], task_manager=manager, log_samples=True)
     from lm_eval.models.huggingface import HFLM
@@ -198,8 +201,6 @@ def test_apply_chat_template_generates_from_the_chat_prompt(chat_setup, mode, k,
     """Under --apply_chat_template the model reads each request as fullband's chat prompt ids (BOS, <|user|> ...
     <|end|>, <|assistant|>, the markers as their ids, not their text's bytes) and its answer is
     fullband.generate's on those ids, ended at the chat stop ids and cut at the task's stop string."""
-    from lm_eval.tasks import TaskManager
-
     from fullband.data.chat.templates import chat_prompt
 
     gen_module = importlib.import_module("fullband.decode.generate")  # the module (the package exports a function)
@@ -216,7 +217,7 @@ def test_apply_chat_template_generates_from_the_chat_prompt(chat_setup, mode, k,
         return real(model, prompts, n, **kwargs)
 
     monkeypatch.setattr(gen_module, "generate", spy)
-    res = lm_eval.simple_evaluate(model=lm, tasks=["fb_chat_gen"], task_manager=TaskManager(include_path=str(tmp)),
+    res = lm_eval.simple_evaluate(model=lm, tasks=["fb_chat_gen"], task_manager=tasks(tmp),
                                   apply_chat_template=True, system_instruction=system, log_samples=True)
     monkeypatch.undo()
     samples = sorted(res["samples"]["fb_chat_gen"], key=lambda s: s["doc_id"])
@@ -268,13 +269,11 @@ def test_apply_chat_template_renders_and_reads_back(chat_setup):
 
 
 def test_apply_chat_template_needs_a_chat_vocabulary(setup):
-    from lm_eval.tasks import TaskManager
-
     tmp, _, _ = setup
     lm = FullbandHarnessLM(checkpoint=str(tmp / "ckpt"))  # a plain byte vocabulary: no chat markers
     assert lm.chat_template(True) is None
     with pytest.raises(ConfigError, match="--apply_chat_template: the checkpoint's byte vocabulary has no chat template"):
-        lm_eval.simple_evaluate(model=lm, tasks=["fb_gen"], task_manager=TaskManager(include_path=str(tmp)),
+        lm_eval.simple_evaluate(model=lm, tasks=["fb_gen"], task_manager=tasks(tmp),
                                 apply_chat_template=True)
     with pytest.raises(ConfigError, match="no chat template"):
         lm.apply_chat_template([{"role": "user", "content": "hi"}])

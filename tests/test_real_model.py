@@ -204,17 +204,16 @@ def test_lm_eval_fullband_equals_the_stock_hf_backend(smollm2, tmp_path):
     lm_eval = pytest.importorskip("lm_eval")
     pytest.importorskip("accelerate")
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     from fullband.lmeval import FullbandHarnessLM
-    from test_lmeval import MC  # the local multiple-choice task of the lm-eval tests (task fb_mc)
+    from test_lmeval import MC, tasks  # the lm-eval tests' multiple-choice task (fb_mc), their task index
 
     rows = [{"question": "The capital of France is", "choices": ["Paris", "Berlin", "a river"], "answer": 0},
             {"question": "2 + 2 =", "choices": ["4", "5"], "answer": 0},
             {"question": "Water freezes at", "choices": ["0 degrees Celsius", "50 degrees Celsius"], "answer": 0}]
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "fb_mc.yaml").write_text(MC.format(data=tmp_path / "mc.jsonl"))
-    manager = TaskManager(include_path=str(tmp_path))
+    manager = tasks(tmp_path)
 
     def lls(model):
         res = lm_eval.simple_evaluate(model=model, tasks=["fb_mc"], task_manager=manager, log_samples=True)
