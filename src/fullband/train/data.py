@@ -180,7 +180,7 @@ def chat_eval_batches(cfg, tokenizer, max_len: int) -> list:
     what = f"log.eval_chats={spec!r}"
     try:
         every = [encode_chat(template, m) for m in chat_conversations(spec, "val", 100.0)]  # the whole set
-        packed = pack_chats(iter(every), min(max((len(s.ids) for s in every), default=1), max_len), tokenizer.pad_id,
+        packed = pack_chats(every, min(max((len(s.ids) for s in every), default=1), max_len), tokenizer.pad_id,
                             too_long="truncate", what=what, alone=True)
     except DataError as err:
         raise ConfigError(f"{what}: {err}") from None  # what the chat set's reader accepts, it says

@@ -354,14 +354,12 @@ class Trainer:
                 self.last_eval = last_eval = self.evaluate()
                 self.last_gate = gate = self.gate()
                 if self.loggers:
-                    self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens,
-                                      "flops": self.flops} | ({"gate": gate} if gate else {})
-                                     | ({"eval_by_corpus": self.eval_by_corpus} if self.eval_by_corpus else {})
-                                     | ({"eval_chats": self.eval_chats} if self.eval_chats else {}))
+                    extra = {"gate": gate, "eval_by_corpus": self.eval_by_corpus, "eval_chats": self.eval_chats}
+                    self.loggers.log({"step": self.step, "eval": last_eval, "tokens": self.tokens, "flops": self.flops}
+                                     | {k: v for k, v in extra.items() if v})
                 msg = "  ".join(f"passes={k}: {v:.4f}" for k, v in last_eval.items())
-                msg += "".join(f"; {name}: " + " / ".join(f"{v:.4f}" for v in by.values())
-                               for name, by in [*self.eval_by_corpus.items(), *([("chats", self.eval_chats)]
-                                                                                if self.eval_chats else [])])
+                also = list(self.eval_by_corpus.items()) + ([("chats", self.eval_chats)] if self.eval_chats else [])
+                msg += "".join(f"; {name}: " + " / ".join(f"{v:.4f}" for v in by.values()) for name, by in also)
                 msg += f"; {gate['summary']}" if gate else ""
                 (bar.write if bar is not None else (lambda s: _print0(d, s)))(f"step {self.step}: val loss {msg}")
             due = (cfg.log.ckpt_every and self.step % cfg.log.ckpt_every == 0) or done

@@ -3,7 +3,7 @@ without loss; a conversation longer than a window is dropped or truncated."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +66,7 @@ class PackedChat:
         return ", ".join(parts)
 
 
-def pack_chats(sequences: Iterator[ChatSequence], seq_len: int, pad_id: int, *, too_long: str = "drop",
+def pack_chats(sequences: Iterable[ChatSequence], seq_len: int, pad_id: int, *, too_long: str = "drop",
                what: str = "the data", alone: bool = False) -> PackedChat:
     """Pack conversations in order into windows of `seq_len` positions: a conversation goes into the first of the
     last OPEN_WINDOWS windows with room for it, else it starts a new one (`alone`: always a new one, so a window's
