@@ -265,6 +265,28 @@ def test_reproduce_robustness_race_scale_keeps_each_machine_s_grid(tmp_path, mon
     assert again.split("\n", 4)[4] == text.split("\n", 4)[4]
 
 
+def test_reproduce_set_reaches_every_run_and_a_setting_a_run_refuses_is_said_before_anything(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """`fullband reproduce EXP --set KEY=VALUE`: the settings reach reproduce() (which applies them to every run and
+    names them in the report: tests/test_warmstart.py's keep test); a mistyped key, or a value one of the
+    experiment's recipes refuses, is one line naming the run, before any folder is made."""
+    from fullband.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    out = ["--root", "runs", "--docs", "docs"]
+    for bad, words in (("train.dtyp=1", "unknown key 'train.dtyp' (did you mean 'dtype'?)"),
+                       ("train.anchor=1", "this run starts from a random initialisation")):
+        assert main(["reproduce", "stability", "--set", 'train.dtype="float32"', "--set", bad, *out]) == 2
+        said = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--set train.dtype=\"float32\" {bad}: the run 'one-two' of stability: " in said and words in said
+        assert not list(tmp_path.iterdir())
+    calls = []
+    monkeypatch.setattr("fullband.reproduce.reproduce", lambda exp, **kw: calls.append((exp, kw)))
+    assert main(["reproduce", "warmstart-keep", "--set", 'train.dtype="bfloat16"', "--set", "train.threads=2"]) == 0
+    assert main(["reproduce", "probe"]) == 0
+    assert [kw["extra"] for _, kw in calls] == [['train.dtype="bfloat16"', "train.threads=2"], None]
+
+
 def test_reproduce_threads_sets_the_race_grids_thread_counts(monkeypatch, capsys):
     """`--threads` reaches the race's grid (the whole study's or --scale race's), sorted and once each; another
     experiment refuses it by name."""

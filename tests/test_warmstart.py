@@ -416,6 +416,7 @@ def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_ll
     assert saved["data"]["shares"] == [0.8, 0.2] and saved["train"]["anchor"] == 1.0
     assert "The shipped warm-start recipe with a replay" in text and "**Trained so far: step 2 of 8" in text
     assert "Every run of this invocation also got `--set data.val_percent=20`, `--set data.cache_dir=" in text
+    assert "Produced by `fullband reproduce warmstart-keep --scale micro --set data.val_percent=20 --set " in text
     prose = tiny_llama / "prose"
     assert f"held-out windows of `{prose}`" in text and f"Held-out windows of `{prose}` read as" in text
     metrics = [json.loads(line) for line in (root / keep.NAME / "metrics.jsonl").read_text().splitlines()]

@@ -144,7 +144,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         threads = tuple(sorted(set(args.threads)))
         options["machine_threads" if args.scale == "race" else "threads"] = threads
     for exp in REGISTRY if args.experiment == "all" else [args.experiment]:
-        reproduce(exp, root=args.root, docs=args.docs, seeds=args.seeds, **options)
+        reproduce(exp, root=args.root, docs=args.docs, seeds=args.seeds, extra=args.set, **options)
     return 0
 
 
@@ -175,6 +175,10 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
     opt("--threads", type=THREADS, nargs="+", default=None, metavar="T", help="robustness: the torch thread counts "
         "of the race's grid (default 1 2 4 8 for the whole study, 1 2 for --scale race; the goal counts 1 and 2; "
         "finished runs are reused, so a rerun with more counts adds columns)"),
+    opt("--set", action="append", metavar="SECTION.KEY=VALUE", help="a training setting every run of the "
+        "experiment gets after its recipe's own, e.g. train.dtype=bfloat16 on a GPU or a CPU with AMX (the "
+        "post-training phases' recipes excepted); the report's header names it. A finished run whose model, data, "
+        "optimizer or schedule differ from what --set makes of its recipe is refused, not reused"),
     opt("--seeds", type=int, default=None, metavar="N", help="train every run with N seeds (0..N-1; seed 0 is the "
         "recipes as written) and report each finding's spread across them; default per experiment: "
         + ", ".join(f"{name} {e.seeds}" for name, e in REGISTRY.items())),

@@ -8,6 +8,7 @@ resumed."""
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -36,9 +37,9 @@ MAX_SEEDS = 100
 def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "docs/results", base: str = BASE,
               extra: list[str] | None = None, seeds: int | None = None, **options) -> Path:
     """Run one experiment once per training seed (`seeds`, default the experiment's own: seed 0 is the recipes as
-    written, seed N > 0 trains every run with train.seed = N under root/<exp>/seed-N); `base`, `extra` overrides
-    (applied after the experiment's own) and `options` (keyword arguments of the experiment's function, e.g. sft's
-    held_out) exist for tests. The report opens with the findings across seeds, then seed 0's report; every other
+    written, seed N > 0 trains every run with train.seed = N under root/<exp>/seed-N); `extra`: training settings
+    every run gets after the experiment's own (`--set`; the post-training phases' recipes excepted); `base` and
+    `options` (keyword arguments of the experiment's function, e.g. sft's held_out) exist for tests. The report opens with the findings across seeds, then seed 0's report; every other
     seed's report is written beside it (<exp>/seed-N.md)."""
     if exp not in REGISTRY:
         raise InputError(f"experiment {exp!r} is unknown{closest(exp, EXPERIMENTS)}; "
@@ -50,11 +51,21 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
     name = exp if scale in (None, "cpu") else f"{exp}-{scale}"  # another scale's study is a report of its own
     if experiment.check is not None:
         experiment.check(**options)  # before any folder is made
+    if extra:  # a mistyped key, or a value one of the runs' recipes refuses, is said before anything is trained
+        from fullband.errors import ConfigError
+        from fullband.train.config import load_run_config
+
+        for run in experiment.runs():
+            try:
+                load_run_config(run.config or base, [*run.overrides, *extra])
+            except ConfigError as err:
+                raise InputError(f"--set {' '.join(extra)}: the run {run.name!r} of {exp}: {err}") from None
     check_no_loop(root, "--root")
     root, docs = Path(root) / name, Path(docs)
     figs = make_folder(docs / name, "--docs folder")
     t0 = time.perf_counter()
     command = exp + (f" --scale {scale}" if name != exp else "") + (f" --seeds {n}" if n != experiment.seeds else "")
+    command += "".join(f" --set {shlex.quote(o)}" for o in extra or ())
     per_seed, first = {}, []
     if experiment.seeds_option:  # the experiment is about seeds: it takes them itself, in one report
         options = {**options, "seeds": n}
@@ -80,9 +91,9 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
               f"Produced by `fullband reproduce {command}` (runs under `{root}`), {time.strftime('%Y-%m-%d')}.",
               f"Hardware: {hardware()}. Wall time of this invocation: {total / 60:.1f} min "
               "(training time per run is in the tables; reused runs cost nothing here).", ""]
-    if extra:  # settings every run got beyond the recipes (the Python call's `extra`): the commands below omit them
+    if extra:  # settings every run got beyond the recipes (--set): the runs' own commands below omit them
         header[-1:] = ["Every run of this invocation also got " + ", ".join(f"`--set {o}`" for o in extra)
-                       + ", beyond the recipes and the commands below.", ""]
+                       + ", beyond the recipes and the runs' commands below.", ""]
     out = docs / f"{name}.md"
     seed_lines = [] if experiment.seeds_option else _seed_lines(name, figs, per_seed)
     replace_file(out, "\n".join(header + seed_lines + first
