@@ -39,8 +39,9 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
     """Run one experiment once per training seed (`seeds`, default the experiment's own: seed 0 is the recipes as
     written, seed N > 0 trains every run with train.seed = N under root/<exp>/seed-N); `extra`: training settings
     every run gets after the experiment's own (`--set`; the post-training phases' recipes excepted); `base` and
-    `options` (keyword arguments of the experiment's function, e.g. sft's held_out) exist for tests. The report opens with the findings across seeds, then seed 0's report; every other
-    seed's report is written beside it (<exp>/seed-N.md)."""
+    `options` (keyword arguments of the experiment's function, e.g. sft's held_out) exist for tests. The report
+    opens with the findings across seeds, then seed 0's report; every other seed's report is written beside it
+    (<exp>/seed-N.md)."""
     if exp not in REGISTRY:
         raise InputError(f"experiment {exp!r} is unknown{closest(exp, EXPERIMENTS)}; "
                          f"accepted: {', '.join(EXPERIMENTS)}")
