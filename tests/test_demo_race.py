@@ -269,7 +269,8 @@ def test_reproduce_set_reaches_every_run_and_a_setting_a_run_refuses_is_said_bef
                                                                                               capsys):
     """`fullband reproduce EXP --set KEY=VALUE`: the settings reach reproduce() (which applies them to every run and
     names them in the report: tests/test_warmstart.py's keep test); a mistyped key, or a value one of the
-    experiment's recipes refuses, is one line naming the run, before any folder is made."""
+    experiment's recipes refuses, is one line naming the run, before any folder is made; so is a setting the
+    experiment gives each run itself (after --set's), with what to use instead."""
     from fullband.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -280,6 +281,10 @@ def test_reproduce_set_reaches_every_run_and_a_setting_a_run_refuses_is_said_bef
         said = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"--set train.dtype=\"float32\" {bad}: the run 'one-two' of stability: " in said and words in said
         assert not list(tmp_path.iterdir())
+    assert main(["reproduce", "stability", "--set", "train.seed=3", *out]) == 2  # the experiment's own, after --set
+    assert "--set train.seed=3: train.seed is set by `fullband reproduce` for each run, after --set; accepted: " \
+           "--seeds N" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
     calls = []
     monkeypatch.setattr("fullband.reproduce.reproduce", lambda exp, **kw: calls.append((exp, kw)))
     assert main(["reproduce", "warmstart-keep", "--set", 'train.dtype="bfloat16"', "--set", "train.threads=2"]) == 0

@@ -32,6 +32,10 @@ EXPERIMENTS = tuple(REGISTRY)
 
 
 MAX_SEEDS = 100
+# settings reproduce() gives each run itself (after --set's): what to use instead
+OWNED = {"train.seed": "--seeds N (seed 0 is the recipes as written, seed N sets train.seed = N)",
+         "log.run_dir": "--root DIR (each run's folder is DIR/<experiment>/<run>)",
+         "log.eval_every": "the experiment's own (its curves are read at the steps it chooses)"}
 
 
 def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "docs/results", base: str = BASE,
@@ -56,6 +60,11 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
         from fullband.errors import ConfigError
         from fullband.train.config import load_run_config
 
+        for pair in extra:
+            key = pair.partition("=")[0].strip()
+            if key in OWNED:
+                raise InputError(f"--set {pair}: {key} is set by `fullband reproduce` for each run, after --set; "
+                                 f"accepted: {OWNED[key]}")
         for run in experiment.runs():
             try:
                 load_run_config(run.config or base, [*run.overrides, *extra])
