@@ -269,8 +269,9 @@ def test_reproduce_set_reaches_every_run_and_a_setting_a_run_refuses_is_said_bef
                                                                                               capsys):
     """`fullband reproduce EXP --set KEY=VALUE`: the settings reach reproduce() (which applies them to every run and
     names them in the report: tests/test_warmstart.py's keep test); a mistyped key, or a value one of the
-    experiment's recipes refuses, is one line naming the run, before any folder is made; so is a setting the
-    experiment gives each run itself (after --set's), with what to use instead."""
+    experiment's recipes refuses, is one line naming the run, before any folder is made (for `all`, before the first
+    experiment trains); so is a setting the experiment gives each run itself (after --set's), with what to use
+    instead."""
     from fullband.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -290,6 +291,10 @@ def test_reproduce_set_reaches_every_run_and_a_setting_a_run_refuses_is_said_bef
     assert main(["reproduce", "warmstart-keep", "--set", 'train.dtype="bfloat16"', "--set", "train.threads=2"]) == 0
     assert main(["reproduce", "probe"]) == 0
     assert [kw["extra"] for _, kw in calls] == [['train.dtype="bfloat16"', "train.threads=2"], None]
+    # `all`: every experiment's runs are checked before the first trains (one pass: stability, the first, takes it;
+    # the warm start refuses it)
+    assert main(["reproduce", "all", "--set", 'train.passes="none"']) == 2 and len(calls) == 2
+    assert "of warmstart: " in capsys.readouterr().err
 
 
 def test_reproduce_threads_sets_the_race_grids_thread_counts(monkeypatch, capsys):

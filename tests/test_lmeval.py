@@ -73,8 +73,7 @@ def setup(tmp_path_factory):
 def test_simple_evaluate_scores_like_the_model(setup, mode, k):
     tmp, rows, gens = setup
     lm = FullbandHarnessLM(checkpoint=str(tmp / "ckpt"), mode=mode, prefill_passes=k, batch_size=2)
-    res = lm_eval.simple_evaluate(model=lm, tasks=["fb_mc", "fb_gen"], task_manager=tasks(tmp),
-                                  log_samples=True)
+    res = lm_eval.simple_evaluate(model=lm, tasks=["fb_mc", "fb_gen"], task_manager=tasks(tmp), log_samples=True)
     assert set(res["results"]) == {"fb_mc", "fb_gen"}
     tok = ByteTokenizer()
     samples = sorted(res["samples"]["fb_mc"], key=lambda s: s["doc_id"])

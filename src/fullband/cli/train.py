@@ -107,7 +107,7 @@ LONG = ("warmstart-long", "warmstart-keep")  # trained invocation by invocation,
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from fullband.reproduce import reproduce
+    from fullband.reproduce import check_extra, reproduce
 
     options = {}
     scaled = ("compare", "warmstart", *LONG, "robustness")  # the experiments that take --scale
@@ -143,7 +143,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                              "accepted: drop it (the other experiments fix each run's threads in its recipe)")
         threads = tuple(sorted(set(args.threads)))
         options["machine_threads" if args.scale == "race" else "threads"] = threads
-    for exp in REGISTRY if args.experiment == "all" else [args.experiment]:
+    chosen = list(REGISTRY) if args.experiment == "all" else [args.experiment]
+    for exp in chosen:  # every experiment's --set checked before the first trains
+        check_extra(exp, args.set)
+    for exp in chosen:
         reproduce(exp, root=args.root, docs=args.docs, seeds=args.seeds, extra=args.set, **options)
     return 0
 

@@ -21,8 +21,8 @@ from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware,
 from fullband.reproduce.seeds import FINDINGS_FILE, SEEDS_FILE, Findings, across, across_lines
 from fullband.validate import integer
 
-__all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "gate_section", "hardware", "reproduce",
-           "train_run"]
+__all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "check_extra", "gate_section", "hardware",
+           "reproduce", "train_run"]
 
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
@@ -56,20 +56,7 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
     name = exp if scale in (None, "cpu") else f"{exp}-{scale}"  # another scale's study is a report of its own
     if experiment.check is not None:
         experiment.check(**options)  # before any folder is made
-    if extra:  # a mistyped key, or a value one of the runs' recipes refuses, is said before anything is trained
-        from fullband.errors import ConfigError
-        from fullband.train.config import load_run_config
-
-        for pair in extra:
-            key = pair.partition("=")[0].strip()
-            if key in OWNED:
-                raise InputError(f"--set {pair}: {key} is set by `fullband reproduce` for each run, after --set; "
-                                 f"accepted: {OWNED[key]}")
-        for run in experiment.runs():
-            try:
-                load_run_config(run.config or base, [*run.overrides, *extra])
-            except ConfigError as err:
-                raise InputError(f"--set {' '.join(extra)}: the run {run.name!r} of {exp}: {err}") from None
+    check_extra(exp, extra, base)  # before anything is trained
     check_no_loop(root, "--root")
     root, docs = Path(root) / name, Path(docs)
     figs = make_folder(docs / name, "--docs folder")
@@ -110,6 +97,24 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
                                  + gate_section(root, kept=figs / GATES_FILE)) + "\n")
     print(f"wrote {out}")
     return out
+
+
+def check_extra(exp: str, extra: list[str] | None, base: str = BASE) -> None:
+    """InputError, naming the run, where `extra` (--set) gives a mistyped key, a value one of the experiment's recipes
+    refuses, or a setting the experiment gives each run itself (OWNED)."""
+    from fullband.errors import ConfigError
+    from fullband.train.config import load_run_config
+
+    for pair in extra or ():
+        key = pair.partition("=")[0].strip()
+        if key in OWNED:
+            raise InputError(f"--set {pair}: {key} is set by `fullband reproduce` for each run, after --set; "
+                             f"accepted: {OWNED[key]}")
+    for run in REGISTRY[exp].runs() if extra else ():
+        try:
+            load_run_config(run.config or base, [*run.overrides, *extra])
+        except ConfigError as err:
+            raise InputError(f"--set {' '.join(extra)}: the run {run.name!r} of {exp}: {err}") from None
 
 
 def _seed_lines(name: str, figs: Path, per_seed: dict[int, Findings]) -> list[str]:
