@@ -21,8 +21,8 @@ from fullband.reproduce.runner import BASE, Experiment, Run, Settings, hardware,
 from fullband.reproduce.seeds import FINDINGS_FILE, SEEDS_FILE, Findings, across, across_lines
 from fullband.validate import integer
 
-__all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "check_extra", "gate_section", "hardware",
-           "reproduce", "train_run"]
+__all__ = ["BASE", "EXPERIMENTS", "REGISTRY", "Experiment", "Run", "Settings", "check_extra", "gate_section",
+           "hardware", "reproduce", "train_run"]
 
 # the experiments, in the order `fullband reproduce all` runs them: adding one is a module with its EXPERIMENT
 REGISTRY: dict[str, Experiment] = {m.EXPERIMENT.name: m.EXPERIMENT
