@@ -66,7 +66,7 @@ def test_reproduce_with_two_seeds_trains_each_reports_the_spread_and_reuses_the_
     base = write_config(tmp_path, corpus, cache, "base", steps=3, ckpt_every=0)
     options = dict(root=tmp_path / "runs", docs=tmp_path / "docs", base=str(base), extra=SMALL, seeds=2)
     text = reproduce("data-efficiency", **options).read_text()
-    assert "`fullband reproduce data-efficiency --seeds 2`" in text
+    assert "`fullband reproduce data-efficiency --seeds 2 " + " ".join(f"--set {o}" for o in SMALL) + "`" in text
     assert "## Across seeds" in text and "## Seed 0" in text and "[seed 1](data-efficiency/seed-1.md)" in text
     docs = tmp_path / "docs" / "data-efficiency"
     seed1 = (docs / "seed-1.md").read_text()
