@@ -7,6 +7,7 @@ with `fullband.generate` on the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -64,10 +65,9 @@ def engine(path, **kwargs):
 def shut(llm) -> None:
     import psutil
 
-    try:
+    # vLLM's kill_process_tree may name a worker that exited meanwhile: gone, as asked
+    with contextlib.suppress(psutil.NoSuchProcess):
         llm.llm_engine.engine_core.shutdown()
-    except psutil.NoSuchProcess:  # vLLM's kill_process_tree names a worker that exited meanwhile: gone, as asked
-        pass
     del llm
     gc.collect()
 
