@@ -328,6 +328,7 @@ def test_reproduce_warmstart_options_are_checked_before_anything_is_written(tmp_
         reproduce("warmstart", root=tmp_path / "r", docs=tmp_path / "d", scale="huge")
     assert not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
     assert main(["reproduce", "stability", "--model", "x.gguf", "--root", str(tmp_path / "r")]) != 0
+    assert main(["reproduce", "warmstart", "--cooldown", "300", "--root", str(tmp_path / "r")]) != 0
     assert main(["reproduce", "warmstart", "--model", str(tmp_path / "none"), "--root", str(tmp_path / "r"),
                  "--docs", str(tmp_path / "d")]) != 0
     assert not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
@@ -383,9 +384,21 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
     mine, theirs = (load_file(str(c / "step_000010" / "model.safetensors")) for c in (branch, scratch.parent))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert (runs / "everything-blend-match" / "step_000008" / "model.safetensors").is_file()
-    for bad in (0, float("inf"), float("nan")):
-        with pytest.raises(InputError, match=f"--budget {bad}: accepted: a finite number of minutes > 0"):
+    # --budget 0 trains nothing more; --cooldown cools over another length, on a branch of its own
+    text = reproduce("warmstart-long", budget=0, cooldown=3, **args).read_text()
+    assert "continued for 3 more steps" in text and "| cooled | 704 |" in text and "**Finished: 8 steps" in text
+    assert (runs / "everything-blend-match-cooled3-8" / "step_000011").is_dir() and (branch / "step_000010").is_dir()
+    assert [c.name for c in (runs / "everything-blend-match").glob("step_*")] == ["step_000008"]
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(InputError, match=f"--budget {bad}: accepted: a finite number of minutes >= 0"):
             reproduce("warmstart-long", budget=bad, **args)
+    for bad, why in ((0, "is invalid; accepted: an integer 1 <= --cooldown < 9"), (9, "is invalid"),
+                     (1.5, r"must be an integer \(got float\)")):
+        with pytest.raises(InputError, match=f"--cooldown={bad} {why}"):
+            reproduce("warmstart-long", budget=0, cooldown=bad, **args)
+    with pytest.raises(InputError, match="--budget 0 reads the run's latest checkpoint, and .* has none yet"):
+        reproduce("warmstart-long", budget=0, **{**args, "root": tmp_path / "fresh"})
+    assert not (tmp_path / "fresh" / "warmstart-long-micro" / "everything-blend-match").exists()
 
 
 def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_llama, tmp_path):
@@ -428,4 +441,7 @@ def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_ll
     with pytest.raises(InputError, match=r"holds the replies to 4 prompts .* asks for 6 other ones.*--replies 4"):
         reproduce("warmstart-keep", budget=1e-9, replies=6, **args)  # the run's corpus must not change under it
     assert (root / "replay.jsonl").stat().st_mtime_ns == stamp
+    with pytest.raises(InputError, match="--budget 0 reads the run's latest checkpoint"):  # before any reply is sampled
+        reproduce("warmstart-keep", budget=0, **{**args, "root": tmp_path / "fresh"})
+    assert not (tmp_path / "fresh" / "warmstart-keep-micro" / "replay.jsonl").exists()
     assert keep.replay_spec("cpu", 1020) == keep.Replay(680, 340, 128) and keep.replay_spec("cpu", None).python == 100

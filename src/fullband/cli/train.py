@@ -123,6 +123,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                          f"{args.experiment!r}; accepted: drop it, or run one of those")
     if args.budget is not None and args.experiment in LONG:
         options["budget"] = args.budget
+    if args.cooldown is not None:
+        if args.experiment not in LONG:
+            raise InputError(f"--cooldown applies to `fullband reproduce {' / '.join(LONG)}` only, not to "
+                             f"{args.experiment!r}; accepted: drop it, or run one of those")
+        options["cooldown"] = args.cooldown
     if args.replies is not None:
         if args.experiment != "warmstart-keep":
             raise InputError(f"--replies applies to `fullband reproduce warmstart-keep` only, not to "
@@ -170,8 +175,12 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
         "Llama to add latent feedback to (a .gguf file or a transformers folder; default shipped:smollm2)"),
     opt("--budget", type=float, default=None, metavar="MIN", help="compare: start no new run after MIN minutes, "
         "then report the finished runs and list the rest (a rerun goes on); warmstart-long and warmstart-keep: "
-        "train at most MIN minutes in this invocation (default 90), then report the curve so far and the latest "
-        "checkpoint cooled over 100 more steps (about 10 min more on 2 cores; a rerun extends the curve)"),
+        "train at most MIN minutes in this invocation (default 90; 0: none, the latest checkpoint read), then report the "
+        "curve so far and the latest checkpoint cooled over 100 more steps (about 10 min more on 2 cores; a rerun "
+        "extends the curve)"),
+    opt("--cooldown", type=int, default=None, metavar="STEPS", help="warmstart-long and warmstart-keep: cool the "
+        "latest checkpoint over STEPS more steps in place of 100 (its own branch, beside the default one); with "
+        "--budget 0, a longer cooldown of the run as it stands"),
     opt("--replies", type=int, default=None, metavar="N", help="warmstart-keep: the count of chat prompts the "
         "pretrained model answers for the replay (default 300 at --scale cpu; a third questions on the standard "
         "library, the rest word problems), sampled once when the run starts; a rerun must ask for the same"),

@@ -55,9 +55,12 @@ class Settings:
 
 
 def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None = None,
-              eval_every: int = 0) -> tuple[Path, float]:
+              eval_every: int = 0, train_more: bool = True) -> tuple[Path, float]:
     """Train (or reuse / resume) runs under root/<name>; returns the final checkpoint and the wall time spent.
-    `eval_every` > 0 logs held-out losses every so many steps (metrics.jsonl, for curves)."""
+    `eval_every` > 0 logs held-out losses every so many steps (metrics.jsonl, for curves); train_more=False: the run's
+    latest checkpoint as it is (its recipe checked as for a resume; InputError when it has none), nothing trained."""
+    from fullband.errors import InputError
+    from fullband.train.checkpoint import list_checkpoints
     from fullband.train.config import load_run_config
     from fullband.train.trainer import train
 
@@ -66,7 +69,9 @@ def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None 
                  f"log.eval_every={eval_every}"]
     cfg = load_run_config(run.config or settings.base, overrides)
     _same_recipe(run_dir, cfg)
-    return _reused(run, run_dir, cfg.train.steps, lambda resume: train(cfg, resume=resume))
+    if not train_more and not list_checkpoints(run_dir):
+        raise InputError(f"the run {run_dir} has no checkpoint to read, and this invocation trains nothing")
+    return _reused(run, run_dir, cfg.train.steps if train_more else 0, lambda resume: train(cfg, resume=resume))
 
 
 def _same_recipe(run_dir: Path, cfg) -> None:

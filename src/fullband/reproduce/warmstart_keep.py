@@ -57,8 +57,8 @@ def runs() -> list[Run]:
 
 
 def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, corpus: str = "stdlib",
-          replies: int | None = None) -> None:
-    long.check(scale=scale, model=model, budget=budget)
+          replies: int | None = None, cooldown: int | None = None) -> None:
+    long.check(scale=scale, model=model, budget=budget, cooldown=cooldown)
     if replies is not None:
         integer("--replies", replies, 2, below=MAX_REPLIES + 1, error=InputError)
     if not isinstance(corpus, str) or not corpus.strip():
@@ -66,12 +66,14 @@ def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, corpus: 
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu", model: str = "",
-           budget: float = 90.0, corpus: str = "stdlib", replies: int | None = None) -> list[str]:
+           budget: float = 90.0, corpus: str = "stdlib", replies: int | None = None,
+           cooldown: int | None = None) -> list[str]:
     """`corpus` (tests): the training corpus the replay is mixed into; `replies`: the count of the replay's prompts
-    (default the scale's)."""
+    (default the scale's); `budget` and `cooldown` as warmstart-long's."""
     from fullband.gguf_file import SHIPPED
 
-    check(scale=scale, model=model, budget=budget, corpus=corpus, replies=replies)
+    check(scale=scale, model=model, budget=budget, corpus=corpus, replies=replies, cooldown=cooldown)
+    long.need_checkpoint(root / runs[0].name, budget)  # before the replay is sampled
     sc, model = long.SCALES[scale], model or SHIPPED
     spec = replay_spec(scale, replies)
     replay = written_replies(root, warmstart._base(root, model), spec)
@@ -83,7 +85,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
               f"{spec.arithmetic + spec.python:,} chat prompts (`{REPLAY_FILE}` beside the run) "
               f"mixed in at {SHARE:.0%} of the windows (`data.shares`), `train.anchor = {ANCHOR:g}` held over the "
               "run, the rest as shipped")
-    return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, long.COOLDOWN[scale], recipe,
+    return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, long.cooled_steps(scale, cooldown), recipe,
                              curve_corpus=corpus)
 
 

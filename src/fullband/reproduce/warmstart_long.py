@@ -15,6 +15,7 @@ from pathlib import Path
 from fullband.errors import InputError, closest
 from fullband.reproduce import warmstart
 from fullband.reproduce.runner import Experiment, Run, Settings, config_line, kept, train_run, val_batches
+from fullband.validate import integer
 
 GOAL = 0.05  # nats/token: issue 45's "within" of a fed read to STANDARD
 BLEND_STEPS = 100  # the blend curriculum over the first 100 steps, as the 200-step recipe's first half
@@ -36,12 +37,31 @@ def runs() -> list[Run]:
     return [Run(NAME, ['train.passes="two-pass"', *sets], warmstart.RECIPE)]
 
 
-def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, **_) -> None:
+def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, cooldown: int | None = None, **_) -> None:
     if scale not in SCALES:
         raise InputError(f"--scale {scale!r} is unknown{closest(scale, SCALES)}; accepted: {', '.join(SCALES)}")
-    if not (math.isfinite(budget) and budget > 0):
-        raise InputError(f"--budget {budget}: accepted: a finite number of minutes > 0 of training in this invocation")
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
+        raise InputError(f"--budget {budget}: accepted: a finite number of minutes >= 0 of training in this invocation "
+                         "(0: train nothing more, read and cool the latest checkpoint)")
+    if cooldown is not None:
+        integer("--cooldown", cooldown, 1, below=SCALES[scale].steps + 1, error=InputError)
     warmstart.check(model=model)
+
+
+def cooled_steps(scale: str, cooldown: int | None) -> tuple[int, str]:
+    """The cooled branch's length (--cooldown, default the scale's) and the tag its folder's name carries (none for
+    the default, so a rerun reuses the branch an earlier invocation trained)."""
+    steps = COOLDOWN[scale] if cooldown is None else cooldown
+    return steps, "" if steps == COOLDOWN[scale] else str(steps)
+
+
+def need_checkpoint(run_dir: Path, budget: float) -> None:
+    """InputError before anything is done when `budget` is 0 (train nothing more) and the run has no checkpoint."""
+    from fullband.train.checkpoint import list_checkpoints
+
+    if budget == 0 and not list_checkpoints(run_dir):
+        raise InputError(f"--budget 0 reads the run's latest checkpoint, and {run_dir} has none yet; accepted: minutes "
+                         "> 0 of training")
 
 
 def _overrides(sc, model: str, budget: float) -> list[str]:
@@ -51,30 +71,35 @@ def _overrides(sc, model: str, budget: float) -> list[str]:
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu", model: str = "",
-           budget: float = 90.0) -> list[str]:
+           budget: float = 90.0, cooldown: int | None = None) -> list[str]:
+    """`budget`: minutes of training in this invocation (0: none, the latest checkpoint read); `cooldown`: the cooled
+    branch's steps (default the scale's)."""
     from fullband.gguf_file import SHIPPED
 
-    check(scale=scale, model=model, budget=budget)
+    check(scale=scale, model=model, budget=budget, cooldown=cooldown)
     sc = SCALES[scale]
     model = model or SHIPPED
     return trained_long(runs[0], root, figs, settings, sc, model, budget, _overrides(sc, model, budget),
-                        COOLDOWN[scale], "The shipped warm-start recipe")
+                        cooled_steps(scale, cooldown), "The shipped warm-start recipe")
 
 
 def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model: str, budget: float,
-                 extra: list[str], cooldown: int, recipe: str, *, curve_corpus: str | None = None) -> list[str]:
-    """Train `run` (with `extra` after its overrides) for at most `budget` minutes more, cool its latest checkpoint
-    over `cooldown` more steps, read both and the pretrained model, and return the report's lines; `recipe` names it
+                 extra: list[str], cooldown: tuple[int, str], recipe: str, *,
+                 curve_corpus: str | None = None) -> list[str]:
+    """Train `run` (with `extra` after its overrides) for at most `budget` minutes more (0: not at all), cool its latest
+    checkpoint over `cooldown` = (steps, the tag of the branch's folder: cooled_steps) more steps, read both and the
+    pretrained model, and return the report's lines; `recipe` names it
     in the report's first sentence, `curve_corpus` the entry of a data.shares mix whose held-out windows the curve
     and the reads by mode read (None: the run's whole held-out split)."""
     from fullband.train.checkpoint import read_trainer_state
 
+    need_checkpoint(root / run.name, budget)
     extra = [*extra, f"log.eval_chats={json.dumps(str(_held_out_chats(root, sc)))}"]  # chat as a curve
-    ckpt, _ = train_run(root, run, settings, extra, eval_every=sc.eval_every)
+    ckpt, _ = train_run(root, run, settings, extra, eval_every=sc.eval_every, train_more=budget > 0)
     state = read_trainer_state(ckpt)
     curve = warmstart._curve(root / run.name, curve_corpus)
     reads = [("pretrained", warmstart._base(root, model)), (run.name, ckpt)]
-    cool = _cooled(root, run, ckpt, cooldown)
+    cool = _cooled(root, run, ckpt, *cooldown)
     if cool["run"] is not None:
         cooled_ckpt, _ = train_run(root, cool["run"], settings, [*extra, *cool["sets"]])
         reads.append((COOLED, cooled_ckpt))
@@ -110,7 +135,7 @@ def _held_out_chats(root: Path, sc) -> Path:
     return path
 
 
-def _cooled(root: Path, run: Run, ckpt: Path, steps: int) -> dict:
+def _cooled(root: Path, run: Run, ckpt: Path, steps: int, tag: str = "") -> dict:
     """The long run's checkpoint `ckpt` (step S) continued with a cooldown: the learning rate falling linearly to 0
     over `steps` more steps, what the recipe gives when stopped at S + steps. It is a run of its own whose recipe is
     the long run's with S + steps steps, the cooldown over the last `steps` and every weight that falls over a
@@ -119,11 +144,11 @@ def _cooled(root: Path, run: Run, ckpt: Path, steps: int) -> dict:
     checkpoint's files linked, not copied) and it resumes from there (trained from scratch, it gives the same model).
     A later invocation branches again from its own latest checkpoint. -> {"run": the branch, "sets": the settings it
     changes (applied after the long run's), "steps"}; run None (and "why") while S + steps is inside the blend
-    curriculum, which a branch cannot end where the long run does."""
+    curriculum, which a branch cannot end where the long run does. Its folder: <run>-cooled<tag>-<S>."""
     branch = branch_settings(ckpt, steps)
     if "why" in branch:
         return {"run": None, "steps": steps, "why": branch["why"]}
-    run = Run(f"{run.name}-{COOLED}-{branch['start']}", run.overrides, run.config)
+    run = Run(f"{run.name}-{COOLED}{tag}-{branch['start']}", run.overrides, run.config)
     if not (root / run.name).exists():
         _branch_from(ckpt, root / run.name, branch["settings"])
     return {"run": run, "sets": branch["sets"], "steps": steps}
@@ -193,8 +218,10 @@ def _write(run: Run, extra: list[str], state: dict, curve_lines: list[str], eval
              f"within {GOAL} nats/token of the same model's STANDARD read. "
              + (f"**Finished: {step:,} steps, {tokens:,} tokens.**" if finished else
                 f"**Trained so far: step {step:,} of {sc.steps:,} ({tokens:,} tokens, {state['elapsed'] / 60:.0f} "
-                f"min of training); this invocation trained at most {budget:g} minutes, and the next one extends "
-                "the curve.**"),
+                f"min of training); "
+                + (f"this invocation trained at most {budget:g} minutes" if budget > 0 else
+                   "this invocation trained nothing more (`--budget 0`)")
+                + ", and the next one extends the curve.**"),
              f"Each invocation also reads the latest checkpoint **cooled**: continued for {cool['steps']} more steps "
              "with the learning rate falling linearly to 0 (and the weights that fall over the run on their own "
              "line), what the recipe gives when stopped there, as a schedule with a cooldown would stop it; the "
