@@ -387,6 +387,7 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
     # --budget 0 trains nothing more; --cooldown cools over another length, on a branch of its own
     text = reproduce("warmstart-long", budget=0, cooldown=3, **args).read_text()
     assert "continued for 3 more steps" in text and "| cooled | 704 |" in text and "**Finished: 8 steps" in text
+    assert f" --model {tiny_llama / 'llama'} --cooldown 3` (runs under" in text  # the options that change the report
     assert (runs / "everything-blend-match-cooled3-8" / "step_000011").is_dir() and (branch / "step_000010").is_dir()
     assert [c.name for c in (runs / "everything-blend-match").glob("step_*")] == ["step_000008"]
     for bad in (-1, float("inf"), float("nan")):

@@ -175,9 +175,9 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
         "Llama to add latent feedback to (a .gguf file or a transformers folder; default shipped:smollm2)"),
     opt("--budget", type=float, default=None, metavar="MIN", help="compare: start no new run after MIN minutes, "
         "then report the finished runs and list the rest (a rerun goes on); warmstart-long and warmstart-keep: "
-        "train at most MIN minutes in this invocation (default 90; 0: none, the latest checkpoint read), then report the "
-        "curve so far and the latest checkpoint cooled over 100 more steps (about 10 min more on 2 cores; a rerun "
-        "extends the curve)"),
+        "train at most MIN minutes in this invocation (default 90; 0: none, the latest checkpoint read), then report "
+        "the curve so far and the latest checkpoint cooled over 100 more steps (about 10 min more on 2 cores; a "
+        "rerun extends the curve)"),
     opt("--cooldown", type=int, default=None, metavar="STEPS", help="warmstart-long and warmstart-keep: cool the "
         "latest checkpoint over STEPS more steps in place of 100 (its own branch, beside the default one); with "
         "--budget 0, a longer cooldown of the run as it stands"),

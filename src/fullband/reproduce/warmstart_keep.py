@@ -85,8 +85,8 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
               f"{spec.arithmetic + spec.python:,} chat prompts (`{REPLAY_FILE}` beside the run) "
               f"mixed in at {SHARE:.0%} of the windows (`data.shares`), `train.anchor = {ANCHOR:g}` held over the "
               "run, the rest as shipped")
-    return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, long.cooled_steps(scale, cooldown), recipe,
-                             curve_corpus=corpus)
+    cool = long.cooled_steps(scale, cooldown)
+    return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, cool, recipe, curve_corpus=corpus)
 
 
 def prompts(spec: Replay) -> list[dict]:

@@ -88,9 +88,9 @@ def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model
                  curve_corpus: str | None = None) -> list[str]:
     """Train `run` (with `extra` after its overrides) for at most `budget` minutes more (0: not at all), cool its latest
     checkpoint over `cooldown` = (steps, the tag of the branch's folder: cooled_steps) more steps, read both and the
-    pretrained model, and return the report's lines; `recipe` names it
-    in the report's first sentence, `curve_corpus` the entry of a data.shares mix whose held-out windows the curve
-    and the reads by mode read (None: the run's whole held-out split)."""
+    pretrained model, and return the report's lines; `recipe` names it in the report's first sentence, `curve_corpus`
+    the entry of a data.shares mix whose held-out windows the curve and the reads by mode read (None: the run's whole
+    held-out split)."""
     from fullband.train.checkpoint import read_trainer_state
 
     need_checkpoint(root / run.name, budget)
