@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_resume_is_bitwise, micro_start, objective_term, random_ids, tiny_model, write_config
+from conftest import MICRO_MODEL, assert_resume_is_bitwise, losses, micro_start, objective_term, random_ids, tiny_model, write_config
 from fullband.errors import ConfigError, InputError
 from fullband.model.objective import objective
 from test_distill import SMALL, _pass_logits, _targets  # the same small model, targets and per-pass logits
@@ -66,12 +66,28 @@ def test_the_terms_gradient_matches_finite_differences_in_float64():
     assert all(float(g.abs().sum()) > 0 for g in grads)
 
 
-def _anchored(tmp_path, corpus, cache, name, **kw):
+def _anchored(tmp_path, corpus, cache, name, anchor_from: str = "", **kw):
     path = write_config(tmp_path, corpus, cache, name, **kw)
     start = micro_start(tmp_path)
+    held = f'anchor_from = "{anchor_from}"\n' if anchor_from else ""
     path.write_text(path.read_text().replace("[train]\n", f'[train]\nanchor = 0.5\nanchor_until = 0.5\n'
-                                                           f'init_from = "{start}"\n'))
+                                                           f'init_from = "{start}"\n{held}'))
     return path
+
+
+def _other_model(tmp_path, name: str, seed: int, **sizes):
+    """A model folder of the micro recipe's model (other sizes where given), drawn with another seed."""
+    import tomllib
+
+    from fullband.data.tokenizer import ByteTokenizer
+    from fullband.model.config import ModelConfig
+    from fullband.model.decoder import FullbandLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        FullbandLM(ModelConfig(**{**tomllib.loads(MICRO_MODEL), **sizes})).save(tmp_path / name,
+                                                                                  tokenizer=ByteTokenizer())
+    return tmp_path / name
 
 
 def test_training_holds_a_frozen_copy_of_the_start_and_logs_the_term_its_weight_and_flops(tmp_path, corpus, cache):
@@ -110,6 +126,44 @@ def test_an_anchored_run_resumes_bitwise(tmp_path, corpus, cache, monkeypatch):
     assert_resume_is_bitwise(whole, part, monkeypatch, stop_before=6, last="step_000009")
 
 
+def test_anchor_from_names_the_model_the_passes_are_held_to(tmp_path, corpus, cache):
+    """train.anchor_from: the run's own start named there trains bit for bit as the default; another model of the
+    run's sizes is the frozen one (its weights, not the start's), and the term moves with it; a model that lacks
+    weights a STANDARD read needs is refused before a step."""
+    from safetensors.torch import load_file
+
+    from fullband.train.build import anchor_model
+    from fullband.train.config import load_run_config
+    from fullband.train.trainer import Trainer
+
+    def trained(name, anchor_from=""):
+        trainer = Trainer(load_run_config(_anchored(tmp_path, corpus, cache, name, anchor_from, steps=3)))
+        frozen = {k: v.clone() for k, v in trainer.anchor.state_dict().items()}
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return frozen, losses(tmp_path / name), [r["anchor"] for r in rows if "loss_pass" in r]
+
+    own, own_losses, own_terms = trained("own")
+    named, named_losses, named_terms = trained("named", str(micro_start(tmp_path)))
+    assert named_losses == own_losses and named_terms == own_terms
+    assert all(torch.equal(own[k], named[k]) for k in own if not k.startswith("fusion."))
+    other = _other_model(tmp_path, "other", seed=12)
+    held, _, held_terms = trained("held", str(other))
+    weights = load_file(str(other / "model.safetensors"))
+    assert all(torch.equal(held[k], v) for k, v in weights.items() if not k.startswith("fusion."))
+    assert not torch.equal(held["embed.weight"], own["embed.weight"])
+    # step 1 runs one pass of the start itself: held to the start its KL is 0, held to another model it is not
+    assert own_terms[0] == 0.0 < held_terms[0]
+    small = _other_model(tmp_path, "small", seed=12, n_layers=1)
+    cfg = load_run_config(_anchored(tmp_path, corpus, cache, "small-run", str(small), steps=3))
+    with pytest.raises(ConfigError, match=r"train\.anchor_from='.*small' lacks weights a STANDARD read of this model "
+                                          r"needs \(name and shape\): blocks\.1\..*; accepted: a model of the run's sizes"):
+        anchor_model(cfg, torch.device("cpu"))
+
+
 def test_config_errors():
     from fullband.train.config import RunConfig, TrainConfig
 
@@ -126,3 +180,15 @@ def test_config_errors():
             make()
         assert "\n" not in str(err.value)
     RunConfig(train=TrainConfig(anchor=0.1, init_from="somewhere"))  # accepted (the folder is read at the start)
+    RunConfig(train=TrainConfig(anchor=0.1, anchor_from="somewhere"))  # a random start held to a named model
+    from fullband.model.config import ModelConfig
+
+    for make, match in [
+            (lambda: RunConfig(train=TrainConfig(anchor=0.0, init_from="a", anchor_from="b")),
+             r"train\.anchor_from='b' names the anchor's model, but train\.anchor = 0 computes no anchor; accepted: "
+             r"train\.anchor > 0, or train\.anchor_from = ''"),
+            (lambda: RunConfig(model=ModelConfig(hf_path="h"), train=TrainConfig(anchor=0.1, anchor_from="b")),
+             r"train\.anchor_from='b' with model\.hf_path='h': a wrapped transformers model is anchored to its own "
+             r"start; accepted: one of them")]:
+        with pytest.raises(ConfigError, match=match):
+            make()

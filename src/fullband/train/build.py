@@ -163,13 +163,23 @@ def build_model(cfg: RunConfig, *, warm: bool = True, say: bool = True) -> tuple
 
 
 def anchor_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    """The frozen model train.anchor draws every pass towards: the run's starting point (train.init_from or
-    model.hf_path, warm-started as the run was, before any step), without gradients, in eval mode; read STANDARD,
-    its fusion is never used. Built in a forked random stream: the run's own draws are untouched, and a resumed run
-    builds the same one."""
+    """The frozen model train.anchor draws every pass towards: train.anchor_from, else the run's starting point
+    (train.init_from or model.hf_path, warm-started as the run was, before any step), without gradients, in eval mode;
+    read STANDARD, its fusion is never used. Built in a forked random stream: the run's own draws are untouched, and a
+    resumed run builds the same one."""
+    source = cfg.train.anchor_from
     with torch.random.fork_rng(devices=[]):
-        model, _ = build_model(cfg, warm=True, say=False)
+        model = FullbandLM(cfg.model) if source else build_model(cfg, warm=True, say=False)[0]
+    if source:
+        missing = [k for k in warm_start(model, source, say=False, key="train.anchor_from")["fresh"] if not k.startswith(UNREAD_BY_STANDARD)]
+        if missing:
+            raise ConfigError(f"train.anchor_from={source!r} lacks weights a STANDARD read of this model needs (name "
+                              f"and shape): {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; accepted: a "
+                              "model of the run's sizes")
     return model.requires_grad_(False).eval().to(device)
+
+
+UNREAD_BY_STANDARD = ("fusion.", "latent_head.")  # weights a STANDARD (one-pass) read never touches
 
 
 def hf_model_config(cfg: RunConfig) -> ModelConfig:
@@ -193,7 +203,7 @@ def hf_model_config(cfg: RunConfig) -> ModelConfig:
     return filled
 
 
-def warm_start(model: FullbandLM, path: str, *, say: bool = True) -> dict:
+def warm_start(model: FullbandLM, path: str, *, say: bool = True, key: str = "train.init_from") -> dict:
     """Copy every weight of the model folder `path` whose name and shape match (e.g. a standard checkpoint into
     a full-bandwidth model: the fusion weights keep their fresh initialisation), or of a pretrained Llama (a GGUF
     file or transformers folder, converted as `fullband convert` converts it; its fusion weights are not copied:
@@ -223,7 +233,7 @@ def warm_start(model: FullbandLM, path: str, *, say: bool = True) -> dict:
             copied[k] = rows
             grown[k] = [old.shape[0], rows.shape[0]]
     if not copied:
-        raise ConfigError(f"train.init_from={path!r} shares no weight (name and shape) with this model")
+        raise ConfigError(f"{key}={path!r} shares no weight (name and shape) with this model")
     model.load_state_dict(copied, strict=False)
     fresh = sorted(k for k in own if k not in copied)
     grew = "".join(f"; {k} grown {a} -> {b} rows (new rows: the mean of the old)" for k, (a, b) in grown.items())

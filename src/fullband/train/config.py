@@ -124,6 +124,9 @@ class TrainConfig:
     anchor: float = 0.0  # the anchor (docs/method.md, section 6): anchor * the mean over every pass of KL(the run's
     # starting model read STANDARD, frozen || the pass's next-token distribution), the weight falling linearly to 0
     # at anchor_until x steps; needs a starting model (train.init_from or model.hf_path); 0: off (nothing computed)
+    anchor_from: str = ""  # the model train.anchor holds the passes to: '' the run's start (train.init_from or
+    # model.hf_path); else a model folder, GGUF file (shipped:NAME) or transformers Llama folder of this model's sizes
+    # (e.g. the pretrained model, when a run starts from a fed checkpoint of it)
     anchor_until: float = 1.0  # the fraction of the steps at which train.anchor's weight reaches 0 (> 0; above 1:
     # still above 0 at the last step, falling as in a run that much longer)
     block_match: float = 0.0  # the block match (docs/method.md, section 6): block_match * the mean over passes 2..k
@@ -252,10 +255,17 @@ class RunConfig:
                        f"train.passes={self.train.passes!r} runs one pass, the teacher itself")
                 raise ConfigError(f"train.{key}={weight} draws fed passes towards the first pass's {what}, but {why}; "
                                   f"accepted: train.{key} = 0, or a model with feedback trained with several passes")
-        if self.train.anchor > 0 and not (self.train.init_from or self.model.hf_path):
-            raise ConfigError(f"train.anchor={self.train.anchor} draws every pass towards the model the run starts "
+        t = self.train
+        if t.anchor > 0 and not (t.init_from or self.model.hf_path or t.anchor_from):
+            raise ConfigError(f"train.anchor={t.anchor} draws every pass towards the model the run starts "
                               "from, but this run starts from a random initialisation; accepted: train.anchor = 0, "
-                              "or a warm start (train.init_from or model.hf_path)")
+                              "or a warm start (train.init_from or model.hf_path), or train.anchor_from")
+        if t.anchor_from and t.anchor == 0:
+            raise ConfigError(f"train.anchor_from={t.anchor_from!r} names the anchor's model, but train.anchor = 0 "
+                              "computes no anchor; accepted: train.anchor > 0, or train.anchor_from = ''")
+        if t.anchor_from and self.model.hf_path:
+            raise ConfigError(f"train.anchor_from={t.anchor_from!r} with model.hf_path={self.model.hf_path!r}: a "
+                              "wrapped transformers model is anchored to its own start; accepted: one of them")
         deepest = self.train.schedule.max_passes
         horizon = getattr(self.train.schedule, "horizon", 0)
         if max(deepest, horizon) > self.train.seq_len + 1:

@@ -24,7 +24,7 @@ MUST_MATCH = ("model", "data", "optim", "train.seq_len", "train.global_batch_tok
               "train.steps", "train.warmup_steps", "train.cooldown_fraction", "train.z_loss",
               "train.decay_wd_in_cooldown", "train.trainable", "train.blend_until",
               "train.latent_loss", "train.distill", "train.distill_until", "train.anchor",
-              "train.anchor_until", "train.block_match", "train.block_match_until")
+              "train.anchor_from", "train.anchor_until", "train.block_match", "train.block_match_until")
 
 
 class RunDir:
@@ -188,7 +188,7 @@ _UNSET = object()
 
 # settings added after runs were recorded without them, with the value that trains as those runs did (its default)
 ADDED = {"train.blend_until": 0.0, "train.latent_loss": 0.0, "train.distill": 0.0, "train.distill_until": 1.0,
-         "train.anchor": 0.0, "train.anchor_until": 1.0, "train.block_match": 0.0, "train.block_match_until": 1.0,
+         "train.anchor": 0.0, "train.anchor_from": "", "train.anchor_until": 1.0, "train.block_match": 0.0, "train.block_match_until": 1.0,
          "rl.teacher": "reference", "rl.hold": 0.0,
          "data.repeat": 0.0, "data.shares": []}
 
