@@ -384,6 +384,7 @@ def test_reproduce_warmstart_long_extends_its_curve_invocation_by_invocation(tin
     mine, theirs = (load_file(str(c / "step_000010" / "model.safetensors")) for c in (branch, scratch.parent))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert (runs / "everything-blend-match" / "step_000008" / "model.safetensors").is_file()
+    assert json.loads((branch / "run.json").read_text())["log"]["run_dir"] == str(branch)  # its own folder
     # --budget 0 trains nothing more; --cooldown cools over another length, on a branch of its own
     text = reproduce("warmstart-long", budget=0, cooldown=3, **args).read_text()
     assert "continued for 3 more steps" in text and "| cooled | 704 |" in text and "**Finished: 8 steps" in text

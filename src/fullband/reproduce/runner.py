@@ -71,6 +71,7 @@ def train_run(root: Path, run: Run, settings: Settings, extra: list[str] | None 
     _same_recipe(run_dir, cfg)
     if not train_more and not list_checkpoints(run_dir):
         raise InputError(f"the run {run_dir} has no checkpoint to read, and this invocation trains nothing")
+    # train_more=False: any checkpoint has reached step 0, so the latest is returned as it stands
     return _reused(run, run_dir, cfg.train.steps if train_more else 0, lambda resume: train(cfg, resume=resume))
 
 

@@ -77,6 +77,7 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
     from fullband.gguf_file import SHIPPED
 
     check(scale=scale, model=model, budget=budget, cooldown=cooldown)
+    need_checkpoint(root / runs[0].name, budget)
     sc = SCALES[scale]
     model = model or SHIPPED
     return trained_long(runs[0], root, figs, settings, sc, model, budget, _overrides(sc, model, budget),
@@ -86,14 +87,14 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
 def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model: str, budget: float,
                  extra: list[str], cooldown: tuple[int, str], recipe: str, *,
                  curve_corpus: str | None = None) -> list[str]:
-    """Train `run` (with `extra` after its overrides) for at most `budget` minutes more (0: not at all), cool its latest
+    """Train `run` (with `extra` after its overrides) for at most `budget` minutes more (0: not at all; the caller
+    has checked that it has a checkpoint, need_checkpoint, before anything it does itself), cool its latest
     checkpoint over `cooldown` = (steps, the tag of the branch's folder: cooled_steps) more steps, read both and the
     pretrained model, and return the report's lines; `recipe` names it in the report's first sentence, `curve_corpus`
     the entry of a data.shares mix whose held-out windows the curve and the reads by mode read (None: the run's whole
     held-out split)."""
     from fullband.train.checkpoint import read_trainer_state
 
-    need_checkpoint(root / run.name, budget)
     extra = [*extra, f"log.eval_chats={json.dumps(str(_held_out_chats(root, sc)))}"]  # chat as a curve
     ckpt, _ = train_run(root, run, settings, extra, eval_every=sc.eval_every, train_more=budget > 0)
     state = read_trainer_state(ckpt)
@@ -192,6 +193,7 @@ def _branch_from(ckpt: Path, run_dir: Path, settings: dict) -> None:
     from fullband.train.metrics import METRICS_FILE
     from fullband.train.rundir import RUN_FILE
 
+    settings = {**settings, "log": {**settings.get("log", {}), "run_dir": str(run_dir)}}  # its own folder, not ckpt's
     with atomic_folder(run_dir, Kind("run directory", frozenset()), action="start the cooled branch") as tmp:
         (tmp / RUN_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         for name in (TOKENIZER_FILE, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE, BYTE_TOKENIZER_FILE, METRICS_FILE):
