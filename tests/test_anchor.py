@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MICRO_MODEL, assert_resume_is_bitwise, losses, micro_start, objective_term, random_ids, tiny_model, write_config
+from conftest import (MICRO_MODEL, assert_resume_is_bitwise, losses, micro_start, objective_term, random_ids,
+                      tiny_model, write_config)
 from fullband.errors import ConfigError, InputError
 from fullband.model.objective import objective
 from test_distill import SMALL, _pass_logits, _targets  # the same small model, targets and per-pass logits
@@ -160,7 +161,8 @@ def test_anchor_from_names_the_model_the_passes_are_held_to(tmp_path, corpus, ca
     small = _other_model(tmp_path, "small", seed=12, n_layers=1)
     cfg = load_run_config(_anchored(tmp_path, corpus, cache, "small-run", str(small), steps=3))
     with pytest.raises(ConfigError, match=r"train\.anchor_from='.*small' lacks weights a STANDARD read of this model "
-                                          r"needs \(name and shape\): blocks\.1\..*; accepted: a model of the run's sizes"):
+                                          r"needs \(name and shape\): blocks\.1\..*; accepted: a model of the run's "
+                                          r"sizes"):
         anchor_model(cfg, torch.device("cpu"))
 
 

@@ -447,3 +447,58 @@ def test_reproduce_warmstart_keep_replays_the_pretrained_models_own_chat(tiny_ll
         reproduce("warmstart-keep", budget=0, **{**args, "root": tmp_path / "fresh"})
     assert not (tmp_path / "fresh" / "warmstart-keep-micro" / "replay.jsonl").exists()
     assert keep.replay_spec("cpu", 1020) == keep.Replay(680, 340, 128) and keep.replay_spec("cpu", None).python == 100
+
+
+def test_warmstart_keep_cools_on_another_mix_held_to_the_pretrained_model(tiny_llama, tmp_path):
+    """--cooldown-replay: the cooled read is a run of its own from the latest checkpoint's weights (kept in a folder
+    beside it), on a mix with the replay at that share, the anchor held to the pretrained model, the falling weights
+    going on from where the long run had them; a rerun reuses it; the options are refused where they do not apply."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from fullband.reproduce import reproduce
+    from fullband.reproduce import warmstart_keep as keep
+
+    model = str(tiny_llama / "llama")
+    extra = ["data.val_percent=20", f'data.cache_dir="{tiny_llama / "cache"}"', "log.progress=false"]
+    args = dict(root=tmp_path / "runs", docs=tmp_path / "docs", scale="micro", seeds=1, model=model, extra=extra,
+                corpus=str(tiny_llama / "prose"))
+    root = tmp_path / "runs" / "warmstart-keep-micro"
+    with pytest.raises(InputError, match=r"--cooldown-anchor 2 weighs .* accepted: with --cooldown-replay SHARE"):
+        reproduce("warmstart-keep", budget=1, cooldown_anchor=2.0, **args)
+    for share in (0, 1, 1.5):
+        with pytest.raises(InputError,
+                           match=rf"--cooldown-replay={share!r} is invalid; accepted: 0 < --cooldown-replay < 1"):
+            reproduce("warmstart-keep", budget=1, cooldown_replay=share, **args)
+    assert not root.exists()
+    reproduce("warmstart-keep", budget=1e-9, **args)  # step 1: inside the blend (to step 4), so no cooled read
+    text = reproduce("warmstart-keep", budget=0, cooldown_replay=0.5, **args).read_text()
+    assert "No cooled read in this invocation: the latest checkpoint (step 1) is inside the blend curriculum" in text
+    text = reproduce("warmstart-keep", budget=60, cooldown=3, cooldown_replay=0.5, cooldown_anchor=2.0,
+                     **args).read_text()  # the run to its end (step 8), then 3 steps on the other mix
+    name = f"{keep.NAME}-cooled3-replay0.5-anchor2-8"
+    cooled, start = root / name, root / f"{name}-start"
+    ckpt = root / keep.NAME / "step_000008"
+    assert (cooled / "step_000003").is_dir() and sorted(p.name for p in start.iterdir()) == sorted(
+        p.name for p in ckpt.iterdir())
+    assert (start / "model.safetensors").stat().st_ino == (ckpt / "model.safetensors").stat().st_ino  # a link
+    long_run = json.loads((root / keep.NAME / "run.json").read_text())
+    saved = json.loads((cooled / "run.json").read_text())
+    t = saved["train"]
+    assert (t["init_from"], saved["data"]["tokenizer"], t["anchor_from"]) == (str(start), str(start), model)
+    assert saved["data"]["shares"] == [0.5, 0.5] and t["anchor"] == 2.0 and t["steps"] == 3
+    assert t["cooldown_fraction"] == 1.0 and t["blend_until"] == 0.0 and saved["model"] == long_run["model"]
+    assert t["block_match"] == 0.0  # the long run's block match reached 0 at its last step, 8
+    first = load_file(str(ckpt / "model.safetensors"))
+    after = load_file(str(cooled / "step_000003" / "model.safetensors"))
+    assert first.keys() == after.keys() and any(not torch.equal(first[k], after[k]) for k in first)
+    assert "a run of its own from the checkpoint's weights" in text and "the replay at **50%**" in text
+    assert f"kept in `{name}-start` beside it" in text and f'train.anchor_from=\\"{model}\\"' not in text
+    assert "--cooldown 3 --cooldown-replay 0.5 --cooldown-anchor 2.0` (runs under" in text
+    stamp = (cooled / "step_000003" / "model.safetensors").stat().st_mtime_ns
+    reproduce("warmstart-keep", budget=0, cooldown=3, cooldown_replay=0.5, cooldown_anchor=2.0, **args)
+    assert (cooled / "step_000003" / "model.safetensors").stat().st_mtime_ns == stamp  # reused
+    from fullband.cli import main
+
+    assert main(["reproduce", "warmstart-long", "--cooldown-replay", "0.5", "--budget", "0"]) == 2

@@ -128,6 +128,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             raise InputError(f"--cooldown applies to `fullband reproduce {' / '.join(LONG)}` only, not to "
                              f"{args.experiment!r}; accepted: drop it, or run one of those")
         options["cooldown"] = args.cooldown
+    for flag, value in (("--cooldown-replay", args.cooldown_replay), ("--cooldown-anchor", args.cooldown_anchor)):
+        if value is not None:
+            if args.experiment != "warmstart-keep":
+                raise InputError(f"{flag} applies to `fullband reproduce warmstart-keep` only, not to "
+                                 f"{args.experiment!r}; accepted: drop it, or run that one")
+            options[flag[2:].replace("-", "_")] = value
     if args.replies is not None:
         if args.experiment != "warmstart-keep":
             raise InputError(f"--replies applies to `fullband reproduce warmstart-keep` only, not to "
@@ -181,6 +187,11 @@ REPRODUCE = Command("reproduce", "the paper's claims at small scale: train, eval
     opt("--cooldown", type=int, default=None, metavar="STEPS", help="warmstart-long and warmstart-keep: cool the "
         "latest checkpoint over STEPS more steps in place of 100 (its own branch, beside the default one); with "
         "--budget 0, a longer cooldown of the run as it stands"),
+    opt("--cooldown-replay", type=float, default=None, metavar="SHARE", help="warmstart-keep: the cooldown is a run "
+        "of its own from the latest checkpoint's weights on another mix: the replay at SHARE of the windows (0 < SHARE "
+        "< 1), the anchor held to the pretrained model (default: a branch of the run's own recipe)"),
+    opt("--cooldown-anchor", type=float, default=None, metavar="W", help="warmstart-keep, with --cooldown-replay: "
+        "the anchor's weight in that cooldown (default 2)"),
     opt("--replies", type=int, default=None, metavar="N", help="warmstart-keep: the count of chat prompts the "
         "pretrained model answers for the replay (default 300 at --scale cpu; a third questions on the standard "
         "library, the rest word problems), sampled once when the run starts; a rerun must ask for the same"),

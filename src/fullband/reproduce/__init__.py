@@ -34,7 +34,7 @@ EXPERIMENTS = tuple(REGISTRY)
 MAX_SEEDS = 100
 # the options that change what an experiment reports, named in its report's command (--budget only says how much of a
 # long run one invocation trains)
-SAID = ("model", "replies", "cooldown")
+SAID = ("model", "replies", "cooldown", "cooldown_replay", "cooldown_anchor")
 # settings reproduce() gives each run itself (after --set's): what to use instead
 OWNED = {"train.seed": "--seeds N (seed 0 is the recipes as written, seed N sets train.seed = N)",
          "log.run_dir": "--root DIR (each run's folder is DIR/<experiment>/<run>)",
@@ -66,7 +66,8 @@ def reproduce(exp: str, *, root: str | Path = "runs/repro", docs: str | Path = "
     t0 = time.perf_counter()
     command = exp + (f" --scale {scale}" if name != exp else "") + (f" --seeds {n}" if n != experiment.seeds else "")
     command += "".join(f" --set {shlex.quote(o)}" for o in extra or ())
-    command += "".join(f" --{key} {shlex.quote(str(options[key]))}" for key in SAID if options.get(key) is not None)
+    command += "".join(f" --{key.replace('_', '-')} {shlex.quote(str(options[key]))}" for key in SAID
+                       if options.get(key) is not None)
     per_seed, first = {}, []
     if experiment.seeds_option:  # the experiment is about seeds: it takes them itself, in one report
         options = {**options, "seeds": n}

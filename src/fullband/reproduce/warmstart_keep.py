@@ -17,7 +17,7 @@ from pathlib import Path
 from fullband.errors import InputError
 from fullband.reproduce import warmstart, warmstart_long as long
 from fullband.reproduce.runner import Experiment, Run, Settings
-from fullband.validate import integer
+from fullband.validate import integer, number
 
 NAME = "keep-replay"
 SHARE = 0.2  # of the training windows, the replayed conversations'
@@ -57,22 +57,34 @@ def runs() -> list[Run]:
 
 
 def check(*, scale: str = "cpu", model: str = "", budget: float = 90.0, corpus: str = "stdlib",
-          replies: int | None = None, cooldown: int | None = None) -> None:
+          replies: int | None = None, cooldown: int | None = None, cooldown_replay: float | None = None,
+          cooldown_anchor: float | None = None) -> None:
     long.check(scale=scale, model=model, budget=budget, cooldown=cooldown)
     if replies is not None:
         integer("--replies", replies, 2, below=MAX_REPLIES + 1, error=InputError)
+    if cooldown_replay is not None:
+        number("--cooldown-replay", cooldown_replay, low=0, high=1, low_open=True, high_open=True, error=InputError)
+    if cooldown_anchor is not None:
+        if cooldown_replay is None:
+            raise InputError(f"--cooldown-anchor {cooldown_anchor:g} weighs the anchor of a cooldown on another mix; "
+                             "accepted: with --cooldown-replay SHARE (the default cooldown keeps the run's recipe)")
+        number("--cooldown-anchor", cooldown_anchor, low=0, error=InputError)
     if not isinstance(corpus, str) or not corpus.strip():
         raise InputError(f"corpus {corpus!r}: accepted: a corpus spec (data.corpus), a name or a path")
 
 
 def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale: str = "cpu", model: str = "",
            budget: float = 90.0, corpus: str = "stdlib", replies: int | None = None,
-           cooldown: int | None = None) -> list[str]:
+           cooldown: int | None = None, cooldown_replay: float | None = None,
+           cooldown_anchor: float | None = None) -> list[str]:
     """`corpus` (tests): the training corpus the replay is mixed into; `replies`: the count of the replay's prompts
-    (default the scale's); `budget` and `cooldown` as warmstart-long's."""
+    (default the scale's); `budget` and `cooldown` as warmstart-long's; `cooldown_replay`: the cooldown is a run of
+    its own on a mix with the replay at this share, its anchor (`cooldown_anchor`, default COOL_ANCHOR) held to the
+    pretrained model (settled); None: the branch of the run's own recipe."""
     from fullband.gguf_file import SHIPPED
 
-    check(scale=scale, model=model, budget=budget, corpus=corpus, replies=replies, cooldown=cooldown)
+    check(scale=scale, model=model, budget=budget, corpus=corpus, replies=replies, cooldown=cooldown,
+          cooldown_replay=cooldown_replay, cooldown_anchor=cooldown_anchor)
     long.need_checkpoint(root / runs[0].name, budget)  # before the replay is sampled
     sc, model = long.SCALES[scale], model or SHIPPED
     spec = replay_spec(scale, replies)
@@ -86,7 +98,66 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
               f"mixed in at {SHARE:.0%} of the windows (`data.shares`), `train.anchor = {ANCHOR:g}` held over the "
               "run, the rest as shipped")
     cool = long.cooled_steps(scale, cooldown)
-    return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, cool, recipe, curve_corpus=corpus)
+    cooler = None
+    if cooldown_replay is not None:
+        weight = COOL_ANCHOR if cooldown_anchor is None else cooldown_anchor
+        cooler = lambda ckpt: settled(root, runs[0], ckpt, sc, model, *cool, cooldown_replay, weight)  # noqa: E731
+    return long.trained_long(runs[0], root, figs, settings, sc, model, budget, extra, cool, recipe, curve_corpus=corpus,
+                             cooler=cooler)
+
+
+COOL_ANCHOR = 2.0  # --cooldown-anchor's default: the anchor's weight in a cooldown on another mix
+
+
+def settled(root: Path, run: Run, ckpt: Path, sc, model: str, steps: int, tag: str, share: float,
+            anchor: float) -> dict:
+    """The latest checkpoint `ckpt` (step S) cooled over `steps` steps on another mix: a run of its own that starts
+    from its weights (train.init_from; the optimizer's state fresh, with the recipe's warm-up) and reads its tokenizer,
+    its model's settings kept, the replay at `share` of the windows and the anchor at `anchor` held to the pretrained
+    `model` (train.anchor_from: the run's start would be the fed checkpoint itself); the learning rate falls linearly to
+    0 over its steps, and each weight that falls over the long run (train.X_until) goes on from its value at S to 0
+    where the long run's would reach it. The checkpoint's files are kept (hard links) in a folder beside it,
+    <name>-start, which the long run's later invocations do not remove. -> as _cooled returns, with "how" and "made"
+    for the report; run None (and "why") while S is inside the blend curriculum. Its folder:
+    <run>-cooled<tag>-replay<share>-anchor<anchor>-<S>."""
+    from fullband.errors import ConfigError
+    from fullband.files import Kind, atomic_folder, read_json_file
+    from fullband.train.checkpoint import read_trainer_state
+    from fullband.train.config import TrainConfig
+    from fullband.train.rundir import RUN_FILE
+    from fullband.train.schedule import blend_end, falling_end
+
+    start = read_trainer_state(ckpt)["step"]
+    saved = read_json_file(ckpt.parent / RUN_FILE, "the long run's settings", error=ConfigError)
+    train, total = saved["train"], saved["train"]["steps"]
+    if blend_end(total, train.get("blend_until", 0.0)) > start:
+        return {"run": None, "steps": steps, "why": f"the latest checkpoint (step {start:,}) is inside the blend "
+                                                    "curriculum, which a cooldown on another mix cannot end"}
+    name = f"{run.name}-{long.COOLED}{tag}-replay{share:g}-anchor{anchor:g}-{start}"
+    origin = root / f"{name}-start"
+    if not origin.exists():
+        with atomic_folder(origin, Kind("checkpoint copy", frozenset()), action="keep the cooldown's start") as tmp:
+            long.linked_files(ckpt, tmp)
+    falling = []
+    for key in ("distill", "block_match"):  # anchor: set anew; blend: ended
+        weight, until = train.get(key, 0.0), train.get(f"{key}_until", getattr(TrainConfig, f"{key}_until"))
+        end = falling_end(total, until)
+        left = max(end - start, 0) if weight > 0 else 0
+        falling += ([f"train.{key}={round(weight * left / end, 6)!r}", f"train.{key}_until={round(left / steps, 6)!r}"]
+                    if left else [f"train.{key}=0.0"])
+    sets = [*(f"model.{k}={json.dumps(v)}" for k, v in saved["model"].items() if v is not None),
+            f"train.init_from={json.dumps(str(origin))}", f"data.tokenizer={json.dumps(str(origin))}",
+            f"data.shares=[{1 - share:g}, {share:g}]", f"log.eval_windows={math.ceil(sc.eval_windows / (1 - share))}",
+            f"train.anchor={anchor:g}", f"train.anchor_until={ANCHOR_UNTIL:g}",
+            f"train.anchor_from={json.dumps(model)}",
+            f"train.steps={steps}", "train.cooldown_fraction=1.0", "train.blend_until=0.0", *falling,
+            "train.stop_after_minutes=0.0"]
+    how = (f"a run of its own from the checkpoint's weights (`train.init_from`, the optimizer's state fresh) on "
+           f"another mix: the replay at **{share:.0%}** of the windows and the anchor at **{anchor:g}** held to the "
+           "pretrained model (`train.anchor_from`)")
+    made = (f"The cooled run: it starts from the long run's weights at step {start:,}, kept in `{origin.name}` beside "
+            "it (`--set` settings after the long run's):")
+    return {"run": Run(name, run.overrides, run.config), "sets": sets, "steps": steps, "how": how, "made": made}
 
 
 def prompts(spec: Replay) -> list[dict]:

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from fullband.errors import InputError, closest
 from fullband.reproduce import warmstart
@@ -86,13 +87,14 @@ def report(runs: list[Run], root: Path, figs: Path, settings: Settings, *, scale
 
 def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model: str, budget: float,
                  extra: list[str], cooldown: tuple[int, str], recipe: str, *,
-                 curve_corpus: str | None = None) -> list[str]:
+                 curve_corpus: str | None = None, cooler: Callable[[Path], dict] | None = None) -> list[str]:
     """Train `run` (with `extra` after its overrides) for at most `budget` minutes more (0: not at all; the caller
     has checked that it has a checkpoint, need_checkpoint, before anything it does itself), cool its latest
     checkpoint over `cooldown` = (steps, the tag of the branch's folder: cooled_steps) more steps, read both and the
     pretrained model, and return the report's lines; `recipe` names it in the report's first sentence, `curve_corpus`
     the entry of a data.shares mix whose held-out windows the curve and the reads by mode read (None: the run's whole
-    held-out split)."""
+    held-out split); `cooler(ckpt)`, where given, makes the cooled run in place of the branch (as _cooled returns it,
+    with "how" and "made": the report's sentences on what it is and how its command reads)."""
     from fullband.train.checkpoint import read_trainer_state
 
     extra = [*extra, f"log.eval_chats={json.dumps(str(_held_out_chats(root, sc)))}"]  # chat as a curve
@@ -100,7 +102,7 @@ def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model
     state = read_trainer_state(ckpt)
     curve = warmstart._curve(root / run.name, curve_corpus)
     reads = [("pretrained", warmstart._base(root, model)), (run.name, ckpt)]
-    cool = _cooled(root, run, ckpt, *cooldown)
+    cool = cooler(ckpt) if cooler is not None else _cooled(root, run, ckpt, *cooldown)
     if cool["run"] is not None:
         cooled_ckpt, _ = train_run(root, cool["run"], settings, [*extra, *cool["sets"]])
         reads.append((COOLED, cooled_ckpt))
@@ -184,8 +186,6 @@ def branch_settings(ckpt: Path, steps: int) -> dict:
 def _branch_from(ckpt: Path, run_dir: Path, settings: dict) -> None:
     """A run directory that starts where `ckpt`'s run was at its step, with `settings` as its run.json: written whole
     or not at all."""
-    import json
-    import os
     import shutil
 
     from fullband.data.tokenizer import BYTE_TOKENIZER_FILE, CHAT_TEMPLATE_FILE, SPECIAL_IDS_FILE, TOKENIZER_FILE
@@ -199,13 +199,21 @@ def _branch_from(ckpt: Path, run_dir: Path, settings: dict) -> None:
         for name in (TOKENIZER_FILE, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE, BYTE_TOKENIZER_FILE, METRICS_FILE):
             if (ckpt.parent / name).is_file():  # the run's tokenizer, and its metrics (a resume cuts them at the step)
                 shutil.copy2(ckpt.parent / name, tmp / name)
-        (tmp / ckpt.name).mkdir()
-        for entry in ckpt.iterdir():
-            if entry.is_file():
-                try:
-                    os.link(entry, tmp / ckpt.name / entry.name)
-                except OSError:  # another file system, or links refused
-                    shutil.copy2(entry, tmp / ckpt.name / entry.name)
+        linked_files(ckpt, tmp / ckpt.name)
+
+
+def linked_files(source: Path, dest: Path) -> None:
+    """`source`'s files into the folder `dest` (made when missing) as hard links (copies where links are refused)."""
+    import os
+    import shutil
+
+    dest.mkdir(exist_ok=True)
+    for entry in source.iterdir():
+        if entry.is_file():
+            try:
+                os.link(entry, dest / entry.name)
+            except OSError:  # another file system, or links refused
+                shutil.copy2(entry, dest / entry.name)
 
 
 def _write(run: Run, extra: list[str], state: dict, curve_lines: list[str], evaluated: dict, sc, budget: float,
@@ -226,8 +234,8 @@ def _write(run: Run, extra: list[str], state: dict, curve_lines: list[str], eval
                 + ", and the next one extends the curve.**"),
              f"Each invocation also reads the latest checkpoint **cooled**: continued for {cool['steps']} more steps "
              "with the learning rate falling linearly to 0 (and the weights that fall over the run on their own "
-             "line), what the recipe gives when stopped there, as a schedule with a cooldown would stop it; the "
-             "curve's points are the run without it."
+             "line), " + cool.get("how", "what the recipe gives when stopped there, as a schedule with a cooldown "
+                                  "would stop it") + "; the curve's points are the run without it."
              + (f" No cooled read in this invocation: {cool['why']}." if cool["run"] is None else ""),
              "One run, one seed: the curve is measured, not extrapolated, and its spread across seeds is not.", ""]
     lines += curve_lines
@@ -237,9 +245,10 @@ def _write(run: Run, extra: list[str], state: dict, curve_lines: list[str], eval
               f"{sc.eval_every}`; `--resume` on a run directory goes on). The long run:", "",
               config_line(run, *extra), ""]
     if cool["run"] is not None:
-        lines += [f"The cooled branch: its directory starts as a copy of the long run's at step {step:,} and it "
-                  "resumes from there (the same recipe trained from scratch gives the same model):", "",
-                  config_line(cool["run"], *extra, *cool["sets"]), ""]
+        made = cool.get("made", f"The cooled branch: its directory starts as a copy of the long run's at step "
+                                f"{step:,} and it resumes from there (the same recipe trained from scratch gives the "
+                                "same model):")
+        lines += [made, "", config_line(cool["run"], *extra, *cool["sets"]), ""]
     return lines
 
 

@@ -171,7 +171,8 @@ def anchor_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         model = FullbandLM(cfg.model) if source else build_model(cfg, warm=True, say=False)[0]
     if source:
-        missing = [k for k in warm_start(model, source, say=False, key="train.anchor_from")["fresh"] if not k.startswith(UNREAD_BY_STANDARD)]
+        fresh = warm_start(model, source, say=False, key="train.anchor_from")["fresh"]
+        missing = [k for k in fresh if not k.startswith(UNREAD_BY_STANDARD)]
         if missing:
             raise ConfigError(f"train.anchor_from={source!r} lacks weights a STANDARD read of this model needs (name "
                               f"and shape): {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; accepted: a "

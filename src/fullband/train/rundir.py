@@ -188,7 +188,8 @@ _UNSET = object()
 
 # settings added after runs were recorded without them, with the value that trains as those runs did (its default)
 ADDED = {"train.blend_until": 0.0, "train.latent_loss": 0.0, "train.distill": 0.0, "train.distill_until": 1.0,
-         "train.anchor": 0.0, "train.anchor_from": "", "train.anchor_until": 1.0, "train.block_match": 0.0, "train.block_match_until": 1.0,
+         "train.anchor": 0.0, "train.anchor_from": "", "train.anchor_until": 1.0, "train.block_match": 0.0,
+         "train.block_match_until": 1.0,
          "rl.teacher": "reference", "rl.hold": 0.0,
          "data.repeat": 0.0, "data.shares": []}
 
