@@ -494,6 +494,7 @@ def test_warmstart_keep_cools_on_another_mix_held_to_the_pretrained_model(tiny_l
     after = load_file(str(cooled / "step_000003" / "model.safetensors"))
     assert first.keys() == after.keys() and any(not torch.equal(first[k], after[k]) for k in first)
     assert "a run of its own from the checkpoint's weights" in text and "the replay at **50%**" in text
+    assert "| cooled | 704 |" in text  # its tokens counted from the long run's start: 8 + 3 steps of 64
     assert f"kept in `{name}-start` beside it" in text and f'train.anchor_from=\\"{model}\\"' not in text
     assert "--cooldown 3 --cooldown-replay 0.5 --cooldown-anchor 2.0` (runs under" in text
     stamp = (cooled / "step_000003" / "model.safetensors").stat().st_mtime_ns

@@ -157,7 +157,8 @@ def settled(root: Path, run: Run, ckpt: Path, sc, model: str, steps: int, tag: s
            "pretrained model (`train.anchor_from`)")
     made = (f"The cooled run: it starts from the long run's weights at step {start:,}, kept in `{origin.name}` beside "
             "it (`--set` settings after the long run's):")
-    return {"run": Run(name, run.overrides, run.config), "sets": sets, "steps": steps, "how": how, "made": made}
+    return {"run": Run(name, run.overrides, run.config), "sets": sets, "steps": steps, "how": how, "made": made,
+            "before": read_trainer_state(ckpt)["tokens"]}
 
 
 def prompts(spec: Replay) -> list[dict]:

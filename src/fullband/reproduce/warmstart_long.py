@@ -94,7 +94,8 @@ def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model
     pretrained model, and return the report's lines; `recipe` names it in the report's first sentence, `curve_corpus`
     the entry of a data.shares mix whose held-out windows the curve and the reads by mode read (None: the run's whole
     held-out split); `cooler(ckpt)`, where given, makes the cooled run in place of the branch (as _cooled returns it,
-    with "how" and "made": the report's sentences on what it is and how its command reads)."""
+    with "how" and "made": the report's sentences on what it is and how its command reads, and "before": the tokens
+    its first step follows, a run of its own counting from 0)."""
     from fullband.train.checkpoint import read_trainer_state
 
     extra = [*extra, f"log.eval_chats={json.dumps(str(_held_out_chats(root, sc)))}"]  # chat as a curve
@@ -106,12 +107,14 @@ def trained_long(run: Run, root: Path, figs: Path, settings: Settings, sc, model
     if cool["run"] is not None:
         cooled_ckpt, _ = train_run(root, cool["run"], settings, [*extra, *cool["sets"]])
         reads.append((COOLED, cooled_ckpt))
-        cool["state"] = read_trainer_state(cooled_ckpt)
+        state_of = read_trainer_state(cooled_ckpt)
+        # a run of its own (cooler) counts its tokens from 0: the report counts them from the long run's start
+        cool["state"] = {**state_of, "tokens": state_of["tokens"] + cool.get("before", 0)}
     held = val_batches(ckpt, sc.final_windows, sc.seq_len, corpus=curve_corpus)
     evaluated = {name: kept(figs / "eval" / f"{name}.json", {"checkpoint": str(c)}, c,
                             lambda: warmstart._evaluated(c, held, sc)) for name, c in reads}
     for name, c in reads[1:]:
-        tokens = read_trainer_state(c)["tokens"]
+        tokens = cool["state"]["tokens"] if name == COOLED else read_trainer_state(c)["tokens"]
         for row in evaluated[name]["text"]:
             if row["mode"] != "STANDARD":
                 settings.findings.diff(f"{run.name}{' cooled' if name == COOLED else ''} at {tokens:,} tokens: "
