@@ -127,7 +127,8 @@ def settled(root: Path, run: Run, ckpt: Path, sc, model: str, steps: int, tag: s
     from fullband.train.rundir import RUN_FILE
     from fullband.train.schedule import blend_end, falling_end
 
-    start = read_trainer_state(ckpt)["step"]
+    at = read_trainer_state(ckpt)
+    start = at["step"]
     saved = read_json_file(ckpt.parent / RUN_FILE, "the long run's settings", error=ConfigError)
     train, total = saved["train"], saved["train"]["steps"]
     if blend_end(total, train.get("blend_until", 0.0)) > start:
@@ -158,7 +159,7 @@ def settled(root: Path, run: Run, ckpt: Path, sc, model: str, steps: int, tag: s
     made = (f"The cooled run: it starts from the long run's weights at step {start:,}, kept in `{origin.name}` beside "
             "it (`--set` settings after the long run's):")
     return {"run": Run(name, run.overrides, run.config), "sets": sets, "steps": steps, "how": how, "made": made,
-            "before": read_trainer_state(ckpt)["tokens"]}
+            "before": at["tokens"]}
 
 
 def prompts(spec: Replay) -> list[dict]:

@@ -123,7 +123,8 @@ class TrainConfig:
     # still above 0 at the last step, falling as in a run that much longer)
     anchor: float = 0.0  # the anchor (docs/method.md, section 6): anchor * the mean over every pass of KL(the run's
     # starting model read STANDARD, frozen || the pass's next-token distribution), the weight falling linearly to 0
-    # at anchor_until x steps; needs a starting model (train.init_from or model.hf_path); 0: off (nothing computed)
+    # at anchor_until x steps; needs a starting model (train.init_from or model.hf_path) or train.anchor_from; 0: off
+    # (nothing computed)
     anchor_from: str = ""  # the model train.anchor holds the passes to: '' the run's start (train.init_from or
     # model.hf_path); else a model folder, GGUF file (shipped:NAME) or transformers Llama folder of this model's sizes
     # (e.g. the pretrained model, when a run starts from a fed checkpoint of it)
